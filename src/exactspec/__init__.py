@@ -1,0 +1,26 @@
+"""exactspec: exact speculative decoding.
+
+A cheap draft proposes several tokens, the target checks them in one call, and
+the acceptance rule ``min(1, p/q)`` with the residual ``max(0, p - q)`` makes the
+output follow the target's sampling law exactly (Leviathan et al. 2023;
+Chen et al. 2023).
+"""
+
+from exactspec.engine import Generation, GenerationConfig, SpeculativeDecoder
+from exactspec.models.markov import MarkovLM
+from exactspec.sampling import GREEDY, SamplingParams
+from exactspec.stats import GenerationStats, RoundRecord
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GREEDY",
+    "Generation",
+    "GenerationConfig",
+    "GenerationStats",
+    "MarkovLM",
+    "RoundRecord",
+    "SamplingParams",
+    "SpeculativeDecoder",
+    "__version__",
+]

@@ -1,0 +1,76 @@
+"""Draft tokens from a smaller language model.
+
+The draft's distribution ``q`` of each position is built by the same pipeline
+as the target's ``p`` (:func:`exactspec.sampling.block_probs`), from the prefix
+that position conditions on: the context plus the draft tokens drawn so far.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from exactspec.models.base import LanguageModel
+from exactspec.proposers.base import Draft
+from exactspec.sampling import SamplingParams, block_probs
+from exactspec.verify import greedy_token, sample_from
+
+
+class DraftModelProposer:
+    """Samples ``gamma`` tokens autoregressively from ``model``.
+
+    The model's cache always holds a prefix of the tokens this proposer fed it
+    (``self._fed``); at each call the cache is rolled back to the longest prefix
+    that the new context shares with it and the missing tokens are fed in one
+    call. After a fully accepted round that is how the draft catches up on its
+    last token. Random numbers: one float64 uniform per sampled draft token,
+    from the engine's generator, in order; none in greedy mode.
+    """
+
+    def __init__(self, model: LanguageModel, params: SamplingParams, prompt_length: int = 0) -> None:
+        self.model = model
+        self.params = params
+        self.prompt_length = prompt_length
+        self._fed: list[int] = []
+
+    def reset(self, prompt_length: int | None = None) -> None:
+        self._fed = []
+        if prompt_length is not None:
+            self.prompt_length = prompt_length
+
+    def _catch_up(self, context: Sequence[int]) -> torch.Tensor:  # (V,) logits after context
+        keep = 0
+        limit = min(len(self._fed), len(context) - 1)  # feed at least the last context token
+        while keep < limit and self._fed[keep] == context[keep]:
+            keep += 1
+        missing = list(context[keep:])
+        if keep == 0:
+            logits = self.model.prefill(missing)
+        else:
+            self.model.rollback(keep)
+            logits = self.model.forward(missing)
+        self._fed = list(context)
+        return logits[-1]
+
+    def propose(self, context: Sequence[int], gamma: int, generator: torch.Generator) -> Draft:
+        if gamma <= 0:
+            return Draft([], None)
+        prefix = list(context)
+        logits = self._catch_up(prefix)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for step in range(gamma):
+            q = block_probs(logits.unsqueeze(0), prefix, [], self.prompt_length, self.params)[0]  # (V,)
+            if self.params.greedy:
+                token = int(greedy_token(q))
+            else:
+                uniform = torch.rand((1,), dtype=torch.float64, generator=generator)
+                token = int(sample_from(q.unsqueeze(0), uniform)[0])
+            tokens.append(token)
+            rows.append(q)
+            prefix.append(token)
+            if step < gamma - 1:
+                logits = self.model.forward([token])[-1]
+                self._fed.append(token)
+        return Draft(tokens, None if self.params.greedy else torch.stack(rows))

@@ -1,0 +1,200 @@
+"""The one pipeline that turns logits into the effective next-token distribution.
+
+Speculative sampling preserves the law of the distribution it is given
+(Leviathan et al. 2023, section 2.3: sampling settings are applied to the
+logits *before* the method). So the target's ``p`` and the draft's ``q`` must be
+produced by the same transformation, from exactly the prefix each position
+conditions on. The engine calls :func:`block_probs` for both models; nothing
+else in the package turns logits into probabilities.
+
+Order of the processors, per position, on float64 logits (Hugging Face order):
+
+1. repetition penalty ``r``: a logit ``l`` of a token present in the prefix
+   (prompt and generated text) becomes ``l / r`` if ``l > 0`` else ``l * r``;
+2. presence and frequency penalties: ``l - presence * [c > 0] - frequency * c``
+   where ``c`` counts the token among the *generated* tokens (OpenAI convention);
+3. logit bias: ``l + bias[token]``;
+4. allowed / banned token sets: excluded tokens get ``-inf``;
+5. temperature ``T``: ``T == 0`` returns the one-hot of the argmax (greedy, ties to
+   the lowest id; top-k/p and min-p are irrelevant), otherwise ``l / T``;
+6. top-k, then top-p (smallest set of most likely tokens with mass >= top_p; ties
+   by lower id), then min-p (drop tokens below ``min_p * max prob``), each on the
+   softmax of what the previous step kept;
+7. softmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from exactspec.verify import greedy_token
+
+__all__ = ["SamplingParams", "block_probs", "GREEDY"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings shared by the target and the draft. Defaults are plain sampling at T=1."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: disabled
+    top_p: float = 1.0  # 1.0: disabled
+    min_p: float = 0.0  # 0.0: disabled
+    repetition_penalty: float = 1.0  # 1.0: disabled
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    allowed_token_ids: frozenset[int] | None = None  # None: every token allowed
+    banned_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        def finite(name: str, value: float) -> None:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            finite(name, getattr(self, name))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        for token, bias in dict(self.logit_bias).items():
+            _check_token_id(token, "logit_bias")
+            finite(f"logit_bias[{token}]", bias)
+        object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _token_set(self.allowed_token_ids, "allowed_token_ids"))
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is empty: no token could ever be sampled")
+        object.__setattr__(self, "banned_token_ids", _token_set(self.banned_token_ids, "banned_token_ids"))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_prefix(self) -> bool:
+        """Whether the distribution depends on the prefix (penalties), not only on the logits."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+
+def _check_token_id(token: object, name: str) -> None:
+    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+        raise ValueError(f"{name} holds {token!r}, which is not a token id (an integer >= 0)")
+
+
+def _token_set(tokens: Iterable[int], name: str) -> frozenset[int]:
+    result = frozenset(tokens)
+    for token in result:
+        _check_token_id(token, name)
+    return result
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def block_probs(
+    logits: torch.Tensor,  # (n, V) raw logits of n consecutive positions
+    prefix: Sequence[int],  # tokens that row 0 conditions on (prompt + generated so far)
+    block: Sequence[int],  # tokens appended after prefix; row j conditions on prefix + block[:j]
+    prompt_length: int,  # how many leading tokens of prefix are the prompt
+    params: SamplingParams,
+) -> torch.Tensor:  # (n, V) float64, each row a distribution
+    """Effective distributions of ``n`` consecutive positions, each from its own prefix.
+
+    Prefix-dependent processors (penalties) are evaluated per row, with the
+    earlier tokens of the block counted: per token, never once per round.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must have shape (n, V), got {tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    if len(block) < rows - 1:
+        raise ValueError(f"{rows} rows need at least {rows - 1} block tokens, got {len(block)}")
+    scores = logits.to(torch.float64)
+    if params.uses_prefix:
+        scores = _apply_penalties(scores, prefix, block[: rows - 1], prompt_length, params)
+    scores = _apply_bias_and_masks(scores, params)
+    if torch.isneginf(scores).all(-1).any():
+        raise ValueError("every token is excluded by the allowed/banned sets or the bias: nothing can be sampled")
+    if params.greedy:
+        return torch.nn.functional.one_hot(greedy_token(scores), vocab).to(torch.float64)
+    scores = scores / params.temperature
+    if params.top_k and params.top_k < vocab:
+        kth = scores.topk(params.top_k, dim=-1).values[:, -1:]  # (n, 1)
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if params.top_p < 1:
+        scores = _top_p(scores, params.top_p)
+    if params.min_p > 0:
+        probs = scores.softmax(-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, -math.inf)
+    return scores.softmax(-1)
+
+
+def _token_counts(
+    prefix: Sequence[int], block: Sequence[int], start: int, vocab: int
+) -> torch.Tensor:  # (len(block) + 1, V)
+    """Row j: how often each token occurs in ``(prefix + block[:j])[start:]``."""
+    base = torch.bincount(torch.as_tensor(list(prefix[start:]), dtype=torch.int64), minlength=vocab)[:vocab]
+    counts = base.to(torch.float64).unsqueeze(0).repeat(len(block) + 1, 1)
+    if block:
+        steps = torch.nn.functional.one_hot(torch.as_tensor(list(block), dtype=torch.int64), vocab).to(torch.float64)
+        counts[1:] += steps.cumsum(0)
+    return counts
+
+
+def _apply_penalties(
+    scores: torch.Tensor,  # (n, V) float64
+    prefix: Sequence[int],
+    block: Sequence[int],  # n - 1 tokens
+    prompt_length: int,
+    params: SamplingParams,
+) -> torch.Tensor:
+    vocab = scores.shape[-1]
+    if params.repetition_penalty != 1:
+        seen = _token_counts(prefix, block, 0, vocab) > 0
+        penalised = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
+        scores = torch.where(seen, penalised, scores)
+    if params.presence_penalty or params.frequency_penalty:
+        generated = _token_counts(prefix, block, prompt_length, vocab)
+        scores = scores - params.presence_penalty * (generated > 0) - params.frequency_penalty * generated
+    return scores
+
+
+def _apply_bias_and_masks(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # (n, V)
+    vocab = scores.shape[-1]
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64)
+        if ids.max() >= vocab:
+            raise ValueError(f"logit_bias names token {int(ids.max())}, outside the vocabulary of size {vocab}")
+        scores = scores.clone()
+        scores[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float64)
+    excluded = set(params.banned_token_ids)
+    if params.allowed_token_ids is not None:
+        excluded |= set(range(vocab)) - params.allowed_token_ids
+    excluded = {t for t in excluded if t < vocab}
+    if excluded:
+        scores = scores.clone()
+        scores[:, sorted(excluded)] = -math.inf
+    return scores
+
+
+def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:  # (n, V) tempered logits
+    probs = scores.softmax(-1)
+    # Stable sort on descending probability: ties keep ascending token id order.
+    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
+    sorted_probs = probs.gather(-1, order)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
+    drop_sorted = mass_before >= top_p  # keeps the smallest prefix reaching top_p (at least one token)
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scores.masked_fill(drop, -math.inf)

@@ -1,0 +1,88 @@
+"""Per-round records of a generation and their summaries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One target call: how many tokens were drafted, accepted and committed, and where the time went."""
+
+    drafted: int
+    accepted: int
+    committed: int
+    draft_seconds: float
+    target_seconds: float
+    verify_seconds: float
+
+
+@dataclass
+class GenerationStats:
+    """Accumulates :class:`RoundRecord` s; every summary is derived from them."""
+
+    rounds: list[RoundRecord] = field(default_factory=list)
+
+    def observe(self, record: RoundRecord) -> None:
+        self.rounds.append(record)
+
+    @property
+    def drafted(self) -> int:
+        return sum(r.drafted for r in self.rounds)
+
+    @property
+    def accepted(self) -> int:
+        return sum(r.accepted for r in self.rounds)
+
+    @property
+    def committed(self) -> int:
+        return sum(r.committed for r in self.rounds)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over drafted ones (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.committed / len(self.rounds) if self.rounds else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        """Entry ``i``: among rounds that drafted at least ``i + 1`` tokens, the share that accepted them."""
+        longest = max((r.drafted for r in self.rounds), default=0)
+        rates = []
+        for position in range(longest):
+            eligible = [r for r in self.rounds if r.drafted > position]
+            rates.append(sum(r.accepted > position for r in eligible) / len(eligible))
+        return rates
+
+    @property
+    def draft_seconds(self) -> float:
+        return sum(r.draft_seconds for r in self.rounds)
+
+    @property
+    def target_seconds(self) -> float:
+        return sum(r.target_seconds for r in self.rounds)
+
+    @property
+    def verify_seconds(self) -> float:
+        return sum(r.verify_seconds for r in self.rounds)
+
+    @property
+    def total_seconds(self) -> float:
+        return self.draft_seconds + self.target_seconds + self.verify_seconds
+
+    def summary(self) -> dict[str, float | int | list[float]]:
+        return {
+            "tokens": self.committed,
+            "rounds": len(self.rounds),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_round": self.tokens_per_round,
+            "acceptance_by_position": self.acceptance_by_position(),
+            "draft_seconds": self.draft_seconds,
+            "target_seconds": self.target_seconds,
+            "verify_seconds": self.verify_seconds,
+            "total_seconds": self.total_seconds,
+        }
