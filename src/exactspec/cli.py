@@ -1,0 +1,158 @@
+"""Command-line interface: parse flags, call the library, print. Errors are one line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Sequence
+
+import torch
+
+from exactspec import costmodel, verify
+
+__all__ = ["main"]
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise CliError(message)
+
+
+def _distribution(text: str, name: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise CliError(f"--{name} must be comma-separated numbers, got {text!r}") from None
+    if any(not math.isfinite(v) for v in values):
+        raise CliError(f"--{name} contains a value that is not finite")
+    if any(v < 0 for v in values):
+        raise CliError(f"--{name} contains a negative probability")
+    if abs(sum(values) - 1) > 1e-6:
+        raise CliError(f"--{name} sums to {sum(values):.6g}, not 1")
+    return values
+
+
+def _positive(name: str, value: float, allow_zero: bool = False) -> float:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise CliError(f"--{name} must be a {'non-negative' if allow_zero else 'positive'} number, got {value}")
+    return value
+
+
+def _explain(args: argparse.Namespace) -> dict:
+    target = _distribution(args.target, "target")
+    draft = _distribution(args.draft, "draft")
+    if len(target) != len(draft):
+        raise CliError(f"--target has {len(target)} entries but --draft has {len(draft)}")
+    labels = args.labels.split(",") if args.labels else [str(i) for i in range(len(target))]
+    if len(labels) != len(target):
+        raise CliError(f"--labels has {len(labels)} entries for {len(target)} tokens")
+    p = torch.tensor(target, dtype=torch.float64)
+    q = torch.tensor(draft, dtype=torch.float64)
+    return {
+        "tokens": labels,
+        "target": target,
+        "draft": draft,
+        "acceptance_probability": verify.acceptance_probabilities(p, q).tolist(),
+        "accepted_mass": verify.accepted_mass(p, q).tolist(),
+        "acceptance_rate": float(verify.accepted_mass(p, q).sum()),
+        "rejection_probability": float(verify.rejection_probability(p, q)),
+        "residual": verify.residual_distribution(p, q).tolist(),
+        "final_law": verify.output_law(p, q).tolist(),
+        "naive_law": verify.naive_output_law(p, q).tolist(),
+        "independent_match_rate": float(verify.independent_match_rate(p, q)),
+    }
+
+
+def _print_explain(r: dict) -> None:
+    columns = [
+        ("token", "tokens", "{}"),
+        ("p (target)", "target", "{:.4f}"),
+        ("q (draft)", "draft", "{:.4f}"),
+        ("min(1,p/q)", "acceptance_probability", "{:.4f}"),
+        ("min(p,q)", "accepted_mass", "{:.4f}"),
+        ("residual", "residual", "{:.4f}"),
+        ("final law", "final_law", "{:.4f}"),
+        ("naive law", "naive_law", "{:.4f}"),
+    ]
+    print("  ".join(f"{title:>11}" for title, _, _ in columns))
+    for i in range(len(r["tokens"])):
+        print("  ".join(f"{fmt.format(r[key][i]):>11}" for _, key, fmt in columns))
+    print()
+    print(f"acceptance rate   sum min(p,q)          = {r['acceptance_rate']:.4f}")
+    print(f"rejection         sum max(0,p-q)        = {r['rejection_probability']:.4f}")
+    print("final law         min(p,q) + rejection * residual: equals p (exact)")
+    print("naive law         min(p,q) + rejection * p: the law if the replacement is drawn from p (wrong)")
+    print(f"independent draws sum p*q (match rate)  = {r['independent_match_rate']:.4f}")
+
+
+def _cost(args: argparse.Namespace) -> dict:
+    _positive("target-ms", args.target_ms)
+    _positive("draft-ms", args.draft_ms, allow_zero=True)
+    _positive("verify-cost", args.verify_cost)
+    if not 0 <= args.alpha <= 1:
+        raise CliError(f"--alpha must be in [0, 1], got {args.alpha}")
+    if args.gamma < 0:
+        raise CliError(f"--gamma must be >= 0, got {args.gamma}")
+    c = args.draft_ms / args.target_ms
+    gamma = costmodel.best_gamma(args.alpha, c, args.max_gamma, args.verify_cost).gamma if args.best_gamma else args.gamma
+    return {
+        "gamma": gamma,
+        "alpha": args.alpha,
+        "cost_ratio": c,
+        "verify_cost": args.verify_cost,
+        "tokens_per_round": costmodel.expected_tokens_per_round(args.alpha, gamma),
+        "ms_per_token": costmodel.ms_per_token(args.alpha, gamma, args.target_ms, args.draft_ms, args.verify_cost),
+        "baseline_ms_per_token": args.target_ms,
+        "speedup": costmodel.speedup(args.alpha, gamma, c, args.verify_cost),
+    }
+
+
+def _print_cost(r: dict) -> None:
+    print(f"gamma {r['gamma']}, alpha {r['alpha']}, cost ratio c {r['cost_ratio']:.4g}, verify cost {r['verify_cost']:.4g}")
+    print(f"tokens per round  {r['tokens_per_round']:.4f}")
+    print(f"ms per token      {r['ms_per_token']:.2f}  (plain decoding: {r['baseline_ms_per_token']:.2f})")
+    print(f"speedup           {r['speedup']:.4f}x")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="exactspec", description="Exact speculative decoding.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    explain = commands.add_parser("explain", help="the exact law of one verification step for a (p, q) pair")
+    explain.add_argument("--target", required=True, help="target distribution p, e.g. 0.6,0.3,0.1")
+    explain.add_argument("--draft", required=True, help="draft distribution q, e.g. 0.5,0.25,0.25")
+    explain.add_argument("--labels", help="token labels, e.g. A,B,C")
+    explain.add_argument("--json", action="store_true", help="print JSON")
+    explain.set_defaults(run=_explain, show=_print_explain)
+
+    cost = commands.add_parser("cost", help="expected speedup from the cost model (Leviathan et al. 2023, Thm 3.8)")
+    cost.add_argument("--gamma", type=int, default=4, help="draft tokens per round (default 4)")
+    cost.add_argument("--alpha", type=float, required=True, help="acceptance rate in [0, 1]")
+    cost.add_argument("--target-ms", type=float, required=True, help="time of one target call")
+    cost.add_argument("--draft-ms", type=float, required=True, help="time of one draft call")
+    cost.add_argument("--verify-cost", type=float, default=1.0, help="cost of verifying gamma+1 tokens relative to one (default 1)")
+    cost.add_argument("--best-gamma", action="store_true", help="search gamma in 0..--max-gamma instead of using --gamma")
+    cost.add_argument("--max-gamma", type=int, default=16)
+    cost.add_argument("--json", action="store_true", help="print JSON")
+    cost.set_defaults(run=_cost, show=_print_cost)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        result = args.run(args)
+    except CliError as error:
+        print(f"exactspec: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        args.show(result)
+    return 0
