@@ -1,0 +1,123 @@
+"""The logits -> probabilities pipeline (exactspec.sampling), each processor against a hand computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exactspec.sampling import GREEDY, SamplingParams, block_probs
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0]])  # (1, 4)
+
+
+def probs(params: SamplingParams, logits=LOGITS, prefix=(), block=(), prompt_length=0) -> torch.Tensor:
+    return block_probs(logits, list(prefix), list(block), prompt_length, params)
+
+
+def softmax(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64).softmax(-1)
+
+
+def test_default_is_plain_softmax_in_float64():
+    out = probs(SamplingParams())
+    assert out.dtype == torch.float64
+    assert torch.allclose(out[0], softmax([2.0, 1.0, 0.0, -1.0]), atol=1e-15)
+
+
+def test_temperature_scales_logits():
+    assert torch.allclose(probs(SamplingParams(temperature=0.5))[0], softmax([4.0, 2.0, 0.0, -2.0]))
+
+
+def test_temperature_zero_is_one_hot_argmax_with_lowest_id_on_ties():
+    assert probs(GREEDY)[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    tied = torch.tensor([[0.0, 3.0, 3.0, 1.0]])
+    assert probs(GREEDY, tied)[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_top_k_keeps_the_k_most_likely():
+    out = probs(SamplingParams(top_k=2))[0]
+    assert torch.allclose(out, torch.cat([softmax([2.0, 1.0]), torch.zeros(2, dtype=torch.float64)]))
+
+
+def test_top_p_keeps_smallest_set_reaching_the_mass():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert (probs(SamplingParams(top_p=0.8), logits)[0] > 0).tolist() == [True, True, False, False]
+    assert (probs(SamplingParams(top_p=0.81), logits)[0] > 0).tolist() == [True, True, True, False]
+    assert (probs(SamplingParams(top_p=0.01), logits)[0] > 0).tolist() == [True, False, False, False]
+
+
+def test_min_p_drops_tokens_below_fraction_of_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert (probs(SamplingParams(min_p=0.25), logits)[0] > 0).tolist() == [True, True, True, False]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    out = probs(SamplingParams(repetition_penalty=2.0), prefix=[0, 3, 3], prompt_length=3)[0]
+    assert torch.allclose(out, softmax([1.0, 1.0, 0.0, -2.0]))
+
+
+def test_presence_and_frequency_count_generated_tokens_only():
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    # prompt [1, 1]; generated [0, 0, 2]
+    out = probs(params, prefix=[1, 1, 0, 0, 2], prompt_length=2)[0]
+    assert torch.allclose(out, softmax([2.0 - 0.5 - 0.5, 1.0, 0.0 - 0.5 - 0.25, -1.0]))
+
+
+def test_logit_bias_and_allowed_and_banned_sets():
+    out = probs(SamplingParams(logit_bias={3: 3.0}))[0]
+    assert torch.allclose(out, softmax([2.0, 1.0, 0.0, 2.0]))
+    out = probs(SamplingParams(banned_token_ids=frozenset({0, 2})))[0]
+    assert torch.allclose(out, torch.tensor([0.0, *softmax([1.0, -1.0]).tolist()], dtype=torch.float64)[[0, 1, 0, 2]])
+    out = probs(SamplingParams(allowed_token_ids=frozenset({2, 3})))[0]
+    assert torch.allclose(out, torch.tensor([0.0, 0.0, *softmax([0.0, -1.0]).tolist()], dtype=torch.float64))
+
+
+def test_each_block_row_is_processed_with_its_own_prefix():
+    """Row j conditions on prefix + block[:j]: a penalty sees the block's earlier tokens."""
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3, top_p=0.95, temperature=0.8)
+    logits = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    prefix, block = [5, 1, 1, 2], [0, 0, 4]
+    out = block_probs(logits, prefix, block, 2, params)
+    for j in range(4):
+        alone = block_probs(logits[j : j + 1], prefix + block[:j], [], 2, params)[0]
+        assert torch.equal(out[j], alone)
+    assert not torch.allclose(out[1], block_probs(logits[1:2], prefix, [], 2, params)[0])
+
+
+def test_everything_banned_is_an_error():
+    with pytest.raises(ValueError, match="every token is excluded"):
+        probs(SamplingParams(allowed_token_ids=frozenset({7})))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"top_k": 2.5}, "top_k must be an integer >= 0"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"presence_penalty": float("inf")}, "presence_penalty must be a finite number"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty must be a finite number"),
+        ({"logit_bias": {1: float("inf")}}, r"logit_bias\[1\] must be a finite number"),
+        ({"logit_bias": {-1: 1.0}}, "not a token id"),
+        ({"banned_token_ids": frozenset({"a"})}, "not a token id"),
+        ({"allowed_token_ids": frozenset()}, "allowed_token_ids is empty"),
+    ],
+)
+def test_invalid_parameters_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_outside_vocabulary_is_an_error():
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        probs(SamplingParams(logit_bias={10: 1.0}))
+
+
+def test_too_few_block_tokens_is_an_error():
+    with pytest.raises(ValueError, match="block tokens"):
+        block_probs(torch.zeros(3, 4), [0], [1], 0, SamplingParams())
