@@ -1,0 +1,407 @@
+"""A compact Llama-family decoder in plain PyTorch, with a static, rollback-able KV cache.
+
+The architecture is the Hugging Face ``LlamaForCausalLM`` one (RMSNorm, rotary
+embeddings with ``rotate_half``, SwiGLU MLP, grouped-query attention, tied or
+untied embeddings), written after nanoGPT's ``model.py`` and gpt-fast's
+``model.py``:
+
+* the KV cache is preallocated once for ``max_len`` positions; ``rollback(k)``
+  only moves an integer, nothing is copied or freed (gpt-fast);
+* the query/key/value projections and the gate/up projections are fused into
+  one matrix each, so a layer costs four matmuls per call; Hugging Face
+  checkpoints are split/joined at load and save time;
+* every call runs under ``torch.inference_mode`` with no Python work per token:
+  a call of ``n`` new tokens is one pass through the layers.
+
+``LeanModel`` implements :class:`exactspec.models.base.LanguageModel`.
+``LlamaDecoder.forward_train`` is the cache-free full-sequence forward used by
+``exactspec.training``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import check_rollback_length, check_token_ids
+
+__all__ = ["LlamaConfig", "LlamaDecoder", "LeanModel", "hf_state_dict", "load_hf_state_dict"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The subset of a Hugging Face Llama ``config.json`` this decoder needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    head_dim: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+        model_type = d.get("model_type")
+        if model_type != "llama":
+            raise ValueError(f"expected a Llama checkpoint (model_type 'llama'), got model_type {model_type!r}")
+        if d.get("rope_scaling"):
+            raise ValueError(f"rope_scaling is not supported: {d['rope_scaling']!r}")
+        if d.get("attention_bias") or d.get("mlp_bias"):
+            raise ValueError("attention_bias / mlp_bias are not supported")
+        rope_theta = d.get("rope_theta")
+        if rope_theta is None:  # transformers >= 5 may nest it under rope_parameters
+            rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=int(d["num_attention_heads"]),
+            num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            head_dim=d.get("head_dim"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    def to_hf_dict(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
+        """A ``config.json`` that ``transformers.AutoConfig`` reads as a ``LlamaConfig``."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["head_dim"] = self.head_size
+        d.update(
+            model_type="llama",
+            architectures=["LlamaForCausalLM"],
+            hidden_act="silu",
+            attention_bias=False,
+            attention_dropout=0.0,
+            mlp_bias=False,
+            pretraining_tp=1,
+            rope_scaling=None,
+            initializer_range=0.02,
+            use_cache=True,
+            torch_dtype=torch_dtype,
+        )
+        return d
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's rotation: (x1, x2) -> (-x2, x1) on the two halves of the last dim."""
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rope_tables(cfg: LlamaConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables, each ``(max_len, head_size)`` float32 (HF Llama default rope)."""
+    hd = cfg.head_size
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))  # (hd/2,)
+    t = torch.arange(max_len, dtype=torch.int64).float()  # (L,)
+    freqs = torch.outer(t, inv_freq)  # (L, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (L, hd)
+    return emb.cos(), emb.sin()
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer: x + attn(norm(x)); x + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        c, hd = cfg.hidden_size, cfg.head_size
+        self.n_head, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.eps = cfg.rms_norm_eps
+        self.attn_norm = nn.Parameter(torch.ones(c))
+        self.wqkv = nn.Linear(c, (self.n_head + 2 * self.n_kv) * hd, bias=False)  # q | k | v
+        self.wo = nn.Linear(self.n_head * hd, c, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(c))
+        self.w13 = nn.Linear(c, 2 * cfg.intermediate_size, bias=False)  # gate | up
+        self.w2 = nn.Linear(cfg.intermediate_size, c, bias=False)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # HF LlamaRMSNorm: normalise in float32, cast back, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * xf.to(x.dtype)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, t, _ = x.shape
+        qkv = self.wqkv(self._norm(x, self.attn_norm))  # (B, T, (nh + 2 nkv) hd)
+        q, k, v = qkv.split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        q = q.view(b, t, self.n_head, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(b, t, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def _finish(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        x = x + self.wo(y.transpose(1, 2).reshape(b, t, self.n_head * self.hd))  # (B, T, C)
+        gate, up = self.w13(self._norm(x, self.mlp_norm)).chunk(2, dim=-1)  # (B, T, I) each
+        return x + self.w2(F.silu(gate) * up)  # (B, T, C)
+
+    def forward_train(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._qkv(x, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
+        return self._finish(x, y)
+
+    def forward_cached(
+        self,
+        x: torch.Tensor,  # (1, T, C)
+        cos: torch.Tensor,  # (T, hd)
+        sin: torch.Tensor,  # (T, hd)
+        k_cache: torch.Tensor,  # (1, nkv, max_len, hd)
+        v_cache: torch.Tensor,  # (1, nkv, max_len, hd)
+        pos: int,
+        mask: torch.Tensor | None,  # (T, pos + T) bool, True = attend; None when T == 1
+    ) -> torch.Tensor:
+        q, k, v = self._qkv(x, cos, sin)
+        end = pos + x.shape[1]
+        k_cache[:, :, pos:end] = k
+        v_cache[:, :, pos:end] = v
+        y = F.scaled_dot_product_attention(
+            q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, enable_gqa=self.n_kv != self.n_head
+        )  # (1, nh, T, hd)
+        return self._finish(x, y)
+
+
+class LlamaDecoder(nn.Module):
+    """Embeddings, ``num_hidden_layers`` blocks, final norm and LM head."""
+
+    def __init__(self, cfg: LlamaConfig, rope_len: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg, rope_len or cfg.max_position_embeddings)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (L, hd) float32
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
+        """GPT-2 style init: normal(0, std); residual output projections scaled by 1/sqrt(2 L)."""
+        resid_std = std / math.sqrt(2 * max(1, self.cfg.num_hidden_layers))
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0)
+                elif name.endswith("wo.weight") or name.endswith("w2.weight"):
+                    p.normal_(0.0, resid_std, generator=generator)
+                else:
+                    p.normal_(0.0, std, generator=generator)
+
+    def _final(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return self.lm_head(self.norm * xf.to(x.dtype))
+
+    def forward_train(self, idx: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
+        """Full causal forward without a cache. ``idx`` ``(B, T)`` -> logits ``(B, T, V)``."""
+        t = idx.shape[1]
+        if t > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence of {t} tokens exceeds the rope table ({self.rope_cos.shape[0]})")
+        x = self.embed(idx)  # (B, T, C)
+        cos = self.rope_cos[:t].to(x.dtype)
+        sin = self.rope_sin[:t].to(x.dtype)
+        for layer in self.layers:
+            x = layer.forward_train(x, cos, sin)
+        return self._final(x)  # (B, T, V)
+
+    forward = forward_train
+
+
+# ---- Hugging Face parameter names <-> fused layout --------------------------------------------
+
+def hf_state_dict(model: LlamaDecoder) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face ``LlamaForCausalLM`` names (q/k/v, gate/up split)."""
+    cfg = model.cfg
+    hd, nh, nkv = cfg.head_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed.weight}
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer.wqkv.weight.split([nh * hd, nkv * hd, nkv * hd], dim=0)
+        gate, up = layer.w13.weight.chunk(2, dim=0)
+        out.update({
+            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.wo.weight,
+            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": layer.w2.weight,
+            p + "input_layernorm.weight": layer.attn_norm,
+            p + "post_attention_layernorm.weight": layer.mlp_norm,
+        })
+    out["model.norm.weight"] = model.norm
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = model.lm_head.weight
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def load_hf_state_dict(model: LlamaDecoder, sd: dict[str, torch.Tensor]) -> None:
+    """Copy Hugging Face-named weights into the fused layout; clear error on a missing tensor."""
+    cfg = model.cfg
+
+    def get(name: str) -> torch.Tensor:
+        if name not in sd:
+            raise KeyError(f"checkpoint is missing tensor {name!r}")
+        return sd[name]
+
+    with torch.no_grad():
+        model.embed.weight.copy_(get("model.embed_tokens.weight"))
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            layer.wqkv.weight.copy_(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0))
+            layer.wo.weight.copy_(get(p + "self_attn.o_proj.weight"))
+            layer.w13.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0))
+            layer.w2.weight.copy_(get(p + "mlp.down_proj.weight"))
+            layer.attn_norm.copy_(get(p + "input_layernorm.weight"))
+            layer.mlp_norm.copy_(get(p + "post_attention_layernorm.weight"))
+        model.norm.copy_(get("model.norm.weight"))
+        if not cfg.tie_word_embeddings:
+            model.lm_head.weight.copy_(get("lm_head.weight"))
+
+
+def read_config(path: str | Path) -> LlamaConfig:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json")
+    return LlamaConfig.from_dict(json.loads(cfg_file.read_text()))
+
+
+# ---- the rollback-able single-sequence model --------------------------------------------------
+
+class LeanModel:
+    """A :class:`LanguageModel` over a :class:`LlamaDecoder` with a static KV cache.
+
+    ``max_len`` (default: ``max_position_embeddings``) bounds prompt + generated
+    tokens; exceeding it raises ``ValueError``. Logits are returned as float32
+    CPU tensors ``(n, V)`` whatever the compute dtype/device.
+    """
+
+    def __init__(
+        self,
+        decoder: LlamaDecoder,
+        max_len: int | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        cfg = decoder.cfg
+        self.cfg = cfg
+        self.max_len = int(max_len or cfg.max_position_embeddings)
+        if dtype is not None:
+            decoder = decoder.to(dtype=dtype)
+        self.decoder = decoder.to(device).eval()
+        self.dtype = next(decoder.parameters()).dtype
+        self.device = torch.device(device)
+        with torch.inference_mode():
+            cos, sin = rope_tables(cfg, self.max_len)
+            self._cos = cos.to(device=self.device, dtype=self.dtype)  # (max_len, hd)
+            self._sin = sin.to(device=self.device, dtype=self.dtype)
+            shape = (cfg.num_hidden_layers, 1, cfg.num_key_value_heads, self.max_len, cfg.head_size)
+            self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # (L, 1, nkv, max_len, hd)
+            self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            # Row i of the causal mask for a block starting at pos is tril[pos + i, :pos + T].
+            self._tril = torch.ones(self.max_len, self.max_len, dtype=torch.bool, device=self.device).tril()
+        self._pos = 0
+        self._layers = list(self.decoder.layers)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        max_len: int | None = None,
+        device: str | torch.device = "cpu",
+    ) -> "LeanModel":
+        """Load a local Hugging Face Llama directory (``config.json`` + ``model.safetensors``)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg = read_config(path)
+        weights = path / "model.safetensors"
+        if not weights.is_file():
+            raise FileNotFoundError(f"{path} has no model.safetensors")
+        decoder = LlamaDecoder(cfg)
+        load_hf_state_dict(decoder, load_file(str(weights)))
+        return cls(decoder, max_len=max_len, device=device, dtype=dtype)
+
+    # -- protocol ---------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def length(self) -> int:
+        return self._pos
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
+        self._pos = 0
+        return self.forward(token_ids)
+
+    def rollback(self, length: int) -> None:
+        check_rollback_length(length, self._pos)
+        self._pos = length
+
+    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
+        ids = check_token_ids(token_ids, self.cfg.vocab_size)
+        pos, t = self._pos, len(ids)
+        end = pos + t
+        if end > self.max_len:
+            raise ValueError(
+                f"sequence too long: {pos} cached + {t} new tokens exceeds the cache of {self.max_len} positions"
+            )
+        with torch.inference_mode():
+            idx = torch.tensor(ids, dtype=torch.long, device=self.device).unsqueeze(0)  # (1, T)
+            x = self.decoder.embed(idx)  # (1, T, C)
+            cos, sin = self._cos[pos:end], self._sin[pos:end]  # (T, hd)
+            mask = None if t == 1 else self._tril[pos:end, :end]  # (T, pos + T)
+            for i, layer in enumerate(self._layers):
+                x = layer.forward_cached(x, cos, sin, self._k[i], self._v[i], pos, mask)
+            logits = self.decoder._final(x)[0]  # (T, V)
+        self._pos = end
+        return logits.float().cpu()
+
+    def __repr__(self) -> str:
+        c = self.cfg
+        return (
+            f"LeanModel(layers={c.num_hidden_layers}, hidden={c.hidden_size}, heads={c.num_attention_heads}/"
+            f"{c.num_key_value_heads}, vocab={c.vocab_size}, dtype={self.dtype}, max_len={self.max_len})"
+        )
