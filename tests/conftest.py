@@ -33,3 +33,7 @@ def disjoint_pair(generator: torch.Generator, vocab: int) -> tuple[torch.Tensor,
     p[:split] = torch.rand(split, dtype=torch.float64, generator=generator) + 0.1
     q[split:] = torch.rand(vocab - split, dtype=torch.float64, generator=generator) + 0.1
     return p / p.sum(), q / q.sum()
+
+
+# The suite's tensors are tiny: one thread avoids oversubscription on a 2-core machine.
+torch.set_num_threads(1)
