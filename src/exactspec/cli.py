@@ -11,6 +11,9 @@ from typing import Sequence
 import torch
 
 from exactspec import costmodel, verify
+from exactspec.engine import Generation, GenerationConfig, SpeculativeDecoder
+from exactspec.sampling import SamplingParams
+from exactspec.tokenizer import stream_text
 
 __all__ = ["main"]
 
@@ -120,6 +123,69 @@ def _print_cost(r: dict) -> None:
     print(f"speedup           {r['speedup']:.4f}x")
 
 
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+        )
+    except ValueError as error:
+        raise CliError(str(error)) from None
+
+
+def _generate(args: argparse.Namespace) -> dict:
+    from exactspec.loading import DTYPES, default_pair_dirs, load_pair, model_capacity
+
+    params = _sampling(args)
+    if (args.target is None) != (args.draft is None) and not (args.target and args.no_speculation):
+        raise CliError("give both --target and --draft, or neither for the shipped default pair")
+    target_dir, draft_dir = (args.target, args.draft) if args.target else default_pair_dirs()
+    try:
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, seed=args.seed)
+        pair = load_pair(target_dir, None if args.no_speculation else draft_dir, args.backend, DTYPES[args.dtype])
+    except (OSError, ValueError) as error:
+        raise CliError(str(error)) from None
+    prompt = pair.tokenizer.encode_prompt(args.prompt)
+    if not prompt:
+        raise CliError("the prompt is empty and the checkpoint has no BOS token to start from")
+    capacity = model_capacity(pair.target)
+    if capacity is not None and len(prompt) + args.max_new_tokens + args.gamma + 1 > capacity:
+        raise CliError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's {capacity} positions")
+    if not args.ignore_eos:
+        config = GenerationConfig(config.max_new_tokens, config.gamma, pair.tokenizer.eos_token_ids, config.seed)
+    generation = Generation(tokens=[], stop_reason="max_new_tokens")
+    decoder = SpeculativeDecoder(pair.target, pair.draft, params)
+    tokens = decoder.stream(prompt, config, generation)
+    pieces = []
+    for piece in stream_text(pair.tokenizer, tokens):
+        pieces.append(piece)
+        if not args.json:
+            print(piece, end="", flush=True)
+    stats = generation.stats
+    return {
+        "prompt": args.prompt,
+        "text": "".join(pieces),
+        "mode": "plain" if pair.draft is None else f"speculative, gamma {args.gamma}",
+        "stop_reason": generation.stop_reason,
+        "tokens_per_second": stats.committed / stats.total_seconds if stats.total_seconds else 0.0,
+        **stats.summary(),
+    }
+
+
+def _print_generate(r: dict) -> None:
+    print()
+    print(
+        f"[{r['tokens']} tokens, {r['tokens_per_second']:.1f} tokens/s, acceptance {r['acceptance_rate']:.2f}, "
+        f"{r['tokens_per_round']:.2f} tokens/round, {r['mode']}, stop: {r['stop_reason']}]",
+        file=sys.stderr,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="exactspec", description="Exact speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -141,6 +207,27 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--max-gamma", type=int, default=16)
     cost.add_argument("--json", action="store_true", help="print JSON")
     cost.set_defaults(run=_cost, show=_print_cost)
+
+    generate = commands.add_parser("generate", help="generate text with speculative decoding (default: the shipped pair)")
+    generate.add_argument("prompt", help="text to continue")
+    generate.add_argument("--target", help="target checkpoint directory (default: the shipped target)")
+    generate.add_argument("--draft", help="draft checkpoint directory (default: the shipped draft)")
+    generate.add_argument("--backend", choices=["lean", "hf"], default="lean", help="lean (Llama-family, fast) or hf (any causal LM)")
+    generate.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    generate.add_argument("--gamma", type=int, default=4, help="draft tokens per round (default 4)")
+    generate.add_argument("--max-new-tokens", type=int, default=128)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--no-speculation", action="store_true", help="plain decoding of the target (the baseline)")
+    generate.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    generate.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--min-p", type=float, default=0.0)
+    generate.add_argument("--repetition-penalty", type=float, default=1.0)
+    generate.add_argument("--presence-penalty", type=float, default=0.0)
+    generate.add_argument("--frequency-penalty", type=float, default=0.0)
+    generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    generate.set_defaults(run=_generate, show=_print_generate)
     return parser
 
 

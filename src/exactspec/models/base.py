@@ -17,6 +17,7 @@ within floating-point tolerance for neural ones).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
@@ -66,3 +67,13 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     return ids
+
+
+def check_local_checkpoint(path: str | Path) -> Path:
+    """The path as a Path, or a clear error if it is not a local directory with a config.json (never a download)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path} (exactspec loads local directories only)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    return path

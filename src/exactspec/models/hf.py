@@ -1,0 +1,80 @@
+"""Hugging Face backend: any local ``AutoModelForCausalLM`` checkpoint behind the model protocol.
+
+The key/value state is a ``transformers.DynamicCache``; rollback is
+``cache.crop(-tokens_to_remove)``: a negative count is what transformers 5.x
+accepts, and what 4.x (>= 4.45) reads as "remove that many" too. Tested with
+transformers 5.24. Caches that cannot be rolled back (sliding-window or
+recurrent layers report ``is_croppable == False``) are refused.
+
+Nothing is ever downloaded: the path must be an existing local directory and
+loading runs with ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from exactspec.models.base import check_local_checkpoint, check_rollback_length, check_token_ids
+
+__all__ = ["HFModel"]
+
+
+class HFModel:
+    """A ``transformers`` causal LM with a rollback-able ``DynamicCache``, for one sequence."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from transformers import DynamicCache
+
+        self.model = model.eval()
+        # transformers 5.x names the argument `cache`; 4.x `past_key_values`. The cache is updated in place.
+        self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_class = DynamicCache
+        self._cache = DynamicCache()
+        self._length = 0
+        self.device = next(model.parameters()).device
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "HFModel":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = check_local_checkpoint(path)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        except ValueError as error:
+            kind = getattr(config, "model_type", "unknown")
+            raise ValueError(f"{path} holds a '{kind}' checkpoint, which is not a causal language model") from error
+        return cls(model.to(device))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
+        self._cache = self._cache_class()
+        self._length = 0
+        return self.forward(token_ids)
+
+    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:  # (n, V) float32
+        ids = check_token_ids(token_ids, self.vocab_size)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, n)
+        with torch.inference_mode():
+            out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_argument: self._cache})
+        if self._length == 0 and not getattr(self._cache, "is_croppable", True):
+            raise ValueError(f"{type(self.model).__name__} uses a cache that cannot be rolled back; speculative decoding needs one that can")
+        self._length += len(ids)
+        return out.logits[0].float().cpu()
+
+    def rollback(self, length: int) -> None:
+        check_rollback_length(length, self._length)
+        if length < self._length:
+            self._cache.crop(length - self._length)  # negative: remove that many tokens
+            self._length = length

@@ -1,0 +1,73 @@
+"""Target and draft must speak the same vocabulary: checked when a pair is loaded.
+
+* identical tokenizers and output sizes: nothing to do;
+* identical tokenizers, embedding matrices padded to different sizes (a common
+  habit: round up to a multiple of 64): both models are restricted to the
+  shared real vocabulary, the ids the tokenizer can produce. Padding rows are no
+  token, so excluding them from p and q loses nothing a user could see;
+* tokenizers that map an id to different strings: refused, naming the ids.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from exactspec.models.base import LanguageModel
+
+__all__ = ["shared_vocabulary_size", "RestrictedVocabulary", "align_pair"]
+
+
+def shared_vocabulary_size(
+    target_vocab: Mapping[str, int], draft_vocab: Mapping[str, int], target_rows: int, draft_rows: int
+) -> int:
+    """Size of the real vocabulary both models share; ValueError if the tokenizers differ."""
+    target_by_id = {i: t for t, i in target_vocab.items()}
+    draft_by_id = {i: t for t, i in draft_vocab.items()}
+    differing = sorted(i for i in target_by_id.keys() | draft_by_id.keys() if target_by_id.get(i) != draft_by_id.get(i))
+    if differing:
+        shown = ", ".join(
+            f"id {i}: target {target_by_id.get(i, '<none>')!r} vs draft {draft_by_id.get(i, '<none>')!r}" for i in differing[:3]
+        )
+        raise ValueError(f"target and draft tokenizers differ at {len(differing)} ids ({shown}); they must share a vocabulary")
+    size = max(target_by_id) + 1 if target_by_id else 0
+    for name, rows in (("target", target_rows), ("draft", draft_rows)):
+        if rows < size:
+            raise ValueError(f"the {name} model has {rows} output rows but its tokenizer uses ids up to {size - 1}")
+    return size
+
+
+class RestrictedVocabulary:
+    """A model whose logits are cut to the first ``size`` ids (the real vocabulary)."""
+
+    def __init__(self, model: LanguageModel, size: int) -> None:
+        self.model = model
+        self.size = size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.size
+
+    @property
+    def length(self) -> int:
+        return self.model.length
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:  # (n, size)
+        return self.model.prefill(token_ids)[:, : self.size]
+
+    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:  # (n, size)
+        return self.model.forward(token_ids)[:, : self.size]
+
+    def rollback(self, length: int) -> None:
+        self.model.rollback(length)
+
+
+def align_pair(
+    target: LanguageModel, draft: LanguageModel, target_vocab: Mapping[str, int], draft_vocab: Mapping[str, int]
+) -> tuple[LanguageModel, LanguageModel]:
+    """Check the pair's vocabularies and restrict both to the shared real vocabulary where sizes differ."""
+    size = shared_vocabulary_size(target_vocab, draft_vocab, target.vocab_size, draft.vocab_size)
+    if target.vocab_size == draft.vocab_size:
+        return target, draft
+    return RestrictedVocabulary(target, size), RestrictedVocabulary(draft, size)
