@@ -37,3 +37,39 @@ def disjoint_pair(generator: torch.Generator, vocab: int) -> tuple[torch.Tensor,
 
 # The suite's tensors are tiny: one thread avoids oversubscription on a 2-core machine.
 torch.set_num_threads(1)
+
+
+def save_tiny_checkpoint(path, vocab_rows: int, layers: int, seed: int, tokenizer_json: str | None = None):
+    """A random Llama checkpoint in Hugging Face format (config.json + safetensors [+ tokenizer.json])."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_rows, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=0, eos_token_id=0,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # a wider init than HF's so that the distributions are far from uniform
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    if tokenizer_json is not None:
+        (path / "tokenizer.json").write_text(tokenizer_json)
+    return path
+
+
+def tiny_tokenizer_json(extra_text: str = "") -> str:
+    """A byte-level BPE tokenizer trained in milliseconds on a few lines of Python."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    text = ["def parse_args(argv):\n    return argv[1:]\n", "import os\nprint(os.getcwd())\n" + extra_text] * 20
+    tokenizer.train_from_iterator(text, trainer)
+    return tokenizer.to_str()

@@ -1,0 +1,74 @@
+"""`exactspec generate` on local checkpoints: streaming, summary, options, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from conftest import save_tiny_checkpoint, tiny_tokenizer_json
+from exactspec.cli import main
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    tokenizer = tiny_tokenizer_json()
+    target = save_tiny_checkpoint(root / "target", vocab_rows=300, layers=2, seed=0, tokenizer_json=tokenizer)
+    draft = save_tiny_checkpoint(root / "draft", vocab_rows=320, layers=1, seed=1, tokenizer_json=tokenizer)  # padded
+    return target, draft
+
+
+def generate(capsys, *args):
+    code = main(["generate", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_streams_text_and_ends_with_a_one_line_summary(pair, capsys):
+    target, draft = pair
+    code, out, err = generate(capsys, "def parse_args(", "--target", str(target), "--draft", str(draft), "--max-new-tokens", "12", "--ignore-eos")
+    assert code == 0 and out.strip()
+    assert err.count("\n") == 1 and "12 tokens" in err and "tokens/s" in err and "acceptance" in err and "tokens/round" in err
+
+
+def test_json_output_and_greedy_equals_plain_across_backends(pair, capsys):
+    target, draft = pair
+    common = ["import os", "--target", str(target), "--draft", str(draft), "--temperature", "0", "--max-new-tokens", "16", "--ignore-eos", "--json"]
+    texts = []
+    for extra in ([], ["--no-speculation"], ["--backend", "hf"], ["--backend", "hf", "--gamma", "2"]):
+        code, out, _ = generate(capsys, *common, *extra)
+        result = json.loads(out)
+        assert code == 0 and result["tokens"] == 16
+        texts.append(result["text"])
+    assert len(set(texts)) == 1
+
+
+def test_a_seed_reproduces_a_stochastic_run(pair, capsys):
+    target, draft = pair
+    args = ["x = ", "--target", str(target), "--draft", str(draft), "--max-new-tokens", "20", "--ignore-eos", "--json", "--top-p", "0.9"]
+    first = json.loads(generate(capsys, *args, "--seed", "3")[1])["text"]
+    again = json.loads(generate(capsys, *args, "--seed", "3")[1])["text"]
+    other = json.loads(generate(capsys, *args, "--seed", "4")[1])["text"]
+    assert first == again and first != other
+
+
+def test_errors_are_one_line_with_exit_code_2(pair, capsys, tmp_path):
+    target, draft = pair
+    mismatched = tmp_path / "other"
+    shutil.copytree(draft, mismatched)
+    (mismatched / "tokenizer.json").write_text(tiny_tokenizer_json(extra_text="class Zebra:\n    pass\n" * 5))
+    cases = [
+        (["--target", str(tmp_path / "absent"), "--draft", str(draft)], "model directory not found"),
+        (["--target", str(target), "--draft", str(mismatched)], "tokenizers differ at"),
+        (["--target", str(target)], "give both --target and --draft"),
+        (["--target", str(target), "--draft", str(draft), "--top-p", "0"], "top_p must be in"),
+        (["--target", str(target), "--draft", str(draft), "--max-new-tokens", "1000"], "exceeds the model's 256 positions"),
+        (["--target", str(target), "--draft", str(draft), "--backend", "vllm"], "invalid choice"),
+    ]
+    for args, message in cases:
+        code, out, err = generate(capsys, "def f(", *args)
+        assert code == 2 and message in err and err.count("\n") == 1 and out == "", (args, err)
