@@ -138,18 +138,27 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         raise CliError(str(error)) from None
 
 
-def _generate(args: argparse.Namespace) -> dict:
-    from exactspec.loading import DTYPES, default_pair_dirs, load_pair, model_capacity
+def _load(args: argparse.Namespace, with_draft: bool):
+    from exactspec.loading import DTYPES, default_pair_dirs, load_pair
 
-    params = _sampling(args)
-    if (args.target is None) != (args.draft is None) and not (args.target and args.no_speculation):
+    if (args.target is None) != (args.draft is None) and not (args.target and not with_draft):
         raise CliError("give both --target and --draft, or neither for the shipped default pair")
     target_dir, draft_dir = (args.target, args.draft) if args.target else default_pair_dirs()
     try:
-        config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, seed=args.seed)
-        pair = load_pair(target_dir, None if args.no_speculation else draft_dir, args.backend, DTYPES[args.dtype])
+        return load_pair(target_dir, draft_dir if with_draft else None, args.backend, DTYPES[args.dtype])
     except (OSError, ValueError) as error:
         raise CliError(str(error)) from None
+
+
+def _generate(args: argparse.Namespace) -> dict:
+    from exactspec.loading import model_capacity
+
+    params = _sampling(args)
+    try:
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, seed=args.seed)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    pair = _load(args, with_draft=not args.no_speculation)
     prompt = pair.tokenizer.encode_prompt(args.prompt)
     if not prompt:
         raise CliError("the prompt is empty and the checkpoint has no BOS token to start from")
@@ -186,6 +195,47 @@ def _print_generate(r: dict) -> None:
     )
 
 
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="target checkpoint directory (default: the shipped target)")
+    parser.add_argument("--draft", help="draft checkpoint directory (default: the shipped draft)")
+    parser.add_argument("--backend", choices=["lean", "hf"], default="lean", help="lean (Llama-family, fast) or hf (any causal LM)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser, default_temperature: float = 1.0) -> None:
+    parser.add_argument("--temperature", type=float, default=default_temperature, help="0 means greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+
+
+def _bench(args: argparse.Namespace) -> dict:
+    from exactspec import bench
+
+    params = _sampling(args)
+    try:
+        gammas = tuple(int(g) for g in args.gammas.split(","))
+        config = bench.BenchConfig(gammas, args.prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed)
+    except ValueError as error:
+        raise CliError(f"--gammas must be comma-separated integers >= 1 ({error})" if "int" in str(error) else str(error)) from None
+    pair = _load(args, with_draft=True)
+    prompts = bench.held_out_prompts(pair.tokenizer, config.num_prompts, config.prompt_lines)
+    report = bench.run_bench(pair.target, pair.draft, prompts, params, config, progress=not args.json)
+    report["backend"], report["dtype"] = args.backend, args.dtype
+    if args.output:
+        bench.write_report(report, args.output)
+    return report
+
+
+def _print_bench(report: dict) -> None:
+    from exactspec.bench import format_table
+
+    print(format_table(report))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="exactspec", description="Exact speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -210,24 +260,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate text with speculative decoding (default: the shipped pair)")
     generate.add_argument("prompt", help="text to continue")
-    generate.add_argument("--target", help="target checkpoint directory (default: the shipped target)")
-    generate.add_argument("--draft", help="draft checkpoint directory (default: the shipped draft)")
-    generate.add_argument("--backend", choices=["lean", "hf"], default="lean", help="lean (Llama-family, fast) or hf (any causal LM)")
-    generate.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    _add_model_arguments(generate)
     generate.add_argument("--gamma", type=int, default=4, help="draft tokens per round (default 4)")
     generate.add_argument("--max-new-tokens", type=int, default=128)
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--no-speculation", action="store_true", help="plain decoding of the target (the baseline)")
     generate.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    generate.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--min-p", type=float, default=0.0)
-    generate.add_argument("--repetition-penalty", type=float, default=1.0)
-    generate.add_argument("--presence-penalty", type=float, default=0.0)
-    generate.add_argument("--frequency-penalty", type=float, default=0.0)
+    _add_sampling_arguments(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generate.set_defaults(run=_generate, show=_print_generate)
+
+    bench = commands.add_parser("bench", help="tokens/s of plain vs speculative decoding on held-out prompts")
+    _add_model_arguments(bench)
+    bench.add_argument("--gammas", default="2,4,6", help="comma-separated gamma values (default 2,4,6)")
+    bench.add_argument("--prompts", type=int, default=8, help="number of prompts (default 8)")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=3, help="repetitions; the median is reported (default 3)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--output", help="also write the report as JSON to this file")
+    _add_sampling_arguments(bench, default_temperature=0.0)
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.set_defaults(run=_bench, show=_print_bench)
     return parser
 
 
