@@ -27,7 +27,7 @@ from scipy import stats
 
 import exactspec.engine as engine_module
 from exactspec import GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
-from exactspec.proposers import Draft, DraftModelProposer
+from exactspec.proposers import Draft, DraftModelProposer, PromptLookupProposer
 from exactspec.sampling import block_probs
 from exactspec.verify import VerifyResult, sample_from, verify_with_uniforms
 
@@ -142,6 +142,19 @@ class DraftProbsBeforeProcessors(DraftModelProposer):
         return Draft(draft.tokens, torch.stack(raw))
 
 
+class ArgmaxWithSampledRatio(DraftModelProposer):
+    """Bug: the draft proposes its top token but reports q, so the ratio p/q meant for sampled drafts is used."""
+
+    def propose(self, context, gamma, generator):
+        tokens, rows, prefix = [], [], list(context)
+        for _ in range(gamma):
+            q = block_probs(self.model.next_logits(prefix).unsqueeze(0), prefix, [], self.prompt_length, self.params)[0]
+            tokens.append(int(q.argmax()))
+            rows.append(q)
+            prefix.append(tokens[-1])
+        return Draft(tokens, torch.stack(rows))
+
+
 # --------------------------------------------------------------------- tests
 
 
@@ -150,6 +163,15 @@ def test_speculative_output_follows_the_target_law(name):
     target, draft = models()
     params = CONFIGS[name]
     counts = sample_counts(SpeculativeDecoder(target, draft, params), N)
+    assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
+
+
+def test_prompt_lookup_follows_the_target_law():
+    """Deterministic n-gram proposals through the point-mass rule (4 tokens, prompt [1, 2])."""
+    target, _ = models()
+    params = CONFIGS["T=1"]
+    decoder = SpeculativeDecoder(target, PromptLookupProposer(min_ngram=1, max_ngram=2), params)
+    counts = sample_counts(decoder, N)
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
 
 
@@ -174,13 +196,22 @@ def _mutant_decoder(mutant: str, monkeypatch) -> tuple[SpeculativeDecoder, Sampl
         params = CONFIGS["repetition=1.8,presence=0.5"]
         monkeypatch.setattr(engine_module, "block_probs", penalty_once_per_round)
         return SpeculativeDecoder(target, draft, params), params
+    if mutant == "argmax_with_sampled_ratio":
+        params = CONFIGS["T=1"]
+        return SpeculativeDecoder(target, ArgmaxWithSampledRatio(draft, params), params), params
     if mutant == "draft_probs_before_processors":
         params = CONFIGS["T=0.7,top_k=2"]
         return SpeculativeDecoder(target, DraftProbsBeforeProcessors(draft, params), params), params
     raise ValueError(mutant)
 
 
-MUTANTS = ["replacement_from_target", "keeps_tokens_after_rejection", "penalty_once_per_round", "draft_probs_before_processors"]
+MUTANTS = [
+    "replacement_from_target",
+    "keeps_tokens_after_rejection",
+    "penalty_once_per_round",
+    "draft_probs_before_processors",
+    "argmax_with_sampled_ratio",
+]
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)

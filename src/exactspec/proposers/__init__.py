@@ -2,5 +2,6 @@
 
 from exactspec.proposers.base import Draft, Proposer
 from exactspec.proposers.draft_model import DraftModelProposer
+from exactspec.proposers.prompt_lookup import PromptLookupProposer
 
-__all__ = ["Draft", "Proposer", "DraftModelProposer"]
+__all__ = ["Draft", "Proposer", "DraftModelProposer", "PromptLookupProposer"]

@@ -1,0 +1,50 @@
+"""Prompt-lookup drafting: propose what followed the latest earlier occurrence of the last n tokens.
+
+No draft model: the proposal is a deterministic function of the context, so it
+is a point mass and is verified with the point-mass rule (accept with
+probability ``p(x)``, replace from ``p`` without ``x``). n is tried from
+``max_ngram`` down to ``min_ngram``; the most recent match wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from exactspec.proposers.base import Draft
+
+__all__ = ["PromptLookupProposer", "find_continuation"]
+
+
+def find_continuation(context: Sequence[int], gamma: int, min_ngram: int, max_ngram: int) -> list[int]:
+    """Up to ``gamma`` tokens that followed the most recent earlier match of the longest suffix n-gram."""
+    length = len(context)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = list(context[length - n :])
+        # the most recent earlier occurrence: scan start positions right to left, excluding the suffix itself
+        for start in range(length - n - 1, -1, -1):
+            if context[start] == suffix[0] and list(context[start : start + n]) == suffix:
+                return list(context[start + n : start + n + gamma])
+    return []
+
+
+@dataclass
+class PromptLookupProposer:
+    """Drafts by n-gram lookup in prompt + generated text (Saxena 2023, "prompt lookup decoding")."""
+
+    min_ngram: int = 1
+    max_ngram: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}")
+
+    def reset(self, prompt_length: int | None = None) -> None:
+        pass
+
+    def propose(self, context: Sequence[int], gamma: int, generator: torch.Generator) -> Draft:
+        if gamma <= 0:
+            return Draft([], None)
+        return Draft(find_continuation(context, gamma, self.min_ngram, self.max_ngram), None)
