@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     d = TrainArgs(out=Path("runs/default"))
     p = argparse.ArgumentParser(prog="python -m exactspec.training", description=__doc__)
     p.add_argument("--out", type=Path, required=True, help="run directory (checkpoints, data, models, metrics)")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run in --out (its saved settings are reused)")
     p.add_argument("--export", type=Path, default=None, metavar="DIR",
                    help="only copy the finished run's target/ and draft/ into DIR and write MODEL_CARD.md")
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
@@ -33,9 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--target-shape", type=_shape, default=d.target, metavar="L,C,I,H,KV",
-                   help="target layers,hidden,intermediate,heads,kv_heads (default 10,256,688,4,2)")
+                   help="target layers,hidden,intermediate,heads,kv_heads (default 12,192,512,3,1)")
     p.add_argument("--draft-shape", type=_shape, default=d.draft, metavar="L,C,I,H,KV",
-                   help="draft layers,hidden,intermediate,heads,kv_heads (default 1,256,512,4,1)")
+                   help="draft layers,hidden,intermediate,heads,kv_heads (default 1,192,512,3,1)")
     p.add_argument("--target-minutes", type=float, default=d.target_minutes)
     p.add_argument("--draft-minutes", type=float, default=d.draft_minutes)
     p.add_argument("--target-tokens", type=int, default=d.target_tokens, help="token budget (0 = time only)")

@@ -47,8 +47,8 @@ class TrainArgs:
     vocab_size: int = 4096
     seq_len: int = 512
     batch_size: int = 16
-    target: ModelShape = field(default_factory=lambda: ModelShape(10, 256, 688, 4, 2))
-    draft: ModelShape = field(default_factory=lambda: ModelShape(1, 256, 512, 4, 1))
+    target: ModelShape = field(default_factory=lambda: ModelShape(12, 192, 512, 3, 1))
+    draft: ModelShape = field(default_factory=lambda: ModelShape(1, 192, 512, 3, 1))
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
     target_minutes: float = 45.0
@@ -305,6 +305,17 @@ def _n_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+_RUNTIME_FIELDS = ("out", "resume", "device", "threads", "progress")
+
+
+def _restore_args(args: TrainArgs, saved: dict[str, Any]) -> TrainArgs:
+    """On ``--resume`` the run's own settings win over the command line (except runtime ones)."""
+    kw = {k: v for k, v in saved.items() if k not in _RUNTIME_FIELDS and k in TrainArgs.__dataclass_fields__}
+    kw["target"], kw["draft"] = ModelShape(**kw["target"]), ModelShape(**kw["draft"])
+    kw.update({k: getattr(args, k) for k in _RUNTIME_FIELDS})
+    return TrainArgs(**kw)
+
+
 def run(args: TrainArgs) -> dict[str, Any]:
     out = args.out
     torch.set_num_threads(args.threads)
@@ -313,7 +324,9 @@ def run(args: TrainArgs) -> dict[str, Any]:
     if state["done"] and not args.resume:
         raise SystemExit(f"{out} already holds a run ({', '.join(state['done'])} done); pass --resume or a new --out")
     out.mkdir(parents=True, exist_ok=True)
-    if not args.resume or "args" not in state:
+    if args.resume and "args" in state:
+        args = _restore_args(args, state["args"])
+    else:
         state["args"] = json.loads(json.dumps(asdict(args), default=str))
         _save_json(out / "state.json", state)
     tok_dir, data_dir = out / "tokenizer", out / "data"
