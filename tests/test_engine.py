@@ -7,6 +7,7 @@ import torch
 
 from exactspec import GREEDY, GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
 from exactspec.proposers import Draft
+from exactspec.sampling import block_probs
 
 
 def pair(vocab=6, order=2, noise=0.7):
@@ -144,12 +145,13 @@ class FixedProposer:
 def test_deterministic_proposals_are_verified_with_the_point_mass_rule(monkeypatch):
     import exactspec.engine as engine_module
 
-    used = []
+    drafted_sizes = []
     real = engine_module.verify_point_mass
-    monkeypatch.setattr(engine_module, "verify_point_mass", lambda *a: used.append(1) or real(*a))
+    monkeypatch.setattr(engine_module, "verify_point_mass", lambda t, *a: drafted_sizes.append(t.shape[1]) or real(t, *a))
+    monkeypatch.setattr(engine_module, "verify_stochastic", None)  # must not be reached
     target, _ = pair()
     SpeculativeDecoder(target, FixedProposer([1, 2, 3]), SamplingParams()).generate([0], GenerationConfig(max_new_tokens=10, gamma=3))
-    assert used
+    assert max(drafted_sizes) == 3  # rounds with drafts, not only the prefill's sample
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -165,3 +167,46 @@ def test_bad_inputs_raise_clear_errors():
         GenerationConfig(gamma=-1)
     with pytest.raises(ValueError, match="vocabulary size"):
         SpeculativeDecoder(target, MarkovLM.random(5, 1))
+
+
+def test_draft_probabilities_are_exactly_the_float64_rows_the_tokens_were_sampled_from():
+    """Guards against sampling the draft in one precision and checking it in another."""
+    target, draft = pair()
+    params = SamplingParams(temperature=0.8, top_k=4, repetition_penalty=1.2)
+    proposer = SpeculativeDecoder(target, draft, params).proposer
+    proposer.reset(2)
+    proposed = proposer.propose([1, 2, 3], 3, torch.Generator().manual_seed(0))
+    assert proposed.probs.dtype == torch.float64
+    prefix = [1, 2, 3]
+    for token, row in zip(proposed.tokens, proposed.probs):
+        expected = block_probs(draft.next_logits(prefix).unsqueeze(0), prefix, [], 2, params)[0]
+        assert torch.equal(row, expected) and row[token] > 0
+        prefix.append(token)
+
+
+def test_generation_never_touches_the_global_random_generator():
+    target, draft = pair()
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    SpeculativeDecoder(target, draft, SamplingParams()).generate([1], GenerationConfig(max_new_tokens=30, gamma=3))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_two_decoders_with_their_own_models_interleave_like_separate_runs():
+    config = GenerationConfig(max_new_tokens=25, gamma=3, seed=9)
+    alone = SpeculativeDecoder(*pair(), SamplingParams()).generate([1], config).tokens
+    first, second = SpeculativeDecoder(*pair(), SamplingParams()), SpeculativeDecoder(*pair(), SamplingParams())
+    together = [(a, b) for a, b in zip(first.stream([1], config), second.stream([1], config))]
+    assert [a for a, _ in together] == alone == [b for _, b in together]
+
+
+def test_sharing_a_cache_is_refused_instead_of_corrupting_the_law():
+    target, draft = pair()
+    with pytest.raises(ValueError, match="different object"):
+        SpeculativeDecoder(target, target)
+    decoder = SpeculativeDecoder(target, draft, SamplingParams())
+    config = GenerationConfig(max_new_tokens=20, gamma=3)
+    first, second = decoder.stream([1], config), decoder.stream([2], config)
+    with pytest.raises(RuntimeError, match="changed outside this generation"):
+        for _ in zip(first, second):
+            pass

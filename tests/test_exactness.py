@@ -28,18 +28,22 @@ from scipy import stats
 import exactspec.engine as engine_module
 from exactspec import GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
 from exactspec.proposers import Draft, DraftModelProposer, PromptLookupProposer
+from exactspec.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.sampling import block_probs
 from exactspec.verify import VerifyResult, sample_from, verify_with_uniforms
 
 ALPHA = 1e-3
-N = 6_000
-VOCAB, ORDER, PROMPT, NEW_TOKENS, GAMMA = 4, 2, [1, 2], 4, 3
+N = 8_000
+VOCAB, ORDER, PROMPT, NEW_TOKENS, GAMMA = 4, 2, [1, 2], 5, 3
 
 CONFIGS = {
     "T=1": SamplingParams(),
     "T=0.7,top_k=2": SamplingParams(temperature=0.7, top_k=2),
     "top_p=0.8": SamplingParams(top_p=0.8),
     "repetition=1.8,presence=0.5": SamplingParams(repetition_penalty=1.8, presence_penalty=0.5),
+    "min_p,bias,banned,frequency": SamplingParams(
+        min_p=0.1, logit_bias={0: 1.0}, banned_token_ids=frozenset({3}), frequency_penalty=0.7
+    ),
 }
 
 
@@ -172,6 +176,14 @@ def test_prompt_lookup_follows_the_target_law():
     params = CONFIGS["T=1"]
     decoder = SpeculativeDecoder(target, PromptLookupProposer(min_ngram=1, max_ngram=2), params)
     counts = sample_counts(decoder, N)
+    assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
+
+
+def test_adaptive_gamma_follows_the_target_law():
+    """Gamma chosen per round from timings and past acceptance: each round is still an exact step."""
+    target, draft = models()
+    params = CONFIGS["T=1"]
+    counts = sample_counts(SpeculativeDecoder(target, draft, params, policy=AdaptiveGamma(AdaptiveConfig(max_gamma=3))), N)
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
 
 

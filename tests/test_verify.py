@@ -2,12 +2,15 @@
 
 The single-position tests check the law identity min(p,q) + P(reject) residual = p
 for hundreds of pairs. The block tests integrate the *real* verifier
-(``verify_with_uniforms``) exactly over its uniforms: acceptance is a threshold
-``u < p/q``, so each acceptance uniform takes one representative value on each
-side of its threshold, and the sampling uniform one value in the middle of each
-token's interval of the correct correction distribution. Any change to the
-acceptance test, the residual, the bonus or the truncation after a rejection
-moves probability mass and fails these tests; no randomness is involved.
+(``verify_with_uniforms``) exactly over its uniforms. The correct verifier is
+constant on cells of the uniform space: acceptance uniform ``u_i`` splits at
+``a_i = min(1, p/q)``, the sampling uniform at the correct correction
+distribution's CDF. Each cell is probed just inside its boundaries (an
+acceptance cell next to its threshold, a sampling interval near both ends), so
+a verifier with a shifted threshold or a different correction distribution puts
+a probe in the wrong cell and moves mass. Any change to the acceptance test,
+the residual, the bonus or the truncation after a rejection fails these tests;
+no randomness is involved.
 """
 
 from __future__ import annotations
@@ -166,11 +169,11 @@ def exact_committed_law(target, draft, vocab: int, gamma: int, point_mass: bool,
             accept_u, weight = [], draft_weight
             for i in range(gamma):
                 a = min(1.0, ratios[i])
-                if i < stop:
-                    accept_u.append(a / 2)
+                if i < stop:  # accepted: probe [0, a) just below its threshold
+                    accept_u.append(a * (1 - 1e-9))
                     weight *= a
-                elif i == stop:
-                    accept_u.append((a + 1) / 2)
+                elif i == stop:  # rejected: probe [a, 1) just above its threshold
+                    accept_u.append(a + (1 - a) * 1e-9)
                     weight *= 1 - a
                 else:
                     accept_u.append(0.5)  # after the first rejection the uniform is irrelevant
@@ -181,9 +184,14 @@ def exact_committed_law(target, draft, vocab: int, gamma: int, point_mass: bool,
             correction = correction / correction.sum()
             edges = torch.cat([torch.zeros(1, dtype=torch.float64), correction.cumsum(0)])
             for token in range(vocab):
-                if correction[token] > 0:
-                    rows.append((drafts, q_rows, p_rows, accept_u, float((edges[token] + edges[token + 1]) / 2)))
-                    weights.append(weight * float(correction[token]))
+                width = float(correction[token])
+                if width <= 0:
+                    continue
+                # near both ends of the token's interval (the middle when it is too narrow to probe twice)
+                margin = width * 1e-4 if width > 1e-9 else width / 2
+                for u in {float(edges[token]) + margin, float(edges[token + 1]) - margin}:
+                    rows.append((drafts, q_rows, p_rows, accept_u, u))
+                    weights.append(weight * width / (2 if margin < width / 2 else 1))
     result = verifier(
         torch.tensor([r[0] for r in rows], dtype=torch.int64).reshape(len(rows), gamma),
         None if point_mass else torch.stack([torch.stack(r[1]) if gamma else torch.zeros(0, vocab, dtype=torch.float64) for r in rows]),
@@ -252,13 +260,35 @@ def _no_bonus(draft_tokens, draft_probs, target_probs, accept_u, sample_u):
     return verify_with_uniforms(draft_tokens, draft_probs, shifted, accept_u, sample_u)
 
 
-@pytest.mark.parametrize("mutant", [_keeps_rejected_tail, _replacement_from_target, _no_bonus])
+def _shifted_threshold(draft_tokens, draft_probs, target_probs, accept_u, sample_u):
+    """Mutant: accepts when u < 0.6 p/q (a wrong threshold that midpoint probes would miss)."""
+    return verify_with_uniforms(draft_tokens, draft_probs, target_probs, accept_u / 0.6, sample_u)
+
+
+def _residual_only_at_draft(draft_tokens, draft_probs, target_probs, accept_u, sample_u):
+    """Mutant: on rejection removes q's mass only at the drafted token, i.e. draws from max(0, p - q(x) 1_x)."""
+    only_drafted = torch.zeros_like(draft_probs).scatter(-1, draft_tokens.unsqueeze(-1), draft_probs.gather(-1, draft_tokens.unsqueeze(-1)))
+    result = verify_with_uniforms(draft_tokens, draft_probs, target_probs, accept_u, sample_u)
+    rows = torch.arange(draft_tokens.shape[0])
+    gamma = draft_tokens.shape[1]
+    stop = result.num_accepted
+    padded = torch.cat([only_drafted, torch.zeros_like(target_probs[:, :1])], dim=1)
+    correction = (target_probs[rows, stop] - padded[rows, stop]).clamp(min=0)
+    tokens = result.tokens.clone()
+    tokens[rows, stop] = torch.where(stop < gamma, verify.sample_from(correction, sample_u), tokens[rows, stop])
+    return verify.VerifyResult(stop, tokens)
+
+
+@pytest.mark.parametrize(
+    "mutant", [_keeps_rejected_tail, _replacement_from_target, _no_bonus, _shifted_threshold, _residual_only_at_draft]
+)
 def test_block_law_detects_wrong_verifiers(mutant):
     """Power of the exact block integration: each mutant moves at least 1e-2 of probability mass.
 
-    (Tables where the root position is a point mass hide some mutants; seed 5 has none.)
+    (Tables whose root position is a point mass hide some mutants; seed 6 has none and each mutant
+    moves at least 0.1 there.)
     """
-    target, draft = conditional_tables(3, 4, seed=5)
+    target, draft = conditional_tables(3, 4, seed=6)
     law = exact_committed_law(target, draft, 3, 3, False, verifier=mutant)
     assert check_block_law(target, law, 3, 3) > 1e-2
 

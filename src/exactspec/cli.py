@@ -12,6 +12,7 @@ import torch
 
 from exactspec import costmodel, verify
 from exactspec.engine import Generation, GenerationConfig, SpeculativeDecoder
+from exactspec.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.sampling import SamplingParams
 from exactspec.tokenizer import stream_text
 
@@ -155,7 +156,8 @@ def _generate(args: argparse.Namespace) -> dict:
 
     params = _sampling(args)
     try:
-        config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, seed=args.seed)
+        fixed_gamma = 0 if args.gamma == "auto" else args.gamma
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=fixed_gamma, seed=args.seed)
     except ValueError as error:
         raise CliError(str(error)) from None
     pair = _load(args, with_draft=not args.no_speculation)
@@ -163,12 +165,13 @@ def _generate(args: argparse.Namespace) -> dict:
     if not prompt:
         raise CliError("the prompt is empty and the checkpoint has no BOS token to start from")
     capacity = model_capacity(pair.target)
-    if capacity is not None and len(prompt) + args.max_new_tokens + args.gamma + 1 > capacity:
+    if capacity is not None and len(prompt) + args.max_new_tokens + AdaptiveConfig().max_gamma + 1 > capacity:
         raise CliError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's {capacity} positions")
     if not args.ignore_eos:
         config = GenerationConfig(config.max_new_tokens, config.gamma, pair.tokenizer.eos_token_ids, config.seed)
     generation = Generation(tokens=[], stop_reason="max_new_tokens")
-    decoder = SpeculativeDecoder(pair.target, pair.draft, params)
+    policy = AdaptiveGamma() if args.gamma == "auto" else None
+    decoder = SpeculativeDecoder(pair.target, pair.draft, params, policy)
     tokens = decoder.stream(prompt, config, generation)
     pieces = []
     for piece in stream_text(pair.tokenizer, tokens):
@@ -180,6 +183,7 @@ def _generate(args: argparse.Namespace) -> dict:
         "prompt": args.prompt,
         "text": "".join(pieces),
         "mode": "plain" if pair.draft is None else f"speculative, gamma {args.gamma}",
+        "gammas_used": sorted({r.drafted for r in stats.rounds[1:]}),
         "stop_reason": generation.stop_reason,
         "tokens_per_second": stats.committed / stats.total_seconds if stats.total_seconds else 0.0,
         **stats.summary(),
@@ -193,6 +197,18 @@ def _print_generate(r: dict) -> None:
         f"{r['tokens_per_round']:.2f} tokens/round, {r['mode']}, stop: {r['stop_reason']}]",
         file=sys.stderr,
     )
+
+
+def _gamma_argument(text: str) -> str | int:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 0, got {text!r}")
+    return value
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -261,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate text with speculative decoding (default: the shipped pair)")
     generate.add_argument("prompt", help="text to continue")
     _add_model_arguments(generate)
-    generate.add_argument("--gamma", type=int, default=4, help="draft tokens per round (default 4)")
+    generate.add_argument("--gamma", type=_gamma_argument, default="auto", help="draft tokens per round, or auto (default): chosen per round by the cost model")
     generate.add_argument("--max-new-tokens", type=int, default=128)
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--no-speculation", action="store_true", help="plain decoding of the target (the baseline)")

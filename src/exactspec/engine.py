@@ -28,6 +28,7 @@ from typing import Iterator, Sequence
 import torch
 
 from exactspec.models.base import LanguageModel, check_token_ids
+from exactspec.policy import GammaPolicy
 from exactspec.proposers import Draft, DraftModelProposer, Proposer
 from exactspec.sampling import SamplingParams, block_probs
 from exactspec.stats import GenerationStats, RoundRecord
@@ -63,7 +64,9 @@ class SpeculativeDecoder:
 
     ``draft`` is a language model (wrapped in a :class:`DraftModelProposer` that
     uses the same :class:`SamplingParams` as the target), any :class:`Proposer`,
-    or ``None`` for plain decoding.
+    or ``None`` for plain decoding. ``policy`` (e.g. :class:`AdaptiveGamma`)
+    chooses gamma per round from completed rounds and keeps learning across
+    generations; without one, every round drafts ``GenerationConfig.gamma``.
     """
 
     def __init__(
@@ -71,9 +74,13 @@ class SpeculativeDecoder:
         target: LanguageModel,
         draft: LanguageModel | Proposer | None = None,
         params: SamplingParams = SamplingParams(),
+        policy: GammaPolicy | None = None,
     ) -> None:
         self.target = target
         self.params = params
+        self.policy = policy  # None: GenerationConfig.gamma every round
+        if draft is target:
+            raise ValueError("the draft must be a different object from the target: they cannot share one cache")
         if isinstance(draft, LanguageModel):
             if draft.vocab_size != target.vocab_size:
                 raise ValueError(
@@ -95,7 +102,6 @@ class SpeculativeDecoder:
         generation = generation if generation is not None else Generation(tokens=[], stop_reason="max_new_tokens")
         prompt = check_token_ids(prompt_ids, self.target.vocab_size)
         generator = torch.Generator().manual_seed(config.seed)
-        gamma = config.gamma if self.proposer is not None else 0
         if self.proposer is not None:
             self.proposer.reset(len(prompt))
 
@@ -115,16 +121,27 @@ class SpeculativeDecoder:
                     return
                 if produced == config.max_new_tokens:
                     return
-            gamma_now = min(gamma, config.max_new_tokens - produced - 1)  # never draft past the budget
-            committed = self._round(context, len(prompt), gamma_now, generator, generation.stats)
+            gamma = min(self._next_gamma(config), config.max_new_tokens - produced - 1)  # never past the budget
+            committed = self._round(context, len(prompt), gamma, generator, generation.stats)
             context += committed
+
+    def _next_gamma(self, config: GenerationConfig) -> int:
+        if self.proposer is None:
+            return 0
+        return config.gamma if self.policy is None else self.policy.next_gamma()
 
     def _round(
         self, context: list[int], prompt_length: int, gamma: int, generator: torch.Generator, stats: GenerationStats
     ) -> list[int]:
         """One speculative round; returns the committed tokens (1 to gamma + 1)."""
+        if self.target.length != len(context) - 1:
+            raise RuntimeError(
+                "the target's cache was changed outside this generation (another stream on the same models?)"
+            )
         t0 = time.perf_counter()
         draft = self.proposer.propose(context, gamma, generator) if gamma > 0 else Draft([], None)
+        if len(draft.tokens) > gamma:
+            raise ValueError(f"the proposer returned {len(draft.tokens)} tokens for gamma = {gamma}")
         t1 = time.perf_counter()
         logits = self.target.forward([context[-1], *draft.tokens])  # (g + 1, V)
         t2 = time.perf_counter()
@@ -135,7 +152,10 @@ class SpeculativeDecoder:
         accepted = int(result.num_accepted[0])
         self.target.rollback(len(context) + accepted)  # keeps context and the accepted drafts
         t3 = time.perf_counter()
-        stats.observe(RoundRecord(len(draft.tokens), accepted, accepted + 1, t1 - t0, t2 - t1, t3 - t2))
+        record = RoundRecord(len(draft.tokens), accepted, accepted + 1, t1 - t0, t2 - t1, t3 - t2)
+        stats.observe(record)
+        if self.policy is not None:
+            self.policy.observe(record)
         return result.committed()
 
     def _verify(

@@ -189,10 +189,13 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     positive mass); ``uniforms``: ``(B,)`` float64 in [0, 1). Returns ``(B,)`` int64.
     Tokens of zero probability are never returned.
     """
-    cdf = probs.to(torch.float64).cumsum(-1)  # (B, V)
+    probs = probs.to(torch.float64)
+    cdf = probs.cumsum(-1)  # (B, V)
     threshold = uniforms.to(torch.float64) * cdf[:, -1]  # (B,)
     tokens = torch.searchsorted(cdf, threshold.unsqueeze(-1), right=True).squeeze(-1)
-    return tokens.clamp(max=probs.shape[-1] - 1)
+    # u * total can round up to total (chance ~2^-53): fall back to the last token with positive mass.
+    last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(-1)
+    return torch.minimum(tokens, last_positive)
 
 
 def greedy_token(probs_or_logits: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,8 @@ class Draft:
 
 
 class Proposer(Protocol):
-    def reset(self) -> None:
-        """Forget all state: a new sequence starts."""
+    def reset(self, prompt_length: int | None = None) -> None:
+        """Forget all state: a new sequence starts with a prompt of ``prompt_length`` tokens."""
         ...
 
     def propose(self, context: Sequence[int], gamma: int, generator: torch.Generator) -> Draft:

@@ -1,0 +1,152 @@
+"""Choosing gamma every round from what the rounds so far have shown.
+
+The policy keeps running estimates (exponential moving averages) of
+
+* ``accept[i]``: the probability that draft position ``i`` is accepted given that
+  positions ``< i`` were (estimated only from rounds that drafted position i);
+* ``draft_ms``: the time of one draft step;
+* ``target_ms[n]``: the time of one target call on ``n`` tokens;
+
+and picks the gamma that maximises expected committed tokens per millisecond,
+
+    E[tokens](g) = 1 + sum_{k=1..g} prod_{i<=k} accept[i]
+    rate(g)      = E[tokens](g) / (g * draft_ms + target_ms[g + 1])
+
+which is the cost model of Leviathan et al. (2023, Thm 3.8) with acceptance that
+may vary with position and a measured verify cost. Each average weighs the
+newest observation by ``max(smoothing, 1 / count)``, so early estimates settle
+fast and later ones track slow drift. When ``g = 0`` (plain decoding) wins,
+the policy still probes with a short draft, after ``probe_every`` plain rounds,
+doubling the wait after each probe that did not pay (up to ``max_probe_every``),
+so a useless draft costs well under 1% once it has been recognised.
+
+The choice depends only on completed rounds, never on the current round's
+random numbers, so every round is still an exact speculative step. Because
+timings differ between runs, a stochastic run with the adaptive policy is
+exact but not bit-reproducible from its seed; fix gamma for that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from exactspec.stats import RoundRecord
+
+__all__ = ["AdaptiveConfig", "AdaptiveGamma", "GammaPolicy", "RunningMean"]
+
+
+class GammaPolicy(Protocol):
+    def next_gamma(self) -> int:
+        """Draft tokens for the next round (0: a plain decoding step)."""
+        ...
+
+    def observe(self, record: RoundRecord) -> None:
+        """Learn from a completed round."""
+        ...
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    max_gamma: int = 8
+    initial_gamma: int = 4
+    probe_every: int = 8  # plain rounds before the first probe
+    max_probe_every: int = 256
+    probe_gamma: int = 2
+    smoothing: float = 0.1  # weight of the newest observation in each moving average
+    prior_acceptance: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.initial_gamma <= self.max_gamma:
+            raise ValueError(f"need 1 <= initial_gamma <= max_gamma, got {self.initial_gamma} and {self.max_gamma}")
+        if not 1 <= self.probe_gamma <= self.max_gamma:
+            raise ValueError(f"need 1 <= probe_gamma <= max_gamma, got {self.probe_gamma}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+        if not 0 <= self.prior_acceptance <= 1:
+            raise ValueError(f"prior_acceptance must be in [0, 1], got {self.prior_acceptance}")
+
+
+@dataclass
+class RunningMean:
+    """Average that weighs the newest value by ``max(smoothing, 1 / count)``."""
+
+    value: float
+    smoothing: float
+    count: int = 0
+
+    def update(self, new: float) -> None:
+        self.count += 1
+        self.value += max(self.smoothing, 1 / self.count) * (new - self.value)
+
+
+@dataclass
+class AdaptiveGamma:
+    """Picks gamma per round by the cost model on running estimates (see the module docstring)."""
+
+    config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    accept: list[RunningMean] = field(init=False)
+    draft_ms: RunningMean | None = field(init=False, default=None)
+    target_ms: dict[int, RunningMean] = field(init=False, default_factory=dict)
+    plain_rounds: int = field(init=False, default=0)
+    probe_wait: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        # the prior counts as one observation per position
+        self.accept = [RunningMean(self.config.prior_acceptance, self.config.smoothing, 1) for _ in range(self.config.max_gamma)]
+        self.probe_wait = self.config.probe_every
+
+    def _update(self, mean: RunningMean | None, new: float) -> RunningMean:
+        mean = mean or RunningMean(new, self.config.smoothing)
+        mean.update(new)
+        return mean
+
+    def observe(self, record: RoundRecord) -> None:
+        """Update the estimates from one completed round."""
+        if record.drafted == 0:
+            self.plain_rounds += 1
+        else:
+            was_probe, self.plain_rounds = self.plain_rounds > 0, 0
+            self.draft_ms = self._update(self.draft_ms, 1000 * record.draft_seconds / record.drafted)
+            for i in range(min(record.drafted, record.accepted + 1)):  # positions that were reached
+                self.accept[i].update(float(record.accepted > i))
+            if was_probe:
+                self.probe_wait = min(2 * self.probe_wait, self.config.max_probe_every)
+        calls = record.drafted + 1
+        self.target_ms[calls] = self._update(self.target_ms.get(calls), 1000 * record.target_seconds)
+
+    def _target_ms(self, tokens: int) -> float:
+        """Measured cost of a call on ``tokens`` tokens, else interpolated from the nearest measured sizes."""
+        if tokens in self.target_ms:
+            return self.target_ms[tokens].value
+        known = sorted(self.target_ms)
+        below = [n for n in known if n < tokens]
+        above = [n for n in known if n > tokens]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            weight = (tokens - lo) / (hi - lo)
+            return self.target_ms[lo].value + weight * (self.target_ms[hi].value - self.target_ms[lo].value)
+        return self.target_ms[below[-1] if below else above[0]].value
+
+    def expected_tokens(self, gamma: int) -> float:
+        total, survive = 1.0, 1.0
+        for i in range(gamma):
+            survive *= self.accept[i].value
+            total += survive
+        return total
+
+    def next_gamma(self) -> int:
+        if self.draft_ms is None or not self.target_ms:
+            return self.config.initial_gamma
+        rates = [
+            (self.expected_tokens(g) / (g * self.draft_ms.value + self._target_ms(g + 1)), -g)
+            for g in range(self.config.max_gamma + 1)
+        ]
+        best = -max(rates)[1]
+        if best > 0:
+            self.probe_wait = self.config.probe_every
+        elif self.plain_rounds >= self.probe_wait:
+            return self.config.probe_gamma
+        return best
