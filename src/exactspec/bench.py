@@ -1,93 +1,90 @@
-"""Speed benchmark: plain decoding against speculative decoding, in one process, on the same prompts.
+"""Side-by-side speed benchmark: one process, the same prompts, settings and seeds for every arm.
 
-Every arm decodes the same prompts with the same sampling settings and seeds.
-Arms are interleaved inside each repetition (so slow drift of a shared machine
-hits all arms alike) and the reported figure is the median over repetitions of
-tokens per second, with the min-max spread. Next to the measured speedup it
-reports the inputs of the cost model, measured on the same models:
+Arms (each decodes every prompt of a workload, ``max_new_tokens`` tokens, EOS ignored):
 
-* alpha: maximum-likelihood acceptance rate from the arm's rounds;
-* c: time of one draft call over one target call (one token each, at the prompts' length);
-* verify cost: time of one target call on gamma + 1 tokens over one on 1 token;
-* predicted: ``costmodel.speedup(alpha, gamma, c, verify_cost)`` (Leviathan et al. 2023, Thm 3.8,
-  generalised to a verify cost above 1), and measured / predicted.
+* ``plain``: plain decoding of the target through the same engine (the baseline);
+* ``draft g=K``: speculative decoding with the draft model at fixed gamma K;
+* ``adaptive``: the draft model with :class:`exactspec.policy.AdaptiveGamma`;
+* ``lookup``: prompt-lookup drafting (no draft model), gamma ``lookup_gamma``;
+* ``hf plain`` / ``hf assisted g=K``: Hugging Face ``generate`` on the same weights,
+  plain and with ``assistant_model`` (constant ``num_assistant_tokens``, no
+  confidence early stop, no top-k unless asked).
+
+Arms are interleaved inside each repetition, so drift of a shared machine hits
+all alike; each figure is the median over repetitions of tokens per second,
+with the min-max spread. Next to the measured speedup it reports the cost
+model's inputs measured on the same models (alpha: maximum-likelihood
+acceptance; c: draft call over target call; verify cost: a (gamma+1)-token
+target call over a 1-token one) and its prediction
+``costmodel.speedup(alpha, gamma, c, verify_cost)`` (Leviathan et al. 2023, Thm 3.8).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from exactspec import costmodel
 from exactspec.engine import GenerationConfig, SpeculativeDecoder
 from exactspec.models.base import LanguageModel
-from exactspec.sampling import SamplingParams
-from exactspec.stats import GenerationStats
+from exactspec.policy import AdaptiveGamma
+from exactspec.proposers import PromptLookupProposer
+from exactspec.sampling import GREEDY, SamplingParams
 from exactspec.tokenizer import TextTokenizer
+from exactspec.workloads import WORKLOADS, workload_prompts
 
-__all__ = ["BenchConfig", "ArmResult", "held_out_prompts", "measure_call_ms", "run_bench", "format_table"]
+__all__ = ["BenchConfig", "run_bench", "format_table", "write_outputs", "measure_call_ms"]
+
+MODES = {"greedy": GREEDY, "sample": SamplingParams()}
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    gammas: tuple[int, ...] = (2, 4, 6)
-    num_prompts: int = 8
+    workloads: tuple[str, ...] = WORKLOADS
+    modes: tuple[str, ...] = ("greedy", "sample")
+    gammas: tuple[int, ...] = (2, 4, 6, 8)
+    lookup_gamma: int = 8
+    hf_gamma: int = 4
+    num_prompts: int = 6
     prompt_lines: int = 30
-    max_new_tokens: int = 128
+    max_new_tokens: int = 96
     repeats: int = 3
     seed: int = 0
+    hf: bool = True
 
     def __post_init__(self) -> None:
         if not self.gammas or min(self.gammas) < 1:
             raise ValueError(f"gammas must be integers >= 1, got {self.gammas}")
-        for name in ("num_prompts", "prompt_lines", "max_new_tokens", "repeats"):
+        for name in ("num_prompts", "prompt_lines", "max_new_tokens", "repeats", "lookup_gamma", "hf_gamma"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        unknown = set(self.workloads) - set(WORKLOADS) or set(self.modes) - set(MODES)
+        if unknown:
+            raise ValueError(f"unknown workload or mode: {', '.join(sorted(unknown))}")
+
+
+# An arm decodes one prompt: (prompt ids, seed) -> (generated token count, [(drafted, accepted)] or None).
+Arm = Callable[[list[int], int], tuple[int, list[tuple[int, int]] | None]]
 
 
 @dataclass
-class ArmResult:
+class ArmRecord:
     name: str
-    gamma: int
-    tokens_per_second: list[float] = field(default_factory=list)  # one per repetition
-    rounds: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) over all runs
+    gamma: int | None
+    tokens_per_second: list[float] = field(default_factory=list)
+    rounds: list[tuple[int, int]] = field(default_factory=list)
     tokens: int = 0
     target_calls: int = 0
-    accepted_by_position: list[float] = field(default_factory=list)
-
-    @property
-    def median_tps(self) -> float:
-        return statistics.median(self.tokens_per_second)
-
-    @property
-    def alpha(self) -> float | None:
-        return costmodel.estimate_alpha(self.rounds) if any(d for d, _ in self.rounds) else None
-
-
-def held_out_prompts(tokenizer: TextTokenizer, count: int, lines: int, max_tokens: int = 384) -> list[list[int]]:
-    """Prompts cut from the standard-library modules held out of the default pair's training.
-
-    Each prompt is ``lines`` consecutive lines ending in the middle of a file, led by BOS.
-    """
-    from exactspec.training.data import held_out_files, read_source
-
-    files = [f for f in held_out_files() if "/test" not in f.as_posix()] or held_out_files()
-    prompts = []
-    for index in range(count):
-        text_lines = read_source(files[index % len(files)]).splitlines(keepends=True)
-        end = max(lines, (len(text_lines) * (index + 1)) // (count + 1))
-        ids = tokenizer.encode_prompt("".join(text_lines[max(0, end - lines) : end]))
-        prompts.append(ids[-max_tokens:])
-    return prompts
 
 
 def measure_call_ms(model: LanguageModel, context: Sequence[int], new_tokens: int, repeats: int = 30) -> float:
-    """Median milliseconds of one ``forward`` of ``new_tokens`` tokens after ``context`` (cache rolled back each time)."""
+    """Median milliseconds of one ``forward`` of ``new_tokens`` tokens after ``context`` (rolled back each time)."""
     model.prefill(list(context))
     times = []
     for _ in range(repeats):
@@ -98,100 +95,200 @@ def measure_call_ms(model: LanguageModel, context: Sequence[int], new_tokens: in
     return 1000 * statistics.median(times)
 
 
-def _decode_all(decoder: SpeculativeDecoder, prompts, gamma: int, config: BenchConfig) -> tuple[float, list[GenerationStats]]:
-    tokens, seconds, all_stats = 0, 0.0, []
-    for i, prompt in enumerate(prompts):
-        run = GenerationConfig(max_new_tokens=config.max_new_tokens, gamma=gamma, seed=config.seed + i)
-        start = time.perf_counter()
-        generation = decoder.generate(prompt, run)
-        seconds += time.perf_counter() - start
-        tokens += len(generation.tokens)
-        all_stats.append(generation.stats)
-    return tokens / seconds, all_stats
+def _engine_arm(decoder: SpeculativeDecoder, gamma: int, max_new_tokens: int) -> Arm:
+    def run(prompt: list[int], seed: int):
+        generation = decoder.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma, seed=seed))
+        return len(generation.tokens), [(r.drafted, r.accepted) for r in generation.stats.rounds[1:]]
+
+    return run
+
+
+def _hf_arm(model, assistant, params: SamplingParams, gamma: int, max_new_tokens: int) -> Arm:
+    """Hugging Face generate, configured to be exact and comparable: the same sampling law, no early stops."""
+    options = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=not params.greedy)
+    if not params.greedy:
+        options.update(temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p)
+    if assistant is not None:
+        options.update(
+            assistant_model=assistant,
+            num_assistant_tokens=gamma,
+            num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,
+        )
+
+    def run(prompt: list[int], seed: int):
+        torch.manual_seed(seed)  # transformers samples from the global generator
+        input_ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), pad_token_id=0, **options)
+        return out.shape[1] - len(prompt), None
+
+    return run
+
+
+def _arms(target, draft, hf_models, params: SamplingParams, config: BenchConfig) -> list[tuple[ArmRecord, Arm]]:
+    n = config.max_new_tokens
+    plain = SpeculativeDecoder(target, None, params)
+    speculative = SpeculativeDecoder(target, draft, params)
+    arms = [(ArmRecord("plain", 0), _engine_arm(plain, 0, n))]
+    arms += [(ArmRecord(f"draft g={g}", g), _engine_arm(speculative, g, n)) for g in config.gammas]
+    arms.append((ArmRecord("adaptive", None), _engine_arm(SpeculativeDecoder(target, draft, params, AdaptiveGamma()), 0, n)))
+    arms.append((ArmRecord("lookup", config.lookup_gamma), _engine_arm(SpeculativeDecoder(target, PromptLookupProposer(), params), config.lookup_gamma, n)))
+    if hf_models is not None:
+        hf_target, hf_draft = hf_models
+        arms.append((ArmRecord("hf plain", None), _hf_arm(hf_target, None, params, 0, n)))
+        arms.append((ArmRecord(f"hf assisted g={config.hf_gamma}", None), _hf_arm(hf_target, hf_draft, params, config.hf_gamma, n)))
+    return arms
+
+
+def _summarise(records: list[ArmRecord], cost_ratio: float, verify_costs: dict[int, float]) -> list[dict]:
+    baseline = statistics.median(records[0].tokens_per_second)
+    hf_assisted = next((r for r in records if r.name.startswith("hf assisted")), None)
+    rows = []
+    for record in records:
+        tps = statistics.median(record.tokens_per_second)
+        drafted = any(d for d, _ in record.rounds)
+        alpha = costmodel.estimate_alpha(record.rounds) if drafted else None
+        gamma = record.gamma
+        predicted = None
+        if alpha is not None and gamma and record.name.startswith("draft"):
+            predicted = costmodel.speedup(alpha, gamma, cost_ratio, verify_costs[gamma + 1])
+        longest = max((d for d, _ in record.rounds), default=0)
+        rows.append(
+            {
+                "arm": record.name,
+                "gamma": gamma,
+                "tokens_per_second": tps,
+                "tps_min": min(record.tokens_per_second),
+                "tps_max": max(record.tokens_per_second),
+                "speedup": tps / baseline,
+                "vs_hf_assisted": tps / statistics.median(hf_assisted.tokens_per_second) if hf_assisted else None,
+                "alpha": alpha,
+                "tokens_per_round": record.tokens / record.target_calls if record.target_calls else None,
+                "acceptance_by_position": [
+                    sum(a > i for d, a in record.rounds if d > i) / max(1, sum(d > i for d, _ in record.rounds))
+                    for i in range(longest)
+                ],
+                "mean_gamma": sum(d for d, _ in record.rounds) / len(record.rounds) if record.rounds else None,
+                "predicted_speedup": predicted,
+                "efficiency": tps / baseline / predicted if predicted else None,
+            }
+        )
+    return rows
 
 
 def run_bench(
     target: LanguageModel,
     draft: LanguageModel,
-    prompts: list[list[int]],
-    params: SamplingParams,
+    tokenizer: TextTokenizer,
     config: BenchConfig,
+    hf_models=None,
     progress: bool = True,
 ) -> dict:
-    """Run every arm ``config.repeats`` times over ``prompts``; returns a JSON-ready report."""
+    """Run every (workload, mode, arm) ``config.repeats`` times; returns a JSON-ready report."""
     from tqdm import tqdm
 
-    arms = [ArmResult("plain", 0)] + [ArmResult(f"speculative g={g}", g) for g in config.gammas]
-    plain, speculative = SpeculativeDecoder(target, None, params), SpeculativeDecoder(target, draft, params)
-    _decode_all(speculative, prompts[:1], max(config.gammas), BenchConfig(max_new_tokens=16))  # warm-up
-    bar = tqdm(total=config.repeats * len(arms), desc="bench", disable=not progress, leave=False)
-    for _ in range(config.repeats):
-        for arm in arms:
-            tps, runs = _decode_all(plain if arm.gamma == 0 else speculative, prompts, arm.gamma, config)
-            arm.tokens_per_second.append(tps)
-            for stats in runs:
-                arm.rounds += [(r.drafted, r.accepted) for r in stats.rounds[1:]]
-                arm.tokens += stats.committed
-                arm.target_calls += len(stats.rounds)
-            bar.update()
-    bar.close()
-    context = prompts[0]
+    prompts = {w: [tokenizer.encode_prompt(t)[-512:] for t in workload_prompts(w, config.num_prompts, config.prompt_lines)] for w in config.workloads}
+    context = prompts[config.workloads[0]][0]
     target_ms = measure_call_ms(target, context, 1)
     draft_ms = measure_call_ms(draft, context, 1)
-    cost_ratio = draft_ms / target_ms
-    baseline = arms[0].median_tps
-    rows = []
-    for arm in arms:
-        verify_cost = measure_call_ms(target, context, arm.gamma + 1) / target_ms if arm.gamma else 1.0
-        alpha = arm.alpha
-        predicted = costmodel.speedup(alpha, arm.gamma, cost_ratio, verify_cost) if alpha is not None else 1.0
-        speedup = arm.median_tps / baseline
-        by_position = [
-            sum(a > i for d, a in arm.rounds if d > i) / max(1, sum(d > i for d, _ in arm.rounds)) for i in range(arm.gamma)
-        ]
-        rows.append(
-            {
-                "arm": arm.name,
-                "gamma": arm.gamma,
-                "tokens_per_second": arm.median_tps,
-                "tps_min": min(arm.tokens_per_second),
-                "tps_max": max(arm.tokens_per_second),
-                "speedup": speedup,
-                "alpha": alpha,
-                "acceptance_by_position": by_position,
-                "tokens_per_round": arm.tokens / arm.target_calls,
-                "verify_cost": verify_cost,
-                "predicted_speedup": predicted,
-                "efficiency": speedup / predicted,
-            }
-        )
+    verify_costs = {n: measure_call_ms(target, context, n) / target_ms for n in range(1, max(*config.gammas, config.lookup_gamma) + 2)}
+    arms_per_run = 3 + len(config.gammas) + (2 if hf_models else 0)
+    bar = tqdm(total=len(config.workloads) * len(config.modes) * config.repeats * arms_per_run, desc="bench", disable=not progress)
+    results = []
+    for mode in config.modes:
+        for workload in config.workloads:
+            arms = _arms(target, draft, hf_models, MODES[mode], config)
+            _run_arms(arms, prompts[workload][:1], config.seed, warmup=True)
+            for _ in range(config.repeats):
+                _run_arms(arms, prompts[workload], config.seed)
+                bar.update(len(arms))
+            results.append({"workload": workload, "mode": mode, "arms": _summarise([r for r, _ in arms], draft_ms / target_ms, verify_costs)})
+    bar.close()
     return {
         "config": asdict(config),
-        "sampling": {k: v for k, v in asdict(params).items() if k not in ("logit_bias",)},
         "target_ms": target_ms,
         "draft_ms": draft_ms,
-        "cost_ratio": cost_ratio,
+        "cost_ratio": draft_ms / target_ms,
+        "verify_cost": verify_costs,
         "threads": torch.get_num_threads(),
-        "arms": rows,
+        "torch": torch.__version__,
+        "results": results,
     }
+
+
+def _run_arms(arms: list[tuple[ArmRecord, Arm]], prompts: list[list[int]], seed: int, warmup: bool = False) -> None:
+    for record, arm in arms:
+        tokens, seconds = 0, 0.0
+        for i, prompt in enumerate(prompts):
+            start = time.perf_counter()
+            count, rounds = arm(prompt, seed + i)
+            seconds += time.perf_counter() - start
+            tokens += count
+            if not warmup and rounds is not None:
+                record.rounds += rounds
+                record.tokens += count
+                record.target_calls += len(rounds) + 1
+        if not warmup:
+            record.tokens_per_second.append(tokens / seconds)
 
 
 def format_table(report: dict) -> str:
     lines = [
-        f"target call {report['target_ms']:.2f} ms, draft call {report['draft_ms']:.2f} ms, c = {report['cost_ratio']:.3f}",
-        f"{'arm':<18}{'tok/s':>8}{'(min-max)':>16}{'speedup':>9}{'alpha':>7}{'tok/rnd':>8}{'verify':>8}{'pred':>7}{'meas/pred':>10}",
+        f"target call {report['target_ms']:.2f} ms, draft call {report['draft_ms']:.2f} ms, c = {report['cost_ratio']:.3f}; "
+        f"verify cost of gamma+1 tokens: " + ", ".join(f"{n - 1}:{v:.2f}" for n, v in list(report["verify_cost"].items())[1:]),
     ]
-    for row in report["arms"]:
-        alpha = "-" if row["alpha"] is None else f"{row['alpha']:.3f}"
-        spread = f"({row['tps_min']:.0f}-{row['tps_max']:.0f})"
-        lines.append(
-            f"{row['arm']:<18}{row['tokens_per_second']:>8.1f}{spread:>16}{row['speedup']:>8.2f}x{alpha:>7}"
-            f"{row['tokens_per_round']:>8.2f}{row['verify_cost']:>8.2f}{row['predicted_speedup']:>6.2f}x{row['efficiency']:>10.2f}"
-        )
+    header = f"{'arm':<18}{'tok/s':>8}{'min-max':>12}{'speedup':>9}{'vs HF':>7}{'alpha':>7}{'tok/rnd':>8}{'pred':>7}{'meas/pred':>10}"
+    fmt = lambda v, spec, suffix="": "-" if v is None else f"{v:{spec}}{suffix}"  # noqa: E731
+    for result in report["results"]:
+        lines += ["", f"== {result['workload']} / {result['mode']} ==", header]
+        for row in result["arms"]:
+            lines.append(
+                f"{row['arm']:<18}{row['tokens_per_second']:>8.1f}{row['tps_min']:>6.0f}-{row['tps_max']:<5.0f}"
+                f"{fmt(row['speedup'], '.2f', 'x'):>9}{fmt(row['vs_hf_assisted'], '.2f', 'x'):>7}{fmt(row['alpha'], '.3f'):>7}"
+                f"{fmt(row['tokens_per_round'], '.2f'):>8}{fmt(row['predicted_speedup'], '.2f', 'x'):>7}{fmt(row['efficiency'], '.2f'):>10}"
+            )
     return "\n".join(lines)
 
 
-def write_report(report: dict, path: str | Path) -> None:
-    import json
+def write_outputs(report: dict, directory: str | Path) -> list[Path]:
+    """report.json, report.txt and, when matplotlib is installed, speedup.png and acceptance.png."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = [directory / "report.json", directory / "report.txt"]
+    written[0].write_text(json.dumps(report, indent=2))
+    written[1].write_text(format_table(report) + "\n")
+    try:
+        import matplotlib
 
-    Path(path).write_text(json.dumps(report, indent=2))
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    figure, axes = plt.subplots(1, len(report["results"]), figsize=(4 * len(report["results"]), 3.6), squeeze=False)
+    for axis, result in zip(axes[0], report["results"]):
+        draft_rows = [r for r in result["arms"] if r["arm"].startswith("draft")]
+        gammas = [r["gamma"] for r in draft_rows]
+        axis.plot(gammas, [r["speedup"] for r in draft_rows], "o-", label="measured")
+        alpha = statistics.median(r["alpha"] for r in draft_rows)
+        curve = range(1, max(gammas) + 1)
+        axis.plot(curve, [costmodel.speedup(alpha, g, report["cost_ratio"], report["verify_cost"][g + 1]) for g in curve], "--", label=f"predicted (alpha {alpha:.2f})")
+        for row in result["arms"]:
+            if not row["arm"].startswith("draft") and row["arm"] != "plain":
+                axis.axhline(row["speedup"], linestyle=":", linewidth=1, color="grey")
+                axis.annotate(row["arm"], (max(gammas), row["speedup"]), fontsize=7, ha="right", va="bottom")
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set(title=f"{result['workload']} / {result['mode']}", xlabel="gamma", ylabel="speedup over plain")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(directory / "speedup.png", dpi=110)
+    figure, axes = plt.subplots(1, len(report["results"]), figsize=(4 * len(report["results"]), 3.2), squeeze=False)
+    for axis, result in zip(axes[0], report["results"]):
+        row = max((r for r in result["arms"] if r["arm"].startswith("draft")), key=lambda r: r["gamma"])
+        positions = range(1, len(row["acceptance_by_position"]) + 1)
+        axis.bar(positions, row["acceptance_by_position"])
+        axis.set(title=f"{result['workload']} / {result['mode']} ({row['arm']})", xlabel="draft position", ylabel="P(accepted | reached)", ylim=(0, 1))
+    figure.tight_layout()
+    figure.savefig(directory / "acceptance.png", dpi=110)
+    plt.close("all")
+    return written + [directory / "speedup.png", directory / "acceptance.png"]

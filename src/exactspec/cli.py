@@ -14,6 +14,7 @@ from exactspec import costmodel, verify
 from exactspec.engine import Generation, GenerationConfig, SpeculativeDecoder
 from exactspec.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.sampling import SamplingParams
+from exactspec.loading import default_pair_dirs
 from exactspec.tokenizer import stream_text
 
 __all__ = ["main"]
@@ -139,12 +140,16 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         raise CliError(str(error)) from None
 
 
-def _load(args: argparse.Namespace, with_draft: bool):
-    from exactspec.loading import DTYPES, default_pair_dirs, load_pair
-
+def _pair_dirs(args: argparse.Namespace, with_draft: bool = True):
     if (args.target is None) != (args.draft is None) and not (args.target and not with_draft):
         raise CliError("give both --target and --draft, or neither for the shipped default pair")
-    target_dir, draft_dir = (args.target, args.draft) if args.target else default_pair_dirs()
+    return (args.target, args.draft) if args.target else default_pair_dirs()
+
+
+def _load(args: argparse.Namespace, with_draft: bool):
+    from exactspec.loading import DTYPES, load_pair
+
+    target_dir, draft_dir = _pair_dirs(args, with_draft)
     try:
         return load_pair(target_dir, draft_dir if with_draft else None, args.backend, DTYPES[args.dtype])
     except (OSError, ValueError) as error:
@@ -231,18 +236,30 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, default_temperature
 def _bench(args: argparse.Namespace) -> dict:
     from exactspec import bench
 
-    params = _sampling(args)
     try:
-        gammas = tuple(int(g) for g in args.gammas.split(","))
-        config = bench.BenchConfig(gammas, args.prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed)
+        config = bench.BenchConfig(
+            workloads=tuple(args.workloads.split(",")),
+            modes=tuple(args.modes.split(",")),
+            gammas=tuple(int(g) for g in args.gammas.split(",")),
+            lookup_gamma=args.lookup_gamma,
+            hf_gamma=args.hf_gamma,
+            num_prompts=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats,
+            seed=args.seed,
+            hf=not args.no_hf,
+        )
     except ValueError as error:
-        raise CliError(f"--gammas must be comma-separated integers >= 1 ({error})" if "int" in str(error) else str(error)) from None
+        raise CliError(str(error)) from None
     pair = _load(args, with_draft=True)
-    prompts = bench.held_out_prompts(pair.tokenizer, config.num_prompts, config.prompt_lines)
-    report = bench.run_bench(pair.target, pair.draft, prompts, params, config, progress=not args.json)
-    report["backend"], report["dtype"] = args.backend, args.dtype
-    if args.output:
-        bench.write_report(report, args.output)
+    hf_models = None
+    if config.hf:
+        from exactspec.loading import DTYPES, load_model
+
+        hf_models = tuple(load_model(d, "hf", DTYPES[args.dtype]).model for d in _pair_dirs(args))
+    report = bench.run_bench(pair.target, pair.draft, pair.tokenizer, config, hf_models, progress=not args.json)
+    report.update(backend=args.backend, dtype=args.dtype)
+    report["outputs"] = [str(p) for p in bench.write_outputs(report, args.output_dir)]
     return report
 
 
@@ -286,15 +303,19 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generate.set_defaults(run=_generate, show=_print_generate)
 
-    bench = commands.add_parser("bench", help="tokens/s of plain vs speculative decoding on held-out prompts")
+    bench = commands.add_parser("bench", help="side-by-side speed benchmark: plain, draft, adaptive, lookup, Hugging Face")
     _add_model_arguments(bench)
-    bench.add_argument("--gammas", default="2,4,6", help="comma-separated gamma values (default 2,4,6)")
-    bench.add_argument("--prompts", type=int, default=8, help="number of prompts (default 8)")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--repeats", type=int, default=3, help="repetitions; the median is reported (default 3)")
+    bench.add_argument("--workloads", default="heldout,code,grounded", help="comma-separated: heldout, code, grounded")
+    bench.add_argument("--modes", default="greedy,sample", help="comma-separated: greedy (T=0), sample (T=1)")
+    bench.add_argument("--gammas", default="2,4,6,8", help="fixed gamma values of the draft arms")
+    bench.add_argument("--hf-gamma", type=int, default=4, help="gamma of Hugging Face assisted generation (default 4)")
+    bench.add_argument("--lookup-gamma", type=int, default=8)
+    bench.add_argument("--prompts", type=int, default=6, help="prompts per workload (default 6)")
+    bench.add_argument("--max-new-tokens", type=int, default=96)
+    bench.add_argument("--repeats", type=int, default=3, help="repetitions; medians are reported (default 3)")
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--output", help="also write the report as JSON to this file")
-    _add_sampling_arguments(bench, default_temperature=0.0)
+    bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face arms")
+    bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.set_defaults(run=_bench, show=_print_bench)
     return parser
