@@ -32,6 +32,7 @@ import torch
 
 from exactspec import costmodel
 from exactspec.engine import GenerationConfig, SpeculativeDecoder
+from exactspec.loading import model_capacity
 from exactspec.models.base import LanguageModel
 from exactspec.policy import AdaptiveGamma
 from exactspec.proposers import PromptLookupProposer
@@ -141,7 +142,7 @@ def _arms(target, draft, hf_models, params: SamplingParams, config: BenchConfig)
     return arms
 
 
-def _summarise(records: list[ArmRecord], cost_ratio: float, verify_costs: dict[int, float]) -> list[dict]:
+def _summarise(records: list[ArmRecord], cost_ratio: float, verify_costs: list[float]) -> list[dict]:
     baseline = statistics.median(records[0].tokens_per_second)
     hf_assisted = next((r for r in records if r.name.startswith("hf assisted")), None)
     rows = []
@@ -152,7 +153,7 @@ def _summarise(records: list[ArmRecord], cost_ratio: float, verify_costs: dict[i
         gamma = record.gamma
         predicted = None
         if alpha is not None and gamma and record.name.startswith("draft"):
-            predicted = costmodel.speedup(alpha, gamma, cost_ratio, verify_costs[gamma + 1])
+            predicted = costmodel.speedup(alpha, gamma, cost_ratio, verify_costs[gamma])
         longest = max((d for d, _ in record.rounds), default=0)
         rows.append(
             {
@@ -188,11 +189,17 @@ def run_bench(
     """Run every (workload, mode, arm) ``config.repeats`` times; returns a JSON-ready report."""
     from tqdm import tqdm
 
-    prompts = {w: [tokenizer.encode_prompt(t)[-512:] for t in workload_prompts(w, config.num_prompts, config.prompt_lines)] for w in config.workloads}
+    capacity = model_capacity(target) or 4096
+    keep = min(768, capacity - config.max_new_tokens - max(*config.gammas, config.lookup_gamma) - 2)  # prompt tokens kept
+    prompts = {
+        w: [tokenizer.encode_prompt(text)[-keep:] for text in workload_prompts(w, config.num_prompts, config.prompt_lines)]
+        for w in config.workloads
+    }
     context = prompts[config.workloads[0]][0]
     target_ms = measure_call_ms(target, context, 1)
     draft_ms = measure_call_ms(draft, context, 1)
-    verify_costs = {n: measure_call_ms(target, context, n) / target_ms for n in range(1, max(*config.gammas, config.lookup_gamma) + 2)}
+    # verify_costs[g]: a call on g + 1 tokens over a call on 1 token
+    verify_costs = [measure_call_ms(target, context, g + 1) / target_ms for g in range(max(*config.gammas, config.lookup_gamma) + 1)]
     arms_per_run = 3 + len(config.gammas) + (2 if hf_models else 0)
     bar = tqdm(total=len(config.workloads) * len(config.modes) * config.repeats * arms_per_run, desc="bench", disable=not progress)
     results = []
@@ -236,7 +243,7 @@ def _run_arms(arms: list[tuple[ArmRecord, Arm]], prompts: list[list[int]], seed:
 def format_table(report: dict) -> str:
     lines = [
         f"target call {report['target_ms']:.2f} ms, draft call {report['draft_ms']:.2f} ms, c = {report['cost_ratio']:.3f}; "
-        f"verify cost of gamma+1 tokens: " + ", ".join(f"{n - 1}:{v:.2f}" for n, v in list(report["verify_cost"].items())[1:]),
+        "verify cost (gamma: cost of gamma+1 tokens over 1) " + ", ".join(f"{g}: {v:.2f}" for g, v in enumerate(report["verify_cost"]) if g),
     ]
     header = f"{'arm':<18}{'tok/s':>8}{'min-max':>12}{'speedup':>9}{'vs HF':>7}{'alpha':>7}{'tok/rnd':>8}{'pred':>7}{'meas/pred':>10}"
     fmt = lambda v, spec, suffix="": "-" if v is None else f"{v:{spec}}{suffix}"  # noqa: E731
@@ -265,14 +272,21 @@ def write_outputs(report: dict, directory: str | Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return written
-    figure, axes = plt.subplots(1, len(report["results"]), figsize=(4 * len(report["results"]), 3.6), squeeze=False)
-    for axis, result in zip(axes[0], report["results"]):
+    modes = list(dict.fromkeys(r["mode"] for r in report["results"]))
+    workloads = list(dict.fromkeys(r["workload"] for r in report["results"]))
+
+    def grid(height: float):
+        figure, axes = plt.subplots(len(modes), len(workloads), figsize=(4.2 * len(workloads), height * len(modes)), squeeze=False)
+        return figure, [(axes[modes.index(r["mode"])][workloads.index(r["workload"])], r) for r in report["results"]]
+
+    figure, panels = grid(3.4)
+    for axis, result in panels:
         draft_rows = [r for r in result["arms"] if r["arm"].startswith("draft")]
         gammas = [r["gamma"] for r in draft_rows]
         axis.plot(gammas, [r["speedup"] for r in draft_rows], "o-", label="measured")
         alpha = statistics.median(r["alpha"] for r in draft_rows)
         curve = range(1, max(gammas) + 1)
-        axis.plot(curve, [costmodel.speedup(alpha, g, report["cost_ratio"], report["verify_cost"][g + 1]) for g in curve], "--", label=f"predicted (alpha {alpha:.2f})")
+        axis.plot(curve, [costmodel.speedup(alpha, g, report["cost_ratio"], report["verify_cost"][g]) for g in curve], "--", label=f"predicted (alpha {alpha:.2f})")
         for row in result["arms"]:
             if not row["arm"].startswith("draft") and row["arm"] != "plain":
                 axis.axhline(row["speedup"], linestyle=":", linewidth=1, color="grey")
@@ -282,8 +296,8 @@ def write_outputs(report: dict, directory: str | Path) -> list[Path]:
         axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(directory / "speedup.png", dpi=110)
-    figure, axes = plt.subplots(1, len(report["results"]), figsize=(4 * len(report["results"]), 3.2), squeeze=False)
-    for axis, result in zip(axes[0], report["results"]):
+    figure, panels = grid(3.0)
+    for axis, result in panels:
         row = max((r for r in result["arms"] if r["arm"].startswith("draft")), key=lambda r: r["gamma"])
         positions = range(1, len(row["acceptance_by_position"]) + 1)
         axis.bar(positions, row["acceptance_by_position"])

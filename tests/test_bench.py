@@ -1,0 +1,56 @@
+"""The benchmark harness: workloads are built from the right files, every arm runs, outputs are written."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from conftest import save_tiny_checkpoint, tiny_tokenizer_json
+from exactspec.bench import BenchConfig
+from exactspec.cli import main
+from exactspec.workloads import third_party_sources, workload_prompts
+
+
+def test_code_prompts_come_from_third_party_packages_not_the_standard_library():
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    files = third_party_sources()
+    assert files and all("site-packages" in f.parts or stdlib not in f.resolve().parents for f in files)
+    assert workload_prompts("code", 3) == workload_prompts("code", 3)  # deterministic
+
+
+def test_grounded_prompts_repeat_their_input():
+    for prompt in workload_prompts("grounded", 3):
+        original, request = prompt.split("\n# The same code with `", 1)
+        assert "renamed to" in request and original.startswith("# Original:\n")
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError, match="unknown workload or mode: poetry"):
+        BenchConfig(workloads=("poetry",))
+    with pytest.raises(ValueError, match="gammas"):
+        BenchConfig(gammas=(0,))
+
+
+def test_bench_cli_runs_every_arm_and_writes_report_and_plots(tmp_path, capsys):
+    tokenizer = tiny_tokenizer_json()
+    target = save_tiny_checkpoint(tmp_path / "target", vocab_rows=300, layers=2, seed=0, tokenizer_json=tokenizer)
+    draft = save_tiny_checkpoint(tmp_path / "draft", vocab_rows=300, layers=1, seed=1, tokenizer_json=tokenizer)
+    out = tmp_path / "out"
+    args = ["bench", "--target", str(target), "--draft", str(draft), "--workloads", "grounded", "--modes", "greedy,sample",
+            "--gammas", "1,2", "--prompts", "1", "--max-new-tokens", "6", "--repeats", "2", "--output-dir", str(out), "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["mode"] for r in report["results"]] == ["greedy", "sample"]
+    arms = [row["arm"] for row in report["results"][0]["arms"]]
+    assert arms == ["plain", "draft g=1", "draft g=2", "adaptive", "lookup", "hf plain", "hf assisted g=4"]
+    plain, draft_row = report["results"][0]["arms"][:2]
+    assert plain["speedup"] == 1.0 and plain["tps_min"] <= plain["tokens_per_second"] <= plain["tps_max"]
+    assert draft_row["predicted_speedup"] > 0 and draft_row["efficiency"] > 0 and draft_row["alpha"] is not None
+    for name in ("report.json", "report.txt", "speedup.png", "acceptance.png"):
+        assert (out / name).stat().st_size > 0
+    assert main(["bench", "--target", str(target), "--draft", str(draft), "--modes", "fast"]) == 2
