@@ -200,6 +200,11 @@ def run_bench(
     draft_ms = measure_call_ms(draft, context, 1)
     # verify_costs[g]: a call on g + 1 tokens over a call on 1 token
     verify_costs = [measure_call_ms(target, context, g + 1) / target_ms for g in range(max(*config.gammas, config.lookup_gamma) + 1)]
+    call_ms = {"target": target_ms, "draft": draft_ms}  # on the backend the arms use
+    if hf_models is not None:  # the per-call overhead the lean backend saves
+        from exactspec.models.hf import HFModel
+
+        call_ms["hf target"], call_ms["hf draft"] = (measure_call_ms(HFModel(m), context, 1) for m in hf_models)
     arms_per_run = 3 + len(config.gammas) + (2 if hf_models else 0)
     bar = tqdm(total=len(config.workloads) * len(config.modes) * config.repeats * arms_per_run, desc="bench", disable=not progress)
     results = []
@@ -218,6 +223,7 @@ def run_bench(
         "draft_ms": draft_ms,
         "cost_ratio": draft_ms / target_ms,
         "verify_cost": verify_costs,
+        "call_ms": call_ms,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "results": results,
@@ -245,6 +251,7 @@ def format_table(report: dict) -> str:
         f"target call {report['target_ms']:.2f} ms, draft call {report['draft_ms']:.2f} ms, c = {report['cost_ratio']:.3f}; "
         "verify cost (gamma: cost of gamma+1 tokens over 1) " + ", ".join(f"{g}: {v:.2f}" for g, v in enumerate(report["verify_cost"]) if g),
     ]
+    lines.append("one-token call, ms: " + ", ".join(f"{name} {ms:.2f}" for name, ms in report["call_ms"].items()))
     header = f"{'arm':<18}{'tok/s':>8}{'min-max':>12}{'speedup':>9}{'vs HF':>7}{'alpha':>7}{'tok/rnd':>8}{'pred':>7}{'meas/pred':>10}"
     fmt = lambda v, spec, suffix="": "-" if v is None else f"{v:{spec}}{suffix}"  # noqa: E731
     for result in report["results"]:
