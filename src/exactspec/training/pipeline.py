@@ -241,6 +241,7 @@ def _write_model_dir(model: LlamaDecoder, tok_dir: Path, directory: Path) -> Non
     directory.mkdir(parents=True, exist_ok=True)
     sd = {k: v.to(torch.bfloat16).cpu().contiguous() for k, v in hf_state_dict(model).items()}
     save_file(sd, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "model.safetensors").chmod(0o644)
     _save_json(directory / "config.json", model.cfg.to_hf_dict("bfloat16"))
     _save_json(directory / "generation_config.json",
                {"bos_token_id": 0, "eos_token_id": 0, "do_sample": False})
@@ -474,6 +475,8 @@ def export_models(out: Path, dest: Path, command: str | None = None) -> None:
         if (dest / name).exists():
             shutil.rmtree(dest / name)
         shutil.copytree(out / name, dest / name)
+        for f in (dest / name).iterdir():
+            f.chmod(0o644)  # safetensors writes 0600; package data must be world-readable
     shutil.copy(out / "metrics.json", dest / "metrics.json")
     card = MODEL_CARD.format(
         pyver=".".join(map(str, sys.version_info[:3])),
