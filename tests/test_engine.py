@@ -135,7 +135,7 @@ class FixedProposer:
     def __init__(self, tokens):
         self.tokens = tokens
 
-    def reset(self, prompt_length=None):
+    def reset(self, prompt):
         pass
 
     def propose(self, context, gamma, generator):
@@ -174,7 +174,7 @@ def test_draft_probabilities_are_exactly_the_float64_rows_the_tokens_were_sample
     target, draft = pair()
     params = SamplingParams(temperature=0.8, top_k=4, repetition_penalty=1.2)
     proposer = SpeculativeDecoder(target, draft, params).proposer
-    proposer.reset(2)
+    proposer.reset([1, 2])
     proposed = proposer.propose([1, 2, 3], 3, torch.Generator().manual_seed(0))
     assert proposed.probs.dtype == torch.float64
     prefix = [1, 2, 3]

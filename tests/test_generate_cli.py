@@ -37,7 +37,7 @@ def test_streams_text_and_ends_with_a_one_line_summary(pair, capsys):
 
 def test_json_output_and_greedy_equals_plain_across_backends(pair, capsys):
     target, draft = pair
-    common = ["import os", "--target", str(target), "--draft", str(draft), "--temperature", "0", "--max-new-tokens", "16", "--ignore-eos", "--json"]
+    common = ["import os", "--target", str(target), "--draft", str(draft), "--temperature", "0", "--max-new-tokens", "16", "--ignore-eos", "--json", "--dtype", "float32"]
     texts = []
     for extra in ([], ["--no-speculation"], ["--backend", "hf"], ["--backend", "hf", "--gamma", "2"]):
         code, out, _ = generate(capsys, *common, *extra)

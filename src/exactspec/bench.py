@@ -37,6 +37,7 @@ from exactspec.models.base import LanguageModel
 from exactspec.policy import AdaptiveGamma
 from exactspec.proposers import PromptLookupProposer
 from exactspec.sampling import GREEDY, SamplingParams
+from exactspec.stats import RoundRecord
 from exactspec.tokenizer import TextTokenizer
 from exactspec.workloads import WORKLOADS, workload_prompts
 
@@ -70,8 +71,8 @@ class BenchConfig:
             raise ValueError(f"unknown workload or mode: {', '.join(sorted(unknown))}")
 
 
-# An arm decodes one prompt: (prompt ids, seed) -> (generated token count, [(drafted, accepted)] or None).
-Arm = Callable[[list[int], int], tuple[int, list[tuple[int, int]] | None]]
+# An arm decodes one prompt: (prompt ids, seed) -> (generated token count, the engine's rounds or None).
+Arm = Callable[[list[int], int], tuple[int, list[RoundRecord] | None]]
 
 
 @dataclass
@@ -79,9 +80,13 @@ class ArmRecord:
     name: str
     gamma: int | None
     tokens_per_second: list[float] = field(default_factory=list)
-    rounds: list[tuple[int, int]] = field(default_factory=list)
-    tokens: int = 0
-    target_calls: int = 0
+    rounds: list[RoundRecord] = field(default_factory=list)  # every round after the prefill, all repetitions
+
+    def totals(self) -> tuple[int, int, int, float, float]:
+        """drafted, accepted, committed tokens; draft and target seconds."""
+        r = self.rounds
+        return (sum(x.drafted for x in r), sum(x.accepted for x in r), sum(x.committed for x in r),
+                sum(x.draft_seconds for x in r), sum(x.target_seconds for x in r))
 
 
 def measure_call_ms(model: LanguageModel, context: Sequence[int], new_tokens: int, repeats: int = 30) -> float:
@@ -99,7 +104,7 @@ def measure_call_ms(model: LanguageModel, context: Sequence[int], new_tokens: in
 def _engine_arm(decoder: SpeculativeDecoder, gamma: int, max_new_tokens: int) -> Arm:
     def run(prompt: list[int], seed: int):
         generation = decoder.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma, seed=seed))
-        return len(generation.tokens), [(r.drafted, r.accepted) for r in generation.stats.rounds[1:]]
+        return len(generation.tokens), generation.stats.rounds[1:]
 
     return run
 
@@ -142,35 +147,47 @@ def _arms(target, draft, hf_models, params: SamplingParams, config: BenchConfig)
     return arms
 
 
-def _summarise(records: list[ArmRecord], cost_ratio: float, verify_costs: list[float]) -> list[dict]:
-    baseline = statistics.median(records[0].tokens_per_second)
+def _summarise(records: list[ArmRecord]) -> list[dict]:
+    """Per arm: speed, acceptance, and the cost model's prediction from costs measured inside the loop.
+
+    c is the mean time of one draft step over the mean time of plain decoding's one-token target
+    call, and the verify cost the mean time of this arm's target calls over that same call, all
+    measured in the decoding runs themselves, so measured / predicted isolates the engine's own
+    overhead (proposing, verifying, bookkeeping) from the cost of the models.
+    """
+    plain = records[0]
+    baseline = statistics.median(plain.tokens_per_second)
+    plain_target_s = plain.totals()[4] / len(plain.rounds)
     hf_assisted = next((r for r in records if r.name.startswith("hf assisted")), None)
     rows = []
     for record in records:
         tps = statistics.median(record.tokens_per_second)
-        drafted = any(d for d, _ in record.rounds)
-        alpha = costmodel.estimate_alpha(record.rounds) if drafted else None
-        gamma = record.gamma
+        drafted, accepted, committed, draft_s, target_s = record.totals()
+        alpha = costmodel.estimate_alpha((r.drafted, r.accepted) for r in record.rounds) if drafted else None
+        cost_ratio = draft_s / drafted / plain_target_s if drafted else None
+        verify_cost = target_s / len(record.rounds) / plain_target_s if record.rounds else None
         predicted = None
-        if alpha is not None and gamma and record.name.startswith("draft"):
-            predicted = costmodel.speedup(alpha, gamma, cost_ratio, verify_costs[gamma])
-        longest = max((d for d, _ in record.rounds), default=0)
+        if alpha is not None and record.gamma and record.name.startswith("draft"):
+            predicted = costmodel.speedup(alpha, record.gamma, cost_ratio, verify_cost)
+        longest = max((r.drafted for r in record.rounds), default=0)
         rows.append(
             {
                 "arm": record.name,
-                "gamma": gamma,
+                "gamma": record.gamma,
                 "tokens_per_second": tps,
                 "tps_min": min(record.tokens_per_second),
                 "tps_max": max(record.tokens_per_second),
                 "speedup": tps / baseline,
                 "vs_hf_assisted": tps / statistics.median(hf_assisted.tokens_per_second) if hf_assisted else None,
                 "alpha": alpha,
-                "tokens_per_round": record.tokens / record.target_calls if record.target_calls else None,
+                "tokens_per_round": committed / len(record.rounds) if record.rounds else None,
                 "acceptance_by_position": [
-                    sum(a > i for d, a in record.rounds if d > i) / max(1, sum(d > i for d, _ in record.rounds))
+                    sum(r.accepted > i for r in record.rounds if r.drafted > i) / max(1, sum(r.drafted > i for r in record.rounds))
                     for i in range(longest)
                 ],
-                "mean_gamma": sum(d for d, _ in record.rounds) / len(record.rounds) if record.rounds else None,
+                "mean_gamma": drafted / len(record.rounds) if record.rounds else None,
+                "cost_ratio_in_loop": cost_ratio,
+                "verify_cost_in_loop": verify_cost,
                 "predicted_speedup": predicted,
                 "efficiency": tps / baseline / predicted if predicted else None,
             }
@@ -215,7 +232,7 @@ def run_bench(
             for _ in range(config.repeats):
                 _run_arms(arms, prompts[workload], config.seed)
                 bar.update(len(arms))
-            results.append({"workload": workload, "mode": mode, "arms": _summarise([r for r, _ in arms], draft_ms / target_ms, verify_costs)})
+            results.append({"workload": workload, "mode": mode, "arms": _summarise([r for r, _ in arms])})
     bar.close()
     return {
         "config": asdict(config),
@@ -240,8 +257,6 @@ def _run_arms(arms: list[tuple[ArmRecord, Arm]], prompts: list[list[int]], seed:
             tokens += count
             if not warmup and rounds is not None:
                 record.rounds += rounds
-                record.tokens += count
-                record.target_calls += len(rounds) + 1
         if not warmup:
             record.tokens_per_second.append(tokens / seconds)
 
@@ -252,7 +267,7 @@ def format_table(report: dict) -> str:
         "verify cost (gamma: cost of gamma+1 tokens over 1) " + ", ".join(f"{g}: {v:.2f}" for g, v in enumerate(report["verify_cost"]) if g),
     ]
     lines.append("one-token call, ms: " + ", ".join(f"{name} {ms:.2f}" for name, ms in report["call_ms"].items()))
-    header = f"{'arm':<18}{'tok/s':>8}{'min-max':>12}{'speedup':>9}{'vs HF':>7}{'alpha':>7}{'tok/rnd':>8}{'pred':>7}{'meas/pred':>10}"
+    header = f"{'arm':<18}{'tok/s':>8}{'min-max':>12}{'speedup':>9}{'vs HF':>7}{'alpha':>7}{'tok/rnd':>8}{'c':>7}{'verify':>7}{'pred':>7}{'meas/pred':>10}"
     fmt = lambda v, spec, suffix="": "-" if v is None else f"{v:{spec}}{suffix}"  # noqa: E731
     for result in report["results"]:
         lines += ["", f"== {result['workload']} / {result['mode']} ==", header]
@@ -260,7 +275,8 @@ def format_table(report: dict) -> str:
             lines.append(
                 f"{row['arm']:<18}{row['tokens_per_second']:>8.1f}{row['tps_min']:>6.0f}-{row['tps_max']:<5.0f}"
                 f"{fmt(row['speedup'], '.2f', 'x'):>9}{fmt(row['vs_hf_assisted'], '.2f', 'x'):>7}{fmt(row['alpha'], '.3f'):>7}"
-                f"{fmt(row['tokens_per_round'], '.2f'):>8}{fmt(row['predicted_speedup'], '.2f', 'x'):>7}{fmt(row['efficiency'], '.2f'):>10}"
+                f"{fmt(row['tokens_per_round'], '.2f'):>8}{fmt(row['cost_ratio_in_loop'], '.3f'):>7}{fmt(row['verify_cost_in_loop'], '.2f'):>7}"
+                f"{fmt(row['predicted_speedup'], '.2f', 'x'):>7}{fmt(row['efficiency'], '.2f'):>10}"
             )
     return "\n".join(lines)
 
@@ -291,9 +307,7 @@ def write_outputs(report: dict, directory: str | Path) -> list[Path]:
         draft_rows = [r for r in result["arms"] if r["arm"].startswith("draft")]
         gammas = [r["gamma"] for r in draft_rows]
         axis.plot(gammas, [r["speedup"] for r in draft_rows], "o-", label="measured")
-        alpha = statistics.median(r["alpha"] for r in draft_rows)
-        curve = range(1, max(gammas) + 1)
-        axis.plot(curve, [costmodel.speedup(alpha, g, report["cost_ratio"], report["verify_cost"][g]) for g in curve], "--", label=f"predicted (alpha {alpha:.2f})")
+        axis.plot(gammas, [r["predicted_speedup"] for r in draft_rows], "s--", label="cost model (measured alpha, c, verify)")
         for row in result["arms"]:
             if not row["arm"].startswith("draft") and row["arm"] != "plain":
                 axis.axhline(row["speedup"], linestyle=":", linewidth=1, color="grey")

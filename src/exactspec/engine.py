@@ -102,10 +102,9 @@ class SpeculativeDecoder:
         generation = generation if generation is not None else Generation(tokens=[], stop_reason="max_new_tokens")
         prompt = check_token_ids(prompt_ids, self.target.vocab_size)
         generator = torch.Generator().manual_seed(config.seed)
-        if self.proposer is not None:
-            self.proposer.reset(len(prompt))
-
         start = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.reset(prompt)
         logits = self.target.prefill(prompt)[-1:]  # (1, V)
         p = block_probs(logits, prompt, [], len(prompt), self.params).unsqueeze(0)  # (1, 1, V)
         committed = self._verify(torch.empty((1, 0), dtype=torch.int64), None, p, generator).committed()

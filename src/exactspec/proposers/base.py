@@ -28,8 +28,8 @@ class Draft:
 
 
 class Proposer(Protocol):
-    def reset(self, prompt_length: int | None = None) -> None:
-        """Forget all state: a new sequence starts with a prompt of ``prompt_length`` tokens."""
+    def reset(self, prompt: Sequence[int]) -> None:
+        """Forget all state: a new sequence starts with ``prompt`` (a model proposer prefills it here)."""
         ...
 
     def propose(self, context: Sequence[int], gamma: int, generator: torch.Generator) -> Draft:

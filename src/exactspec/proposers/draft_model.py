@@ -28,16 +28,17 @@ class DraftModelProposer:
     from the engine's generator, in order; none in greedy mode.
     """
 
-    def __init__(self, model: LanguageModel, params: SamplingParams, prompt_length: int = 0) -> None:
+    def __init__(self, model: LanguageModel, params: SamplingParams) -> None:
         self.model = model
         self.params = params
-        self.prompt_length = prompt_length
-        self._fed: list[int] = []
+        self.prompt_length = 0  # set by reset(); penalties count generated tokens after it
+        self._fed: list[int] = []  # the tokens in the model's cache
 
-    def reset(self, prompt_length: int | None = None) -> None:
-        self._fed = []
-        if prompt_length is not None:
-            self.prompt_length = prompt_length
+    def reset(self, prompt: Sequence[int]) -> None:
+        """Prefill the draft with the prompt, so that rounds only feed what was committed since."""
+        self.prompt_length = len(prompt)
+        self._fed = list(prompt)
+        self.model.prefill(self._fed)
 
     def _catch_up(self, context: Sequence[int]) -> torch.Tensor:  # (V,) logits after context
         keep = 0

@@ -41,7 +41,7 @@ class PromptLookupProposer:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}")
 
-    def reset(self, prompt_length: int | None = None) -> None:
+    def reset(self, prompt: Sequence[int]) -> None:
         pass
 
     def propose(self, context: Sequence[int], gamma: int, generator: torch.Generator) -> Draft:
