@@ -71,15 +71,17 @@ class BenchConfig:
             raise ValueError(f"unknown workload or mode: {', '.join(sorted(unknown))}")
 
 
-# An arm decodes one prompt: (prompt ids, seed) -> (generated token count, the engine's rounds or None).
-Arm = Callable[[list[int], int], tuple[int, list[RoundRecord] | None]]
+# An arm decodes one prompt: (prompt ids, seed) -> (generated token count, the engine's rounds after the
+# prefill or None, seconds spent in the prefill or None). Engine arms report their prefill separately.
+Arm = Callable[[list[int], int], tuple[int, list[RoundRecord] | None, float | None]]
 
 
 @dataclass
 class ArmRecord:
     name: str
     gamma: int | None
-    tokens_per_second: list[float] = field(default_factory=list)
+    tokens_per_second: list[float] = field(default_factory=list)  # end to end, prefill included
+    decode_tokens_per_second: list[float] = field(default_factory=list)  # prefill excluded (engine arms)
     rounds: list[RoundRecord] = field(default_factory=list)  # every round after the prefill, all repetitions
 
     def totals(self) -> tuple[int, int, int, float, float]:
@@ -104,7 +106,8 @@ def measure_call_ms(model: LanguageModel, context: Sequence[int], new_tokens: in
 def _engine_arm(decoder: SpeculativeDecoder, gamma: int, max_new_tokens: int) -> Arm:
     def run(prompt: list[int], seed: int):
         generation = decoder.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma, seed=seed))
-        return len(generation.tokens), generation.stats.rounds[1:]
+        rounds = generation.stats.rounds
+        return len(generation.tokens), rounds[1:], rounds[0].target_seconds
 
     return run
 
@@ -127,7 +130,7 @@ def _hf_arm(model, assistant, params: SamplingParams, gamma: int, max_new_tokens
         input_ids = torch.tensor([prompt])
         with torch.inference_mode():
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), pad_token_id=0, **options)
-        return out.shape[1] - len(prompt), None
+        return out.shape[1] - len(prompt), None, None
 
     return run
 
@@ -157,6 +160,7 @@ def _summarise(records: list[ArmRecord]) -> list[dict]:
     """
     plain = records[0]
     baseline = statistics.median(plain.tokens_per_second)
+    decode_baseline = statistics.median(plain.decode_tokens_per_second)
     plain_target_s = plain.totals()[4] / len(plain.rounds)
     hf_assisted = next((r for r in records if r.name.startswith("hf assisted")), None)
     rows = []
@@ -178,6 +182,8 @@ def _summarise(records: list[ArmRecord]) -> list[dict]:
                 "tps_min": min(record.tokens_per_second),
                 "tps_max": max(record.tokens_per_second),
                 "speedup": tps / baseline,
+                "decode_speedup": statistics.median(record.decode_tokens_per_second) / decode_baseline
+                if record.decode_tokens_per_second else None,
                 "vs_hf_assisted": tps / statistics.median(hf_assisted.tokens_per_second) if hf_assisted else None,
                 "alpha": alpha,
                 "tokens_per_round": committed / len(record.rounds) if record.rounds else None,
@@ -189,7 +195,8 @@ def _summarise(records: list[ArmRecord]) -> list[dict]:
                 "cost_ratio_in_loop": cost_ratio,
                 "verify_cost_in_loop": verify_cost,
                 "predicted_speedup": predicted,
-                "efficiency": tps / baseline / predicted if predicted else None,
+                "efficiency": statistics.median(record.decode_tokens_per_second) / decode_baseline / predicted
+                if predicted else None,
             }
         )
     return rows
@@ -249,16 +256,19 @@ def run_bench(
 
 def _run_arms(arms: list[tuple[ArmRecord, Arm]], prompts: list[list[int]], seed: int, warmup: bool = False) -> None:
     for record, arm in arms:
-        tokens, seconds = 0, 0.0
+        tokens, seconds, prefill_seconds = 0, 0.0, 0.0
         for i, prompt in enumerate(prompts):
             start = time.perf_counter()
-            count, rounds = arm(prompt, seed + i)
+            count, rounds, prefill = arm(prompt, seed + i)
             seconds += time.perf_counter() - start
             tokens += count
             if not warmup and rounds is not None:
                 record.rounds += rounds
+                prefill_seconds += prefill
         if not warmup:
             record.tokens_per_second.append(tokens / seconds)
+            if record.rounds:  # the first token comes from the prefill: decode rate counts the rest
+                record.decode_tokens_per_second.append((tokens - len(prompts)) / (seconds - prefill_seconds))
 
 
 def format_table(report: dict) -> str:
@@ -267,14 +277,14 @@ def format_table(report: dict) -> str:
         "verify cost (gamma: cost of gamma+1 tokens over 1) " + ", ".join(f"{g}: {v:.2f}" for g, v in enumerate(report["verify_cost"]) if g),
     ]
     lines.append("one-token call, ms: " + ", ".join(f"{name} {ms:.2f}" for name, ms in report["call_ms"].items()))
-    header = f"{'arm':<18}{'tok/s':>8}{'min-max':>12}{'speedup':>9}{'vs HF':>7}{'alpha':>7}{'tok/rnd':>8}{'c':>7}{'verify':>7}{'pred':>7}{'meas/pred':>10}"
+    header = f"{'arm':<18}{'tok/s':>8}{'min-max':>12}{'speedup':>9}{'decode':>8}{'vs HF':>7}{'alpha':>7}{'tok/rnd':>8}{'c':>7}{'verify':>7}{'pred':>7}{'meas/pred':>10}"
     fmt = lambda v, spec, suffix="": "-" if v is None else f"{v:{spec}}{suffix}"  # noqa: E731
     for result in report["results"]:
         lines += ["", f"== {result['workload']} / {result['mode']} ==", header]
         for row in result["arms"]:
             lines.append(
                 f"{row['arm']:<18}{row['tokens_per_second']:>8.1f}{row['tps_min']:>6.0f}-{row['tps_max']:<5.0f}"
-                f"{fmt(row['speedup'], '.2f', 'x'):>9}{fmt(row['vs_hf_assisted'], '.2f', 'x'):>7}{fmt(row['alpha'], '.3f'):>7}"
+                f"{fmt(row['speedup'], '.2f', 'x'):>9}{fmt(row['decode_speedup'], '.2f', 'x'):>8}{fmt(row['vs_hf_assisted'], '.2f', 'x'):>7}{fmt(row['alpha'], '.3f'):>7}"
                 f"{fmt(row['tokens_per_round'], '.2f'):>8}{fmt(row['cost_ratio_in_loop'], '.3f'):>7}{fmt(row['verify_cost_in_loop'], '.2f'):>7}"
                 f"{fmt(row['predicted_speedup'], '.2f', 'x'):>7}{fmt(row['efficiency'], '.2f'):>10}"
             )
@@ -306,7 +316,8 @@ def write_outputs(report: dict, directory: str | Path) -> list[Path]:
     for axis, result in panels:
         draft_rows = [r for r in result["arms"] if r["arm"].startswith("draft")]
         gammas = [r["gamma"] for r in draft_rows]
-        axis.plot(gammas, [r["speedup"] for r in draft_rows], "o-", label="measured")
+        axis.plot(gammas, [r["decode_speedup"] for r in draft_rows], "o-", label="measured, decoding")
+        axis.plot(gammas, [r["speedup"] for r in draft_rows], "o:", label="measured, with prefill")
         axis.plot(gammas, [r["predicted_speedup"] for r in draft_rows], "s--", label="cost model (measured alpha, c, verify)")
         for row in result["arms"]:
             if not row["arm"].startswith("draft") and row["arm"] != "plain":
