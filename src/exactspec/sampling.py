@@ -124,12 +124,14 @@ def block_probs(
     scores = logits.to(torch.float64)
     if params.uses_prefix:
         scores = _apply_penalties(scores, prefix, block[: rows - 1], prompt_length, params)
-    scores = _apply_bias_and_masks(scores, params)
-    if torch.isneginf(scores).all(-1).any():
-        raise ValueError("every token is excluded by the allowed/banned sets or the bias: nothing can be sampled")
+    if params.logit_bias or params.banned_token_ids or params.allowed_token_ids is not None:
+        scores = _apply_bias_and_masks(scores, params)
+        if torch.isneginf(scores).all(-1).any():
+            raise ValueError("every token is excluded by the allowed/banned sets or the bias: nothing can be sampled")
     if params.greedy:
         return torch.nn.functional.one_hot(greedy_token(scores), vocab).to(torch.float64)
-    scores = scores / params.temperature
+    if params.temperature != 1:
+        scores = scores / params.temperature
     if params.top_k and params.top_k < vocab:
         kth = scores.topk(params.top_k, dim=-1).values[:, -1:]  # (n, 1)
         scores = scores.masked_fill(scores < kth, -math.inf)

@@ -193,9 +193,11 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(-1)  # (B, V)
     threshold = uniforms.to(torch.float64) * cdf[:, -1]  # (B,)
     tokens = torch.searchsorted(cdf, threshold.unsqueeze(-1), right=True).squeeze(-1)
-    # u * total can round up to total (chance ~2^-53): fall back to the last token with positive mass.
-    last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(-1)
-    return torch.minimum(tokens, last_positive)
+    if (tokens >= probs.shape[-1]).any():
+        # u * total rounded up to total (chance ~2^-53): take the last token with positive mass.
+        last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(-1)
+        tokens = torch.minimum(tokens, last_positive)
+    return tokens
 
 
 def greedy_token(probs_or_logits: torch.Tensor) -> torch.Tensor:
