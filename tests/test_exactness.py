@@ -194,7 +194,7 @@ def test_adaptive_gamma_follows_the_target_law():
     """Gamma chosen per round from timings and past acceptance: each round is still an exact step."""
     target, draft = models()
     params = CONFIGS["T=1"]
-    counts = sample_counts(SpeculativeDecoder(target, draft, params, policy=AdaptiveGamma(AdaptiveConfig(max_gamma=3))), N)
+    counts = sample_counts(SpeculativeDecoder(target, draft, params, policy=AdaptiveGamma(AdaptiveConfig(max_gamma=3, initial_gamma=3))), N)
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
 
 
