@@ -28,7 +28,7 @@ def test_matches_the_cost_model_optimum_for_iid_acceptance():
         for _ in range(500):
             policy.accept[i].update(0.8)
     policy.draft_ms = RunningMean(0.1, 0.02)
-    policy.target_ms = {n: RunningMean(1.0, 0.02) for n in range(1, 10)}
+    policy.target_ms = {n: RunningMean(1.0, 0.02, count=10) for n in range(1, 10)}
     expected = best_gamma(policy.accept[0].value, 0.1, max_gamma=8).gamma
     assert expected == 6 and policy.next_gamma() == expected
     policy.draft_ms = RunningMean(0.6, 0.02)  # a dearer draft: shorter drafts
@@ -70,3 +70,10 @@ def test_bad_configuration_is_refused():
         AdaptiveConfig(max_gamma=2, initial_gamma=4)
     with pytest.raises(ValueError, match="smoothing"):
         AdaptiveConfig(smoothing=0)
+
+
+def test_one_slow_call_at_a_rare_size_does_not_ban_that_size():
+    """The target cost is a weighted line over sizes, so a single outlier barely moves it."""
+    policy = AdaptiveGamma()
+    policy.target_ms = {4: RunningMean(5.0, 0.1, count=150), 5: RunningMean(9.0, 0.1, count=1), 3: RunningMean(4.9, 0.1, count=20)}
+    assert policy._target_ms(5) < 5.4

@@ -46,6 +46,10 @@ class GammaPolicy(Protocol):
         ...
 
 
+#: Observations of a draft position before its own acceptance estimate is trusted.
+MIN_OBSERVATIONS = 8
+
+
 @dataclass(frozen=True)
 class AdaptiveConfig:
     max_gamma: int = 8
@@ -118,22 +122,27 @@ class AdaptiveGamma:
         self.target_ms[calls] = self._update(self.target_ms.get(calls), 1000 * record.target_seconds)
 
     def _target_ms(self, tokens: int) -> float:
-        """Measured cost of a call on ``tokens`` tokens, else interpolated from the nearest measured sizes."""
-        if tokens in self.target_ms:
-            return self.target_ms[tokens].value
-        known = sorted(self.target_ms)
-        below = [n for n in known if n < tokens]
-        above = [n for n in known if n > tokens]
-        if below and above:
-            lo, hi = below[-1], above[0]
-            weight = (tokens - lo) / (hi - lo)
-            return self.target_ms[lo].value + weight * (self.target_ms[hi].value - self.target_ms[lo].value)
-        return self.target_ms[below[-1] if below else above[0]].value
+        """Target call cost on ``tokens`` tokens from a count-weighted straight-line fit over the sizes seen.
+
+        A line rather than a table, so that one slow call at a rarely used size cannot put that
+        size off limits forever; the slope is kept >= 0 (one size seen: flat, which explores).
+        """
+        points = [(n, mean.value, mean.count) for n, mean in self.target_ms.items()]
+        weight = sum(w for _, _, w in points)
+        n_bar = sum(w * n for n, _, w in points) / weight
+        t_bar = sum(w * t for _, t, w in points) / weight
+        spread = sum(w * (n - n_bar) ** 2 for n, _, w in points)
+        slope = sum(w * (n - n_bar) * (t - t_bar) for n, t, w in points) / spread if spread else 0.0
+        return t_bar + max(slope, 0.0) * (tokens - n_bar)
 
     def expected_tokens(self, gamma: int) -> float:
-        total, survive = 1.0, 1.0
+        """``1 + sum_k prod_{i<=k} accept[i]``; a position reached fewer than ``MIN_OBSERVATIONS``
+        times borrows the rate of the last position that was (so that longer drafts get tried)."""
+        total, survive, rate = 1.0, 1.0, self.config.prior_acceptance
         for i in range(gamma):
-            survive *= self.accept[i].value
+            if self.accept[i].count > MIN_OBSERVATIONS:
+                rate = self.accept[i].value
+            survive *= rate
             total += survive
         return total
 
