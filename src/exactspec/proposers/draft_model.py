@@ -33,16 +33,19 @@ class DraftModelProposer:
         self.params = params
         self.prompt_length = 0  # set by reset(); penalties count generated tokens after it
         self._fed: list[int] = []  # the tokens in the model's cache
+        self._committed = 0  # a prefix of _fed known to be committed (contexts only grow)
 
     def reset(self, prompt: Sequence[int]) -> None:
         """Prefill the draft with the prompt, so that rounds only feed what was committed since."""
-        self.prompt_length = len(prompt)
+        self.prompt_length = self._committed = len(prompt)
         self._fed = list(prompt)
         self.model.prefill(self._fed)
 
     def _catch_up(self, context: Sequence[int]) -> torch.Tensor:  # (V,) logits after context
-        keep = 0
         limit = min(len(self._fed), len(context) - 1)  # feed at least the last context token
+        keep = min(self._committed, limit)
+        if self._fed[:keep] != list(context[:keep]):  # not a continuation (no reset between sequences)
+            keep = 0
         while keep < limit and self._fed[keep] == context[keep]:
             keep += 1
         missing = list(context[keep:])
@@ -52,6 +55,7 @@ class DraftModelProposer:
             self.model.rollback(keep)
             logits = self.model.forward(missing)
         self._fed = list(context)
+        self._committed = len(context)
         return logits[-1]
 
     def propose(self, context: Sequence[int], gamma: int, generator: torch.Generator) -> Draft:
