@@ -49,7 +49,7 @@ def test_json_output_and_greedy_equals_plain_across_backends(pair, capsys):
 
 def test_a_seed_reproduces_a_stochastic_run(pair, capsys):
     target, draft = pair
-    args = ["x = ", "--target", str(target), "--draft", str(draft), "--max-new-tokens", "20", "--ignore-eos", "--json", "--top-p", "0.9"]
+    args = ["x = ", "--target", str(target), "--draft", str(draft), "--max-new-tokens", "20", "--ignore-eos", "--json", "--top-p", "0.9", "--gamma", "3"]
     first = json.loads(generate(capsys, *args, "--seed", "3")[1])["text"]
     again = json.loads(generate(capsys, *args, "--seed", "3")[1])["text"]
     other = json.loads(generate(capsys, *args, "--seed", "4")[1])["text"]

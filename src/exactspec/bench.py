@@ -292,19 +292,17 @@ def format_table(report: dict) -> str:
 
 
 def write_outputs(report: dict, directory: str | Path) -> list[Path]:
-    """report.json, report.txt and, when matplotlib is installed, speedup.png and acceptance.png."""
+    """report.json, report.txt, speedup.png and acceptance.png."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = [directory / "report.json", directory / "report.txt"]
     written[0].write_text(json.dumps(report, indent=2))
     written[1].write_text(format_table(report) + "\n")
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return written
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     modes = list(dict.fromkeys(r["mode"] for r in report["results"]))
     workloads = list(dict.fromkeys(r["workload"] for r in report["results"]))
 

@@ -256,7 +256,10 @@ def _bench(args: argparse.Namespace) -> dict:
     if config.hf:
         from exactspec.loading import DTYPES, load_model
 
-        hf_models = tuple(load_model(d, "hf", DTYPES[args.dtype]).model for d in _pair_dirs(args))
+        try:
+            hf_models = tuple(load_model(d, "hf", DTYPES[args.dtype]).model for d in _pair_dirs(args))
+        except (OSError, ValueError) as error:
+            raise CliError(f"{error} (or pass --no-hf)") from None
     report = bench.run_bench(pair.target, pair.draft, pair.tokenizer, config, hf_models, progress=not args.json)
     report.update(backend=args.backend, dtype=args.dtype)
     report["outputs"] = [str(p) for p in bench.write_outputs(report, args.output_dir)]

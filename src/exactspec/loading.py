@@ -31,7 +31,10 @@ def load_model(path: str | Path, backend: str = "lean", dtype: torch.dtype = tor
 
         return LeanModel.from_pretrained(path, dtype=dtype)
     if backend == "hf":
-        from transformers.utils import logging as hf_logging
+        try:
+            from transformers.utils import logging as hf_logging
+        except ImportError:
+            raise ValueError("the hf backend needs transformers: pip install 'exactspec[hf]'") from None
 
         from exactspec.models.hf import HFModel
 
