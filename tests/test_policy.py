@@ -76,4 +76,5 @@ def test_one_slow_call_at_a_rare_size_does_not_ban_that_size():
     """The target cost is a weighted line over sizes, so a single outlier barely moves it."""
     policy = AdaptiveGamma()
     policy.target_ms = {4: RunningMean(5.0, 0.1, count=150), 5: RunningMean(9.0, 0.1, count=1), 3: RunningMean(4.9, 0.1, count=20)}
-    assert policy._target_ms(5) < 5.4
+    n_bar, t_bar, slope = policy.target_cost_line()
+    assert t_bar + slope * (5 - n_bar) < 5.4

@@ -121,11 +121,12 @@ class AdaptiveGamma:
         calls = record.drafted + 1
         self.target_ms[calls] = self._update(self.target_ms.get(calls), 1000 * record.target_seconds)
 
-    def _target_ms(self, tokens: int) -> float:
-        """Target call cost on ``tokens`` tokens from a count-weighted straight-line fit over the sizes seen.
+    def target_cost_line(self) -> tuple[float, float, float]:
+        """``(n_bar, t_bar, slope)``: target call cost on n tokens is ``t_bar + slope * (n - n_bar)``.
 
-        A line rather than a table, so that one slow call at a rarely used size cannot put that
-        size off limits forever; the slope is kept >= 0 (one size seen: flat, which explores).
+        A count-weighted straight line over the call sizes seen rather than a table, so that one
+        slow call at a rarely used size cannot put that size off limits forever; the slope is kept
+        >= 0 (a single size seen gives a flat line, which explores).
         """
         points = [(n, mean.value, mean.count) for n, mean in self.target_ms.items()]
         weight = sum(w for _, _, w in points)
@@ -133,24 +134,26 @@ class AdaptiveGamma:
         t_bar = sum(w * t for _, t, w in points) / weight
         spread = sum(w * (n - n_bar) ** 2 for n, _, w in points)
         slope = sum(w * (n - n_bar) * (t - t_bar) for n, t, w in points) / spread if spread else 0.0
-        return t_bar + max(slope, 0.0) * (tokens - n_bar)
+        return n_bar, t_bar, max(slope, 0.0)
 
-    def expected_tokens(self, gamma: int) -> float:
-        """``1 + sum_k prod_{i<=k} accept[i]``; a position reached fewer than ``MIN_OBSERVATIONS``
-        times borrows the rate of the last position that was (so that longer drafts get tried)."""
-        total, survive, rate = 1.0, 1.0, self.config.prior_acceptance
-        for i in range(gamma):
-            if self.accept[i].count > MIN_OBSERVATIONS:
-                rate = self.accept[i].value
+    def expected_tokens(self) -> list[float]:
+        """Entry g: ``1 + sum_{k<=g} prod_{i<=k} accept[i]``. A position reached fewer than
+        ``MIN_OBSERVATIONS`` times borrows the rate of the last position that was (so longer drafts get tried)."""
+        totals, survive, rate = [1.0], 1.0, self.config.prior_acceptance
+        for mean in self.accept:
+            if mean.count > MIN_OBSERVATIONS:
+                rate = mean.value
             survive *= rate
-            total += survive
-        return total
+            totals.append(totals[-1] + survive)
+        return totals
 
     def next_gamma(self) -> int:
         if self.draft_ms is None or not self.target_ms:
             return self.config.initial_gamma
+        n_bar, t_bar, slope = self.target_cost_line()
+        tokens = self.expected_tokens()
         rates = [
-            (self.expected_tokens(g) / (g * self.draft_ms.value + self._target_ms(g + 1)), -g)
+            (tokens[g] / (g * self.draft_ms.value + t_bar + slope * (g + 1 - n_bar)), -g)
             for g in range(self.config.max_gamma + 1)
         ]
         best = -max(rates)[1]
