@@ -15,7 +15,8 @@ and picks the gamma that maximises expected committed tokens per millisecond,
 which is the cost model of Leviathan et al. (2023, Thm 3.8) with acceptance that
 may vary with position and a measured verify cost. Each average weighs the
 newest observation by ``max(smoothing, 1 / count)``, so early estimates settle
-fast and later ones track slow drift. When ``g = 0`` (plain decoding) wins,
+fast and later ones track slow drift. Gamma changes only when another value promises a
+rate ``switch_margin`` higher, so noise on a flat curve does not make it wander. When ``g = 0`` (plain decoding) wins,
 the policy still probes with a short draft, after ``probe_every`` plain rounds,
 doubling the wait after each probe that did not pay (up to ``max_probe_every``),
 so a useless draft costs well under 1% once it has been recognised.
@@ -57,8 +58,9 @@ class AdaptiveConfig:
     probe_every: int = 8  # plain rounds before the first probe
     max_probe_every: int = 256
     probe_gamma: int = 2
-    smoothing: float = 0.1  # weight of the newest observation in each moving average
+    smoothing: float = 0.05  # weight of the newest observation in each moving average
     prior_acceptance: float = 0.7
+    switch_margin: float = 0.03  # change gamma only for an expected rate this much higher
 
     def __post_init__(self) -> None:
         if not 1 <= self.initial_gamma <= self.max_gamma:
@@ -71,6 +73,8 @@ class AdaptiveConfig:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
         if not 0 <= self.prior_acceptance <= 1:
             raise ValueError(f"prior_acceptance must be in [0, 1], got {self.prior_acceptance}")
+        if self.switch_margin < 0:
+            raise ValueError(f"switch_margin must be >= 0, got {self.switch_margin}")
 
 
 @dataclass
@@ -96,6 +100,7 @@ class AdaptiveGamma:
     target_ms: dict[int, RunningMean] = field(init=False, default_factory=dict)
     plain_rounds: int = field(init=False, default=0)
     probe_wait: int = field(init=False)
+    current: int = field(init=False, default=-1)  # the gamma chosen last (-1: none yet)
 
     def __post_init__(self) -> None:
         # the prior counts as one observation per position
@@ -152,11 +157,11 @@ class AdaptiveGamma:
             return self.config.initial_gamma
         n_bar, t_bar, slope = self.target_cost_line()
         tokens = self.expected_tokens()
-        rates = [
-            (tokens[g] / (g * self.draft_ms.value + t_bar + slope * (g + 1 - n_bar)), -g)
-            for g in range(self.config.max_gamma + 1)
-        ]
-        best = -max(rates)[1]
+        rates = [tokens[g] / (g * self.draft_ms.value + t_bar + slope * (g + 1 - n_bar)) for g in range(self.config.max_gamma + 1)]
+        best = max(range(len(rates)), key=lambda g: (rates[g], -g))
+        if 0 <= self.current < len(rates) and rates[best] < rates[self.current] * (1 + self.config.switch_margin):
+            best = self.current  # hysteresis: noisy estimates of a flat curve should not make gamma wander
+        self.current = best
         if best > 0:
             self.probe_wait = self.config.probe_every
         elif self.plain_rounds >= self.probe_wait:
