@@ -85,10 +85,10 @@ class ArmRecord:
     rounds: list[RoundRecord] = field(default_factory=list)  # every round after the prefill, all repetitions
 
     def totals(self) -> tuple[int, int, int, float, float]:
-        """drafted, accepted, committed tokens; draft and target seconds."""
+        """drafted, accepted, committed tokens; per-step draft seconds (one-off setup excluded), target seconds."""
         r = self.rounds
         return (sum(x.drafted for x in r), sum(x.accepted for x in r), sum(x.committed for x in r),
-                sum(x.draft_seconds for x in r), sum(x.target_seconds for x in r))
+                sum(x.draft_seconds - x.draft_setup_seconds for x in r), sum(x.target_seconds for x in r))
 
 
 def measure_call_ms(model: LanguageModel, context: Sequence[int], new_tokens: int, repeats: int = 30) -> float:

@@ -151,7 +151,7 @@ class SpeculativeDecoder:
         accepted = int(result.num_accepted[0])
         self.target.rollback(len(context) + accepted)  # keeps context and the accepted drafts
         t3 = time.perf_counter()
-        record = RoundRecord(len(draft.tokens), accepted, accepted + 1, t1 - t0, t2 - t1, t3 - t2)
+        record = RoundRecord(len(draft.tokens), accepted, accepted + 1, t1 - t0, t2 - t1, t3 - t2, draft.setup_seconds)
         stats.observe(record)
         if self.policy is not None:
             self.policy.observe(record)

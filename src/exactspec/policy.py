@@ -118,7 +118,8 @@ class AdaptiveGamma:
             self.plain_rounds += 1
         else:
             was_probe, self.plain_rounds = self.plain_rounds > 0, 0
-            self.draft_ms = self._update(self.draft_ms, 1000 * record.draft_seconds / record.drafted)
+            per_step = (record.draft_seconds - record.draft_setup_seconds) / record.drafted
+            self.draft_ms = self._update(self.draft_ms, 1000 * per_step)
             for i in range(min(record.drafted, record.accepted + 1)):  # positions that were reached
                 self.accept[i].update(float(record.accepted > i))
             if was_probe:

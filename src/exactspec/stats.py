@@ -15,6 +15,7 @@ class RoundRecord:
     draft_seconds: float
     target_seconds: float
     verify_seconds: float
+    draft_setup_seconds: float = 0.0  # part of draft_seconds that was one-off setup (a lazy prefill)
 
 
 @dataclass

@@ -21,6 +21,7 @@ class Draft:
 
     tokens: list[int]  # gamma token ids
     probs: torch.Tensor | None  # (gamma, V) float64 rows the tokens were drawn from; None: point masses
+    setup_seconds: float = 0.0  # one-off work inside this proposal (a lazy prefill), not a per-token cost
 
     def __post_init__(self) -> None:
         if self.probs is not None and self.probs.shape[0] != len(self.tokens):
@@ -29,7 +30,7 @@ class Draft:
 
 class Proposer(Protocol):
     def reset(self, prompt: Sequence[int]) -> None:
-        """Forget all state: a new sequence starts with ``prompt`` (a model proposer prefills it here)."""
+        """Forget all state: a new sequence starts with ``prompt``."""
         ...
 
     def propose(self, context: Sequence[int], gamma: int, generator: torch.Generator) -> Draft:

@@ -7,6 +7,7 @@ that position conditions on: the context plus the draft tokens drawn so far.
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -34,12 +35,13 @@ class DraftModelProposer:
         self.prompt_length = 0  # set by reset(); penalties count generated tokens after it
         self._fed: list[int] = []  # the tokens in the model's cache
         self._committed = 0  # a prefix of _fed known to be committed (contexts only grow)
+        self._caught_up_from = 0  # cache length before the last catch-up
 
     def reset(self, prompt: Sequence[int]) -> None:
-        """Prefill the draft with the prompt, so that rounds only feed what was committed since."""
-        self.prompt_length = self._committed = len(prompt)
-        self._fed = list(prompt)
-        self.model.prefill(self._fed)
+        """Start a sequence. The prompt is prefilled lazily, at the first proposal, so a generation
+        that never speculates (the adaptive policy chose plain decoding) never pays for it."""
+        self.prompt_length = len(prompt)
+        self._fed, self._committed = [], 0
 
     def _catch_up(self, context: Sequence[int]) -> torch.Tensor:  # (V,) logits after context
         limit = min(len(self._fed), len(context) - 1)  # feed at least the last context token
@@ -49,6 +51,7 @@ class DraftModelProposer:
         while keep < limit and self._fed[keep] == context[keep]:
             keep += 1
         missing = list(context[keep:])
+        self._caught_up_from = keep
         if keep == 0:
             logits = self.model.prefill(missing)
         else:
@@ -62,7 +65,10 @@ class DraftModelProposer:
         if gamma <= 0:
             return Draft([], None)
         prefix = list(context)
+        start = time.perf_counter()
         logits = self._catch_up(prefix)
+        # feeding more than the usual 1-2 tokens (a prefill, or catching up after plain rounds) is setup
+        setup = time.perf_counter() - start if len(prefix) - self._caught_up_from > 2 else 0.0
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for step in range(gamma):
@@ -78,4 +84,4 @@ class DraftModelProposer:
             if step < gamma - 1:
                 logits = self.model.forward([token])[-1]
                 self._fed.append(token)
-        return Draft(tokens, None if self.params.greedy else torch.stack(rows))
+        return Draft(tokens, None if self.params.greedy else torch.stack(rows), setup)
