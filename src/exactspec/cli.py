@@ -198,7 +198,8 @@ def _generate(args: argparse.Namespace) -> dict:
 def _print_generate(r: dict) -> None:
     print()
     print(
-        f"[{r['tokens']} tokens, {r['tokens_per_second']:.1f} tokens/s, acceptance {r['acceptance_rate']:.2f}, "
+        f"[{r['tokens']} tokens, {r['tokens_per_second']:.1f} tokens/s, "
+        f"acceptance {r['acceptance_rate']:.2f} of {r['drafted']} drafted, "
         f"{r['tokens_per_round']:.2f} tokens/round, {r['mode']}, stop: {r['stop_reason']}]",
         file=sys.stderr,
     )
