@@ -30,7 +30,6 @@ for practical purposes; ``pytest -m slow`` repeats every mutant over 5 seed rang
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch

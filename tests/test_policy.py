@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from exactspec import GREEDY, GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
+from exactspec import GREEDY, GenerationConfig, MarkovLM, SpeculativeDecoder
 from exactspec.costmodel import best_gamma
 from exactspec.policy import AdaptiveConfig, AdaptiveGamma, RunningMean
 from exactspec.stats import RoundRecord

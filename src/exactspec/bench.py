@@ -37,7 +37,7 @@ from exactspec.models.base import LanguageModel
 from exactspec.policy import AdaptiveGamma
 from exactspec.proposers import PromptLookupProposer
 from exactspec.sampling import GREEDY, SamplingParams
-from exactspec.stats import RoundRecord
+from exactspec.stats import GenerationStats, RoundRecord
 from exactspec.tokenizer import TextTokenizer
 from exactspec.workloads import WORKLOADS, workload_prompts
 
@@ -173,7 +173,6 @@ def _summarise(records: list[ArmRecord]) -> list[dict]:
         predicted = None
         if alpha is not None and record.gamma and record.name.startswith("draft"):
             predicted = costmodel.speedup(alpha, record.gamma, cost_ratio, verify_cost)
-        longest = max((r.drafted for r in record.rounds), default=0)
         rows.append(
             {
                 "arm": record.name,
@@ -187,10 +186,7 @@ def _summarise(records: list[ArmRecord]) -> list[dict]:
                 "vs_hf_assisted": tps / statistics.median(hf_assisted.tokens_per_second) if hf_assisted else None,
                 "alpha": alpha,
                 "tokens_per_round": committed / len(record.rounds) if record.rounds else None,
-                "acceptance_by_position": [
-                    sum(r.accepted > i for r in record.rounds if r.drafted > i) / max(1, sum(r.drafted > i for r in record.rounds))
-                    for i in range(longest)
-                ],
+                "acceptance_by_position": GenerationStats(record.rounds).acceptance_by_position(),
                 "mean_gamma": drafted / len(record.rounds) if record.rounds else None,
                 "cost_ratio_in_loop": cost_ratio,
                 "verify_cost_in_loop": verify_cost,
