@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactspec.sampling import GREEDY, SamplingParams, block_probs
+from exactspec.sampling import GREEDY, MAX_MAGNITUDE, SamplingParams, block_probs
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0]])  # (1, 4)
 
@@ -99,7 +99,12 @@ def test_everything_banned_is_an_error():
         ({"top_k": -1}, "top_k must be an integer >= 0"),
         ({"top_k": 2.5}, "top_k must be an integer >= 0"),
         ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \[1e-30, 1e\+30\]"),
+        ({"repetition_penalty": 1e31}, r"repetition_penalty must be in \[1e-30, 1e\+30\]"),
+        ({"presence_penalty": 1e39}, r"presence_penalty must be within \+-1e\+30, got 1e\+39"),
+        ({"frequency_penalty": -1e31}, r"frequency_penalty must be within \+-1e\+30"),
+        ({"logit_bias": {1: 1e31}}, r"logit_bias\[1\] must be within \+-1e\+30"),
+        ({"temperature": 1e-31}, r"temperature must be 0 \(greedy\) or in \[1e-30, 1e\+30\]"),
         ({"presence_penalty": float("inf")}, "presence_penalty must be a finite number"),
         ({"frequency_penalty": float("nan")}, "frequency_penalty must be a finite number"),
         ({"logit_bias": {1: float("inf")}}, r"logit_bias\[1\] must be a finite number"),
@@ -121,3 +126,70 @@ def test_logit_bias_outside_vocabulary_is_an_error():
 def test_too_few_block_tokens_is_an_error():
     with pytest.raises(ValueError, match="block tokens"):
         block_probs(torch.zeros(3, 4), [0], [1], 0, SamplingParams())
+
+
+def test_processors_compute_in_float64():
+    """presence 0.2 must subtract the float64 0.2, not float32's 0.2000000030 (a bool mask times 0.2 is float32)."""
+    logits = torch.tensor([[0.5, 0.25, -0.125, 1.0]], dtype=torch.float64)
+    params = SamplingParams(presence_penalty=0.2, frequency_penalty=0.1, logit_bias={1: 0.3})
+    out = probs(params, logits, prefix=[9, 0, 0], prompt_length=1)[0]
+    expected = torch.tensor([0.5 - 0.2 - 0.1 * 2, 0.25 + 0.3, -0.125, 1.0], dtype=torch.float64).softmax(-1)
+    assert torch.equal(out, expected)
+
+
+def test_extreme_settings_at_the_bounds_stay_finite():
+    """At the accepted bounds, float32-extreme logits still give a valid distribution (no inf - inf)."""
+    logits = torch.tensor([[3.4e38, -3.4e38, 0.0, 1.0, -1.0]])
+    for params in (
+        SamplingParams(temperature=1 / MAX_MAGNITUDE, repetition_penalty=MAX_MAGNITUDE, presence_penalty=-MAX_MAGNITUDE,
+                       frequency_penalty=MAX_MAGNITUDE, logit_bias={1: MAX_MAGNITUDE, 2: -MAX_MAGNITUDE}),
+        SamplingParams(temperature=MAX_MAGNITUDE, repetition_penalty=1 / MAX_MAGNITUDE, presence_penalty=MAX_MAGNITUDE,
+                       frequency_penalty=-MAX_MAGNITUDE, top_p=0.5, min_p=0.1),
+    ):
+        out = probs(params, logits, prefix=[0, 1, 3, 3, 4], prompt_length=2)
+        assert torch.isfinite(out).all() and float(out.sum()) == pytest.approx(1.0)
+
+
+def _bias_after_penalty(logits, prefix, bias, penalty):
+    """The previous (wrong) order: repetition penalty first, then the bias."""
+    seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    seen[list(prefix)] = True
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    scores = torch.where(seen, penalised, logits)
+    for token, value in bias.items():
+        scores[:, token] += value
+    return scores.softmax(-1)
+
+
+def test_order_matches_transformers_logits_processors_on_random_logits():
+    """Bias, repetition penalty, banned tokens, temperature, top-k, top-p, min-p: Hugging Face's order and results."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.generation import logits_process as hf
+
+    generator = torch.Generator().manual_seed(0)
+    vocab, mismatched_with_old_order = 50, 0
+    for trial in range(40):
+        logits = 3 * torch.randn(1, vocab, dtype=torch.float64, generator=generator)
+        prefix = torch.randint(vocab, (12,), generator=generator).tolist()
+        bias = {prefix[0]: 2.5, prefix[1]: -1.5, (prefix[2] + 1) % vocab: 1.0}
+        banned = [t for t in range(3) if t not in bias]
+        params = SamplingParams(
+            temperature=0.7, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.8,
+            logit_bias=bias, banned_token_ids=frozenset(banned),
+        )
+        ours = block_probs(logits, prefix, [], len(prefix), params)[0]
+        processors = hf.LogitsProcessorList([
+            hf.SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()]),
+            hf.RepetitionPenaltyLogitsProcessor(1.8),
+            hf.SuppressTokensLogitsProcessor(banned),
+            hf.TemperatureLogitsWarper(0.7),
+            hf.TopKLogitsWarper(20),
+            hf.TopPLogitsWarper(0.9),
+            hf.MinPLogitsWarper(0.02),
+        ])
+        theirs = processors(torch.tensor([prefix]), logits.clone()).softmax(-1)[0]
+        assert torch.allclose(ours, theirs, atol=1e-12), trial
+        plain = SamplingParams(repetition_penalty=1.8, logit_bias=bias)
+        old = _bias_after_penalty(logits.clone(), prefix, bias, 1.8)[0]
+        mismatched_with_old_order += not torch.allclose(block_probs(logits, prefix, [], len(prefix), plain)[0], old, atol=1e-6)
+    assert mismatched_with_old_order >= 30  # the test tells the two orders apart

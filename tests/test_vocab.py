@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from exactspec import GREEDY, GenerationConfig, MarkovLM, SpeculativeDecoder
-from exactspec.vocab import RestrictedVocabulary, align_pair, shared_vocabulary_size
+from exactspec.vocab import RestrictedVocabulary, align_pair, restrict_to_vocabulary, shared_vocabulary_size
 
 VOCAB = {"a": 0, "b": 1, "c": 2, "<eos>": 3}
 
@@ -42,3 +42,38 @@ def test_a_real_mismatch_names_the_differing_tokens():
 def test_a_model_smaller_than_its_tokenizer_is_refused():
     with pytest.raises(ValueError, match="the draft model has 3 output rows"):
         shared_vocabulary_size(VOCAB, VOCAB, 4, 3)
+
+
+def _padded(seed: int, rows: int, padding_logit: float = 3.0) -> MarkovLM:
+    """A model over VOCAB's 4 real tokens whose padding rows have high logits (so unrestricted sampling emits them)."""
+    table = MarkovLM.random(rows, 1, seed=seed).table
+    table[:, 4:] = padding_logit
+    return MarkovLM(table, 1)
+
+
+def test_padding_ids_are_never_sampled_whatever_the_padding_and_in_plain_decoding():
+    target, equal_draft = _padded(0, 8), _padded(1, 8)
+    other_draft = MarkovLM(equal_draft.table[:6, :6], 1)  # the same draft padded to 6 rows instead of 8
+    runs = lambda decoder: [decoder.generate([1], GenerationConfig(10, 3, seed=s)).tokens for s in range(200)]  # noqa: E731
+    unrestricted = runs(SpeculativeDecoder(target, equal_draft))
+    assert sum(max(tokens) >= 4 for tokens in unrestricted) > 150  # without the restriction padding ids come out
+    equal = runs(SpeculativeDecoder(*align_pair(target, equal_draft, VOCAB, VOCAB)))
+    different = runs(SpeculativeDecoder(*align_pair(target, other_draft, VOCAB, VOCAB)))
+    plain = runs(SpeculativeDecoder(restrict_to_vocabulary(target, VOCAB)))
+    assert all(max(tokens) < 4 for tokens in equal + different + plain)
+    assert equal == different  # the law (here: every seeded sample) does not depend on how the draft is padded
+
+
+def test_loaded_models_are_restricted_with_equal_padding_and_alone(tmp_path):
+    pytest.importorskip("transformers")
+    from conftest import save_tiny_checkpoint, tiny_tokenizer_json
+    from exactspec.loading import load_pair
+
+    tokenizer = tiny_tokenizer_json()
+    target = save_tiny_checkpoint(tmp_path / "target", vocab_rows=320, layers=1, seed=0, tokenizer_json=tokenizer)
+    draft = save_tiny_checkpoint(tmp_path / "draft", vocab_rows=320, layers=1, seed=1, tokenizer_json=tokenizer)
+    pair = load_pair(target, draft)
+    real = len(pair.tokenizer.vocabulary())
+    assert real < 320 and pair.target.vocab_size == pair.draft.vocab_size == real
+    alone = load_pair(target, None).target
+    assert alone.vocab_size == real and alone.prefill([0, 5]).shape == (2, real)

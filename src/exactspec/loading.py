@@ -10,7 +10,7 @@ import torch
 
 from exactspec.models.base import LanguageModel, check_local_checkpoint
 from exactspec.tokenizer import TextTokenizer
-from exactspec.vocab import align_pair
+from exactspec.vocab import align_pair, restrict_to_vocabulary
 
 __all__ = ["BACKENDS", "DTYPES", "default_pair_dirs", "load_model", "load_pair", "LoadedPair", "model_capacity"]
 
@@ -65,14 +65,14 @@ def load_pair(
     backend: str = "lean",
     dtype: torch.dtype = torch.float32,
 ) -> LoadedPair:
-    """Target (and draft) with the target's tokenizer; the pair's vocabularies are checked and aligned."""
+    """Target (and draft) with the target's tokenizer, both restricted to its real vocabulary (padding rows cut)."""
     for path in (target_dir, draft_dir):
         if path is not None:
             check_local_checkpoint(path)
     tokenizer = TextTokenizer.from_dir(target_dir)
     target = load_model(target_dir, backend, dtype)
     if draft_dir is None:
-        return LoadedPair(target, None, tokenizer)
+        return LoadedPair(restrict_to_vocabulary(target, tokenizer.vocabulary()), None, tokenizer)
     draft = load_model(draft_dir, backend, dtype)
     draft_tokenizer = TextTokenizer.from_dir(draft_dir)
     target, draft = align_pair(target, draft, tokenizer.vocabulary(), draft_tokenizer.vocabulary())

@@ -7,20 +7,29 @@ produced by the same transformation, from exactly the prefix each position
 conditions on. The engine calls :func:`block_probs` for both models; nothing
 else in the package turns logits into probabilities.
 
-Order of the processors, per position, on float64 logits (Hugging Face order):
+Order of the processors, per position, all in float64 on float64 logits. It is
+the order of Hugging Face ``generate`` (``SequenceBiasLogitsProcessor``, then
+``RepetitionPenaltyLogitsProcessor``, then the warpers) and of vLLM (bias before
+penalties), checked against transformers' own processors in the tests:
 
-1. repetition penalty ``r``: a logit ``l`` of a token present in the prefix
+1. logit bias: ``l + bias[token]``;
+2. repetition penalty ``r``: a logit ``l`` of a token present in the prefix
    (prompt and generated text) becomes ``l / r`` if ``l > 0`` else ``l * r``;
-2. presence and frequency penalties: ``l - presence * [c > 0] - frequency * c``
+3. presence and frequency penalties: ``l - presence * [c > 0] - frequency * c``
    where ``c`` counts the token among the *generated* tokens (OpenAI convention);
-3. logit bias: ``l + bias[token]``;
-4. allowed / banned token sets: excluded tokens get ``-inf``;
+4. allowed / banned token sets: excluded tokens get ``-inf`` (this commutes
+   with every step above, which maps ``-inf`` to ``-inf``);
 5. temperature ``T``: ``T == 0`` returns the one-hot of the argmax (greedy, ties to
    the lowest id; top-k/p and min-p are irrelevant), otherwise ``l / T``;
 6. top-k, then top-p (smallest set of most likely tokens with mass >= top_p; ties
    by lower id), then min-p (drop tokens below ``min_p * max prob``), each on the
    softmax of what the previous step kept;
 7. softmax.
+
+Numeric range: penalties and biases are at most ``MAX_MAGNITUDE`` (1e30) in
+size and a non-zero temperature at least its inverse, so from finite float32
+logits (below 3.5e38) no step can overflow float64: every processed logit is
+finite or ``-inf``, and softmax never sees ``inf - inf``.
 """
 
 from __future__ import annotations
@@ -33,7 +42,10 @@ import torch
 
 from exactspec.verify import greedy_token
 
-__all__ = ["SamplingParams", "block_probs", "GREEDY"]
+__all__ = ["SamplingParams", "block_probs", "GREEDY", "MAX_MAGNITUDE"]
+
+#: Largest penalty or bias magnitude (and inverse of the smallest non-zero temperature) accepted.
+MAX_MAGNITUDE = 1e30
 
 
 @dataclass(frozen=True)
@@ -60,17 +72,24 @@ class SamplingParams:
             finite(name, getattr(self, name))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if self.temperature and not 1 / MAX_MAGNITUDE <= self.temperature <= MAX_MAGNITUDE:
+            raise ValueError(f"temperature must be 0 (greedy) or in [{1 / MAX_MAGNITUDE:g}, {MAX_MAGNITUDE:g}], got {self.temperature}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_magnitude(name, getattr(self, name))
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        if not 1 / MAX_MAGNITUDE <= self.repetition_penalty <= MAX_MAGNITUDE:
+            raise ValueError(
+                f"repetition_penalty must be in [{1 / MAX_MAGNITUDE:g}, {MAX_MAGNITUDE:g}] (1 disables it), got {self.repetition_penalty}"
+            )
         for token, bias in dict(self.logit_bias).items():
             _check_token_id(token, "logit_bias")
             finite(f"logit_bias[{token}]", bias)
+            _check_magnitude(f"logit_bias[{token}]", bias)
         object.__setattr__(self, "logit_bias", dict(self.logit_bias))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", _token_set(self.allowed_token_ids, "allowed_token_ids"))
@@ -87,6 +106,11 @@ class SamplingParams:
         """Whether the distribution depends on the prefix (penalties), not only on the logits."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+
+
+def _check_magnitude(name: str, value: float) -> None:
+    if abs(value) > MAX_MAGNITUDE:
+        raise ValueError(f"{name} must be within +-{MAX_MAGNITUDE:g}, got {value:g}")
 
 
 def _check_token_id(token: object, name: str) -> None:
@@ -122,10 +146,12 @@ def block_probs(
     if len(block) < rows - 1:
         raise ValueError(f"{rows} rows need at least {rows - 1} block tokens, got {len(block)}")
     scores = logits.to(torch.float64)
+    if params.logit_bias:
+        scores = _apply_bias(scores, params.logit_bias)
     if params.uses_prefix:
         scores = _apply_penalties(scores, prefix, block[: rows - 1], prompt_length, params)
-    if params.logit_bias or params.banned_token_ids or params.allowed_token_ids is not None:
-        scores = _apply_bias_and_masks(scores, params)
+    if params.banned_token_ids or params.allowed_token_ids is not None:
+        scores = _apply_masks(scores, params)
         if torch.isneginf(scores).all(-1).any():
             raise ValueError("every token is excluded by the allowed/banned sets or the bias: nothing can be sampled")
     if params.greedy:
@@ -169,18 +195,23 @@ def _apply_penalties(
         scores = torch.where(seen, penalised, scores)
     if params.presence_penalty or params.frequency_penalty:
         generated = _token_counts(prefix, block, prompt_length, vocab)
-        scores = scores - params.presence_penalty * (generated > 0) - params.frequency_penalty * generated
+        present = (generated > 0).to(torch.float64)  # float64: a bool tensor times 0.2 would round in float32
+        scores = scores - params.presence_penalty * present - params.frequency_penalty * generated
     return scores
 
 
-def _apply_bias_and_masks(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # (n, V)
+def _apply_bias(scores: torch.Tensor, logit_bias: Mapping[int, float]) -> torch.Tensor:  # (n, V) float64
     vocab = scores.shape[-1]
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64)
-        if ids.max() >= vocab:
-            raise ValueError(f"logit_bias names token {int(ids.max())}, outside the vocabulary of size {vocab}")
-        scores = scores.clone()
-        scores[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float64)
+    ids = torch.tensor(list(logit_bias), dtype=torch.int64)
+    if ids.max() >= vocab:
+        raise ValueError(f"logit_bias names token {int(ids.max())}, outside the vocabulary of size {vocab}")
+    scores = scores.clone()
+    scores[:, ids] += torch.tensor(list(logit_bias.values()), dtype=torch.float64)
+    return scores
+
+
+def _apply_masks(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # (n, V) float64
+    vocab = scores.shape[-1]
     excluded = set(params.banned_token_ids)
     if params.allowed_token_ids is not None:
         excluded |= set(range(vocab)) - params.allowed_token_ids

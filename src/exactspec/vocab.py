@@ -1,10 +1,11 @@
 """Target and draft must speak the same vocabulary: checked when a pair is loaded.
 
-* identical tokenizers and output sizes: nothing to do;
-* identical tokenizers, embedding matrices padded to different sizes (a common
-  habit: round up to a multiple of 64): both models are restricted to the
-  shared real vocabulary, the ids the tokenizer can produce. Padding rows are no
-  token, so excluding them from p and q loses nothing a user could see;
+* identical tokenizers: both models are restricted to the real vocabulary,
+  the ids the tokenizer can produce, whenever their output has more rows
+  (embedding matrices padded to a multiple of 64 are a common habit). Padding
+  rows are no token, so excluding them loses nothing a user could see, and the
+  output law cannot depend on how either model happens to be padded. A target
+  decoded alone (plain decoding) is restricted the same way;
 * tokenizers that map an id to different strings: refused, naming the ids.
 """
 
@@ -16,7 +17,7 @@ import torch
 
 from exactspec.models.base import LanguageModel
 
-__all__ = ["shared_vocabulary_size", "RestrictedVocabulary", "align_pair"]
+__all__ = ["shared_vocabulary_size", "RestrictedVocabulary", "align_pair", "restrict_to_vocabulary"]
 
 
 def shared_vocabulary_size(
@@ -63,11 +64,18 @@ class RestrictedVocabulary:
         self.model.rollback(length)
 
 
+def restrict_to_vocabulary(model: LanguageModel, vocab: Mapping[str, int]) -> LanguageModel:
+    """``model`` cut to its tokenizer's real vocabulary (unchanged when it has no padding rows)."""
+    return _restrict(model, shared_vocabulary_size(vocab, vocab, model.vocab_size, model.vocab_size))
+
+
 def align_pair(
     target: LanguageModel, draft: LanguageModel, target_vocab: Mapping[str, int], draft_vocab: Mapping[str, int]
 ) -> tuple[LanguageModel, LanguageModel]:
-    """Check the pair's vocabularies and restrict both to the shared real vocabulary where sizes differ."""
+    """Check the pair's vocabularies and restrict both to the shared real vocabulary."""
     size = shared_vocabulary_size(target_vocab, draft_vocab, target.vocab_size, draft.vocab_size)
-    if target.vocab_size == draft.vocab_size:
-        return target, draft
-    return RestrictedVocabulary(target, size), RestrictedVocabulary(draft, size)
+    return _restrict(target, size), _restrict(draft, size)
+
+
+def _restrict(model: LanguageModel, size: int) -> LanguageModel:
+    return model if model.vocab_size == size else RestrictedVocabulary(model, size)
