@@ -54,3 +54,38 @@ def test_bench_cli_runs_every_arm_and_writes_report_and_plots(tmp_path, capsys):
     for name in ("report.json", "report.txt", "speedup.png", "acceptance.png"):
         assert (out / name).stat().st_size > 0
     assert main(["bench", "--target", str(target), "--draft", str(draft), "--modes", "fast"]) == 2
+
+
+def test_ctrl_c_keeps_the_arms_finished_so_far(tmp_path, capsys, monkeypatch):
+    """An interrupt in the second repetition of the fourth arm: every arm keeps its first repetition, exit 130."""
+    from exactspec import bench
+
+    tokenizer = tiny_tokenizer_json()
+    target = save_tiny_checkpoint(tmp_path / "target", vocab_rows=300, layers=1, seed=0, tokenizer_json=tokenizer)
+    draft = save_tiny_checkpoint(tmp_path / "draft", vocab_rows=300, layers=1, seed=1, tokenizer_json=tokenizer)
+    real_arms, calls = bench._arms, {"n": 0}
+
+    def arms_with_an_interrupt(*args):
+        arms = real_arms(*args)
+        record, run = arms[3]
+
+        def interrupted(prompt, seed):
+            calls["n"] += 1
+            if calls["n"] == 3:  # warm-up, first repetition, then Ctrl-C
+                raise KeyboardInterrupt
+            return run(prompt, seed)
+
+        return arms[:3] + [(record, interrupted)] + arms[4:]
+
+    monkeypatch.setattr(bench, "_arms", arms_with_an_interrupt)
+    out = tmp_path / "out"
+    args = ["bench", "--target", str(target), "--draft", str(draft), "--workloads", "grounded,code", "--modes", "greedy",
+            "--gammas", "1,2", "--prompts", "1", "--max-new-tokens", "4", "--repeats", "3", "--no-hf", "--output-dir", str(out), "--json"]
+    assert main(args) == 130
+    report = json.loads(capsys.readouterr().out)
+    assert report["interrupted"] and len(report["results"]) == 1  # the second workload never started
+    result = report["results"][0]
+    assert result["repeats"] == 2 and [row["arm"] for row in result["arms"]] == ["plain", "draft g=1", "draft g=2", "adaptive", "lookup"]
+    # two repetitions before the interrupted arm, one from it on (min == max only for a single measurement)
+    assert [row["tps_min"] == row["tps_max"] for row in result["arms"]] == [False, False, False, True, True]
+    assert json.loads((out / "report.json").read_text())["interrupted"] and (out / "speedup.png").stat().st_size > 0

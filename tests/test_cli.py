@@ -60,7 +60,7 @@ def test_cost_best_gamma_searches(capsys):
         (["explain", "--target", "a,b", "--draft", "0.5,0.5"], "comma-separated numbers"),
         (["cost", "--alpha", "0.5", "--target-ms", "-1", "--draft-ms", "1"], "--target-ms must be a positive"),
         (["cost", "--alpha", "1.5", "--target-ms", "1", "--draft-ms", "1"], "--alpha must be in"),
-        (["cost", "--alpha", "0.5", "--target-ms", "1", "--draft-ms", "1", "--gamma", "-2"], "--gamma must be >= 0"),
+        (["cost", "--alpha", "0.5", "--target-ms", "1", "--draft-ms", "1", "--gamma", "-2"], "argument --gamma: must be an integer >= 0"),
         (["cost", "--alpha", "x"], "invalid float value"),
         (["nonsense"], "invalid choice"),
     ],

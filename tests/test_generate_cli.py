@@ -65,7 +65,7 @@ def test_errors_are_one_line_with_exit_code_2(pair, capsys, tmp_path):
         (["--target", str(tmp_path / "absent"), "--draft", str(draft)], "model directory not found"),
         (["--target", str(target), "--draft", str(mismatched)], "tokenizers differ at"),
         (["--target", str(target)], "give both --target and --draft"),
-        (["--target", str(target), "--draft", str(draft), "--top-p", "0"], "top_p must be in"),
+        (["--target", str(target), "--draft", str(draft), "--top-p", "0"], "--top-p must be in"),
         (["--target", str(target), "--draft", str(draft), "--max-new-tokens", "1000"], "exceeds the model's 256 positions"),
         (["--target", str(target), "--draft", str(draft), "--backend", "vllm"], "invalid choice"),
     ]

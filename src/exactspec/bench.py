@@ -66,6 +66,8 @@ class BenchConfig:
         for name in ("num_prompts", "prompt_lines", "max_new_tokens", "repeats", "lookup_gamma", "hf_gamma"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.seed <= 2**64 - 1 - self.num_prompts:
+            raise ValueError(f"seed must be in [0, 2^64 - 1 - prompts] (prompt i uses seed + i), got {self.seed}")
         unknown = set(self.workloads) - set(WORKLOADS) or set(self.modes) - set(MODES)
         if unknown:
             raise ValueError(f"unknown workload or mode: {', '.join(sorted(unknown))}")
@@ -227,18 +229,30 @@ def run_bench(
         call_ms["hf target"], call_ms["hf draft"] = (measure_call_ms(HFModel(m), context, 1) for m in hf_models)
     arms_per_run = 3 + len(config.gammas) + (2 if hf_models else 0)
     bar = tqdm(total=len(config.workloads) * len(config.modes) * config.repeats * arms_per_run, desc="bench", disable=not progress)
-    results = []
+    results, interrupted = [], False
     for mode in config.modes:
         for workload in config.workloads:
             arms = _arms(target, draft, hf_models, MODES[mode], config)
-            _run_arms(arms, prompts[workload][:1], config.seed, warmup=True)
-            for _ in range(config.repeats):
-                _run_arms(arms, prompts[workload], config.seed)
-                bar.update(len(arms))
-            results.append({"workload": workload, "mode": mode, "arms": _summarise([r for r, _ in arms])})
+            try:
+                _run_arms(arms, prompts[workload][:1], config.seed, warmup=True)
+                for _ in range(config.repeats):
+                    for arm in arms:
+                        _run_arm(arm, prompts[workload], config.seed)
+                        bar.update()
+            except KeyboardInterrupt:  # Ctrl-C: keep every arm with at least one finished repetition
+                interrupted = True
+            finished = [record for record, _ in arms if record.tokens_per_second]
+            if finished and finished[0].name == "plain":
+                results.append({"workload": workload, "mode": mode, "repeats": len(finished[0].tokens_per_second),
+                                "arms": _summarise(finished)})
+            if interrupted:
+                break
+        if interrupted:
+            break
     bar.close()
     return {
         "config": asdict(config),
+        "interrupted": interrupted,
         "target_ms": target_ms,
         "draft_ms": draft_ms,
         "cost_ratio": draft_ms / target_ms,
@@ -251,20 +265,28 @@ def run_bench(
 
 
 def _run_arms(arms: list[tuple[ArmRecord, Arm]], prompts: list[list[int]], seed: int, warmup: bool = False) -> None:
-    for record, arm in arms:
-        tokens, seconds, prefill_seconds = 0, 0.0, 0.0
-        for i, prompt in enumerate(prompts):
-            start = time.perf_counter()
-            count, rounds, prefill = arm(prompt, seed + i)
-            seconds += time.perf_counter() - start
-            tokens += count
-            if not warmup and rounds is not None:
-                record.rounds += rounds
-                prefill_seconds += prefill
-        if not warmup:
-            record.tokens_per_second.append(tokens / seconds)
-            if record.rounds:  # the first token comes from the prefill: decode rate counts the rest
-                record.decode_tokens_per_second.append((tokens - len(prompts)) / (seconds - prefill_seconds))
+    for arm in arms:
+        _run_arm(arm, prompts, seed, warmup)
+
+
+def _run_arm(arm: tuple[ArmRecord, Arm], prompts: list[list[int]], seed: int, warmup: bool = False) -> None:
+    """One repetition of one arm over the prompts; the record changes only once it is complete."""
+    record, run = arm
+    tokens, seconds, prefill_seconds, rounds = 0, 0.0, 0.0, []
+    for i, prompt in enumerate(prompts):
+        start = time.perf_counter()
+        count, arm_rounds, prefill = run(prompt, seed + i)
+        seconds += time.perf_counter() - start
+        tokens += count
+        if arm_rounds is not None:
+            rounds += arm_rounds
+            prefill_seconds += prefill
+    if warmup:
+        return
+    record.rounds += rounds
+    record.tokens_per_second.append(tokens / seconds)
+    if rounds:  # the first token comes from the prefill: decode rate counts the rest
+        record.decode_tokens_per_second.append((tokens - len(prompts)) / (seconds - prefill_seconds))
 
 
 def format_table(report: dict) -> str:
@@ -276,7 +298,8 @@ def format_table(report: dict) -> str:
     header = f"{'arm':<18}{'tok/s':>8}{'min-max':>12}{'speedup':>9}{'decode':>8}{'vs HF':>7}{'alpha':>7}{'tok/rnd':>8}{'c':>7}{'verify':>7}{'pred':>7}{'meas/pred':>10}"
     fmt = lambda v, spec, suffix="": "-" if v is None else f"{v:{spec}}{suffix}"  # noqa: E731
     for result in report["results"]:
-        lines += ["", f"== {result['workload']} / {result['mode']} ==", header]
+        partial = f" (interrupted after {result['repeats']} of {report['config']['repeats']} repetitions)" if result["repeats"] < report["config"]["repeats"] else ""
+        lines += ["", f"== {result['workload']} / {result['mode']} =={partial}", header]
         for row in result["arms"]:
             lines.append(
                 f"{row['arm']:<18}{row['tokens_per_second']:>8.1f}{row['tps_min']:>6.0f}-{row['tps_max']:<5.0f}"
@@ -309,6 +332,8 @@ def write_outputs(report: dict, directory: str | Path) -> list[Path]:
     figure, panels = grid(3.4)
     for axis, result in panels:
         draft_rows = [r for r in result["arms"] if r["arm"].startswith("draft")]
+        if not draft_rows:  # an interrupted run may have none
+            continue
         gammas = [r["gamma"] for r in draft_rows]
         axis.plot(gammas, [r["decode_speedup"] for r in draft_rows], "o-", label="measured, decoding")
         axis.plot(gammas, [r["speedup"] for r in draft_rows], "o:", label="measured, with prefill")
@@ -324,7 +349,9 @@ def write_outputs(report: dict, directory: str | Path) -> list[Path]:
     figure.savefig(directory / "speedup.png", dpi=110)
     figure, panels = grid(3.0)
     for axis, result in panels:
-        row = max((r for r in result["arms"] if r["arm"].startswith("draft")), key=lambda r: r["gamma"])
+        row = max((r for r in result["arms"] if r["arm"].startswith("draft")), key=lambda r: r["gamma"], default=None)
+        if row is None:
+            continue
         positions = range(1, len(row["acceptance_by_position"]) + 1)
         axis.bar(positions, row["acceptance_by_position"])
         axis.set(title=f"{result['workload']} / {result['mode']} ({row['arm']})", xlabel="draft position", ylabel="P(accepted | reached)", ylim=(0, 1))

@@ -1,21 +1,30 @@
-"""Command-line interface: parse flags, call the library, print. Errors are one line and exit code 2."""
+"""Command-line interface: parse flags, call the library, print.
+
+Exit codes: 0 done; 2 a user error, printed as one line; 130 interrupted by
+Ctrl-C (what was generated or measured so far is kept and summarised); 141 the
+reader of stdout went away (``| head``), as for a process ended by SIGPIPE.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import secrets
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
-from exactspec import costmodel, verify
+from exactspec import __version__, costmodel, verify
 from exactspec.engine import Generation, GenerationConfig, SpeculativeDecoder
 from exactspec.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.sampling import SamplingParams
 from exactspec.loading import default_pair_dirs
 from exactspec.tokenizer import stream_text
+from exactspec.workloads import WORKLOADS
 
 __all__ = ["main"]
 
@@ -27,6 +36,64 @@ class CliError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
         raise CliError(message)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except for flags and options without one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+#: Seeds are unsigned 64-bit integers (torch.Generator's range); -1 asks for a random one.
+MAX_SEED = 2**64 - 1
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _seed_argument(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not -1 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2^64 - 1], or -1 for a random seed; got {text!r}")
+    return value
+
+
+def _list_of(item: Callable[[str], object], what: str) -> Callable[[str], tuple]:
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(item(part.strip()) for part in text.split(","))
+        except (ValueError, argparse.ArgumentTypeError):
+            values = ()
+        if not values:
+            raise argparse.ArgumentTypeError(f"must be comma-separated {what}, got {text!r}")
+        return values
+
+    return parse
+
+
+def _one_of(choices: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(text)
+        return text
+
+    return parse
 
 
 def _distribution(text: str, name: str) -> list[float]:
@@ -102,8 +169,6 @@ def _cost(args: argparse.Namespace) -> dict:
     _positive("verify-cost", args.verify_cost)
     if not 0 <= args.alpha <= 1:
         raise CliError(f"--alpha must be in [0, 1], got {args.alpha}")
-    if args.gamma < 0:
-        raise CliError(f"--gamma must be >= 0, got {args.gamma}")
     c = args.draft_ms / args.target_ms
     gamma = costmodel.best_gamma(args.alpha, c, args.max_gamma, args.verify_cost).gamma if args.best_gamma else args.gamma
     return {
@@ -136,8 +201,10 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
             presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty,
         )
-    except ValueError as error:
-        raise CliError(str(error)) from None
+    except ValueError as error:  # name the flag, not the field: "--top-p must be in (0, 1]"
+        message = str(error)
+        field = message.split()[0]
+        raise CliError(f"--{field.replace('_', '-')}{message[len(field):]}" if hasattr(args, field) else message) from None
 
 
 def _pair_dirs(args: argparse.Namespace, with_draft: bool = True):
@@ -160,11 +227,9 @@ def _generate(args: argparse.Namespace) -> dict:
     from exactspec.loading import model_capacity
 
     params = _sampling(args)
-    try:
-        fixed_gamma = 0 if args.gamma == "auto" else args.gamma
-        config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=fixed_gamma, seed=args.seed)
-    except ValueError as error:
-        raise CliError(str(error)) from None
+    seed = args.seed if args.seed >= 0 else secrets.randbits(64)
+    fixed_gamma = 0 if args.gamma == "auto" else args.gamma
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=fixed_gamma, seed=seed)
     pair = _load(args, with_draft=not args.no_speculation)
     prompt = pair.tokenizer.encode_prompt(args.prompt)
     if not prompt:
@@ -177,18 +242,22 @@ def _generate(args: argparse.Namespace) -> dict:
     generation = Generation(tokens=[], stop_reason="max_new_tokens")
     policy = AdaptiveGamma() if args.gamma == "auto" else None
     decoder = SpeculativeDecoder(pair.target, pair.draft, params, policy)
-    tokens = decoder.stream(prompt, config, generation)
     pieces = []
-    for piece in stream_text(pair.tokenizer, tokens):
-        pieces.append(piece)
-        if not args.json:
-            print(piece, end="", flush=True)
+    try:
+        for piece in stream_text(pair.tokenizer, decoder.stream(prompt, config, generation)):
+            pieces.append(piece)
+            if not args.json:
+                print(piece, end="", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: keep what was generated and summarise it
+        generation.stop_reason = "interrupted"
     stats = generation.stats
     return {
         "prompt": args.prompt,
         "text": "".join(pieces),
         "mode": "plain" if pair.draft is None else f"speculative, gamma {args.gamma}",
         "gammas_used": sorted({r.drafted for r in stats.rounds[1:]}),
+        "seed": seed,
+        "sampling": "greedy" if params.greedy else "sampled",
         "stop_reason": generation.stop_reason,
         "tokens_per_second": stats.committed / stats.total_seconds if stats.total_seconds else 0.0,
         **stats.summary(),
@@ -200,7 +269,8 @@ def _print_generate(r: dict) -> None:
     print(
         f"[{r['tokens']} tokens, {r['tokens_per_second']:.1f} tokens/s, "
         f"acceptance {r['acceptance_rate']:.2f} of {r['drafted']} drafted, "
-        f"{r['tokens_per_round']:.2f} tokens/round, {r['mode']}, stop: {r['stop_reason']}]",
+        f"{r['tokens_per_round']:.2f} tokens/round, {r['mode']}, "
+        f"{'greedy' if r['sampling'] == 'greedy' else 'seed ' + str(r['seed'])}, stop: {r['stop_reason']}]",
         file=sys.stderr,
     )
 
@@ -221,17 +291,17 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target checkpoint directory (default: the shipped target)")
     parser.add_argument("--draft", help="draft checkpoint directory (default: the shipped draft)")
     parser.add_argument("--backend", choices=["lean", "hf"], default="lean", help="lean (Llama-family, fast) or hf (any causal LM)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="bfloat16 (default): faster, flat verify cost; float32: bit-exact greedy equivalence")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="bfloat16: faster, flat verify cost; float32: bit-exact greedy equivalence")
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser, default_temperature: float = 1.0) -> None:
     parser.add_argument("--temperature", type=float, default=default_temperature, help="0 means greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--top-k", type=_int_at_least(0), default=0, help="keep the k most likely tokens (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set of tokens with this mass (1: off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top probability (0: off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="divide positive / multiply negative logits of seen tokens (1: off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="subtract from the logits of generated tokens")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times the count of each generated token")
 
 
 def _bench(args: argparse.Namespace) -> dict:
@@ -239,9 +309,9 @@ def _bench(args: argparse.Namespace) -> dict:
 
     try:
         config = bench.BenchConfig(
-            workloads=tuple(args.workloads.split(",")),
-            modes=tuple(args.modes.split(",")),
-            gammas=tuple(int(g) for g in args.gammas.split(",")),
+            workloads=args.workloads,
+            modes=args.modes,
+            gammas=args.gammas,
             lookup_gamma=args.lookup_gamma,
             hf_gamma=args.hf_gamma,
             num_prompts=args.prompts,
@@ -252,6 +322,7 @@ def _bench(args: argparse.Namespace) -> dict:
         )
     except ValueError as error:
         raise CliError(str(error)) from None
+    _check_writable_directory(Path(args.output_dir), "--output-dir")
     pair = _load(args, with_draft=True)
     hf_models = None
     if config.hf:
@@ -263,61 +334,79 @@ def _bench(args: argparse.Namespace) -> dict:
             raise CliError(f"{error} (or pass --no-hf)") from None
     report = bench.run_bench(pair.target, pair.draft, pair.tokenizer, config, hf_models, progress=not args.json)
     report.update(backend=args.backend, dtype=args.dtype)
-    report["outputs"] = [str(p) for p in bench.write_outputs(report, args.output_dir)]
+    if report["results"]:
+        report["outputs"] = [str(p) for p in bench.write_outputs(report, args.output_dir)]
     return report
+
+
+def _check_writable_directory(directory: Path, flag: str) -> None:
+    """Before a long run: the directory exists and is writable, or can be created where it should be."""
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CliError(f"{flag} {directory}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CliError(f"{flag} {directory}: {existing} is not writable")
 
 
 def _print_bench(report: dict) -> None:
     from exactspec.bench import format_table
 
-    print(format_table(report))
+    if report["results"]:
+        print(format_table(report))
+    if report.get("interrupted"):
+        kept = f"the arms finished so far are in {Path(report['outputs'][0]).parent}" if report.get("outputs") else "no arm had finished"
+        print(f"[bench interrupted: {kept}]", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="exactspec", description="Exact speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"exactspec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    add = lambda name, **kw: commands.add_parser(name, formatter_class=_HelpFormatter, **kw)  # noqa: E731
 
-    explain = commands.add_parser("explain", help="the exact law of one verification step for a (p, q) pair")
+    explain = add("explain", help="the exact law of one verification step for a (p, q) pair")
     explain.add_argument("--target", required=True, help="target distribution p, e.g. 0.6,0.3,0.1")
     explain.add_argument("--draft", required=True, help="draft distribution q, e.g. 0.5,0.25,0.25")
     explain.add_argument("--labels", help="token labels, e.g. A,B,C")
     explain.add_argument("--json", action="store_true", help="print JSON")
     explain.set_defaults(run=_explain, show=_print_explain)
 
-    cost = commands.add_parser("cost", help="expected speedup from the cost model (Leviathan et al. 2023, Thm 3.8)")
-    cost.add_argument("--gamma", type=int, default=4, help="draft tokens per round (default 4)")
+    cost = add("cost", help="expected speedup from the cost model (Leviathan et al. 2023, Thm 3.8)")
+    cost.add_argument("--gamma", type=_int_at_least(0), default=4, help="draft tokens per round")
     cost.add_argument("--alpha", type=float, required=True, help="acceptance rate in [0, 1]")
     cost.add_argument("--target-ms", type=float, required=True, help="time of one target call")
     cost.add_argument("--draft-ms", type=float, required=True, help="time of one draft call")
-    cost.add_argument("--verify-cost", type=float, default=1.0, help="cost of verifying gamma+1 tokens relative to one (default 1)")
+    cost.add_argument("--verify-cost", type=float, default=1.0, help="cost of verifying gamma+1 tokens relative to one")
     cost.add_argument("--best-gamma", action="store_true", help="search gamma in 0..--max-gamma instead of using --gamma")
-    cost.add_argument("--max-gamma", type=int, default=16)
+    cost.add_argument("--max-gamma", type=_int_at_least(0), default=16, help="largest gamma --best-gamma tries")
     cost.add_argument("--json", action="store_true", help="print JSON")
     cost.set_defaults(run=_cost, show=_print_cost)
 
-    generate = commands.add_parser("generate", help="generate text with speculative decoding (default: the shipped pair)")
+    generate = add("generate", help="generate text with speculative decoding (default: the shipped pair)")
     generate.add_argument("prompt", help="text to continue")
     _add_model_arguments(generate)
-    generate.add_argument("--gamma", type=_gamma_argument, default="auto", help="draft tokens per round, or auto (default): chosen per round by the cost model")
-    generate.add_argument("--max-new-tokens", type=int, default=128)
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--gamma", type=_gamma_argument, default="auto", help="draft tokens per round, or auto: chosen per round by the cost model")
+    generate.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="stop after this many new tokens")
+    generate.add_argument("--seed", type=_seed_argument, default=0, help="seed of the run's random generator, 0 to 2^64-1; -1 picks a random one (printed in the summary)")
     generate.add_argument("--no-speculation", action="store_true", help="plain decoding of the target (the baseline)")
     generate.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     _add_sampling_arguments(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generate.set_defaults(run=_generate, show=_print_generate)
 
-    bench = commands.add_parser("bench", help="side-by-side speed benchmark: plain, draft, adaptive, lookup, Hugging Face")
+    bench = add("bench", help="side-by-side speed benchmark: plain, draft, adaptive, lookup, Hugging Face")
     _add_model_arguments(bench)
-    bench.add_argument("--workloads", default="heldout,code,grounded", help="comma-separated: heldout, code, grounded")
-    bench.add_argument("--modes", default="greedy,sample", help="comma-separated: greedy (T=0), sample (T=1)")
-    bench.add_argument("--gammas", default="2,4,6,8", help="fixed gamma values of the draft arms")
-    bench.add_argument("--hf-gamma", type=int, default=4, help="gamma of Hugging Face assisted generation (default 4)")
-    bench.add_argument("--lookup-gamma", type=int, default=8)
-    bench.add_argument("--prompts", type=int, default=6, help="prompts per workload (default 6)")
-    bench.add_argument("--max-new-tokens", type=int, default=96)
-    bench.add_argument("--repeats", type=int, default=3, help="repetitions; medians are reported (default 3)")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--workloads", type=_list_of(_one_of(WORKLOADS), f"names from {', '.join(WORKLOADS)}"), default=",".join(WORKLOADS), help="comma-separated workloads")
+    bench.add_argument("--modes", type=_list_of(_one_of(("greedy", "sample")), "names from greedy (T=0), sample (T=1)"), default="greedy,sample", help="comma-separated sampling modes: greedy (T=0), sample (T=1)")
+    bench.add_argument("--gammas", type=_list_of(_int_at_least(1), "integers >= 1"), default="2,4,6,8", help="fixed gamma values of the draft arms")
+    bench.add_argument("--hf-gamma", type=_int_at_least(1), default=4, help="gamma of Hugging Face assisted generation")
+    bench.add_argument("--lookup-gamma", type=_int_at_least(1), default=8, help="gamma of the prompt-lookup arm")
+    bench.add_argument("--prompts", type=_int_at_least(1), default=6, help="prompts per workload")
+    bench.add_argument("--max-new-tokens", type=_int_at_least(1), default=96, help="new tokens per prompt")
+    bench.add_argument("--repeats", type=_int_at_least(1), default=3, help="repetitions; medians are reported")
+    bench.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of the first prompt (prompt i uses seed + i)")
     bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face arms")
     bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -329,11 +418,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         result = args.run(args)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            args.show(result)
+        sys.stdout.flush()
     except CliError as error:
         print(f"exactspec: error: {error}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        args.show(result)
-    return 0
+    except KeyboardInterrupt:
+        print("\nexactspec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as a SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
+    interrupted = result.get("stop_reason") == "interrupted" or result.get("interrupted")
+    return 130 if interrupted else 0

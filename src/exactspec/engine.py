@@ -42,13 +42,15 @@ class GenerationConfig:
     max_new_tokens: int = 64
     gamma: int = 4  # draft tokens per round; 0 is plain decoding
     stop_token_ids: frozenset[int] = frozenset()  # EOS and other stops; the stop token is kept
-    seed: int = 0
+    seed: int = 0  # of the generation's own torch.Generator, in [0, 2^64 - 1]
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not isinstance(self.gamma, int) or self.gamma < 0:
             raise ValueError(f"gamma must be an integer >= 0, got {self.gamma!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [0, 2^64 - 1] (torch.Generator's range), got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
 
 

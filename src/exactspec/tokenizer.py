@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from exactspec.models.base import read_json
 
 __all__ = ["TextTokenizer", "stream_text"]
 
@@ -24,17 +25,13 @@ class TextTokenizer:
         if (path / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 
-            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+            try:
+                tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+            except Exception as error:  # the Rust library raises a bare Exception
+                raise ValueError(f"{path / 'tokenizer.json'} is not a readable tokenizer ({error})") from None
         else:
-            try:
-                from transformers import AutoTokenizer
-            except ImportError:
-                raise FileNotFoundError(f"{path} has no tokenizer.json (install transformers for other formats)") from None
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=True).backend_tokenizer
-            except (OSError, ValueError, AttributeError) as error:
-                raise FileNotFoundError(f"no usable tokenizer in {path}: {error}") from None
-        config = _read_json(path / "config.json")
+            tokenizer = _converted_tokenizer(path)
+        config = read_json(path / "config.json") if (path / "config.json").is_file() else {}
         return cls(tokenizer, _eos_ids(path), config.get("bos_token_id"))
 
     def encode(self, text: str) -> list[int]:
@@ -53,14 +50,26 @@ class TextTokenizer:
         return self.tokenizer.get_vocab(with_added_tokens=True)
 
 
-def _read_json(file: Path) -> dict:
-    return json.loads(file.read_text()) if file.is_file() else {}
+def _converted_tokenizer(path: Path):
+    """A fast tokenizer converted by transformers from the other formats it knows (tokenizer.model, vocab files)."""
+    missing = f"{path} has no tokenizer.json"
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise FileNotFoundError(f"{missing} (install transformers to convert other tokenizer formats)") from None
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=True).backend_tokenizer
+    except Exception as error:  # transformers raises many kinds here; all mean "no usable tokenizer"
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = f" ({lines[-1]})" if lines else ""  # transformers puts the actionable sentence last
+        raise FileNotFoundError(f"{missing} and transformers found no other usable tokenizer there{reason}") from None
 
 
 def _eos_ids(path: Path) -> frozenset[int]:
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
-        value = _read_json(path / name).get("eos_token_id")
+        file = path / name
+        value = read_json(file).get("eos_token_id") if file.is_file() else None
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list):

@@ -17,8 +17,9 @@ within floating-point tolerance for neural ones).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -77,3 +78,14 @@ def check_local_checkpoint(path: str | Path) -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
     return path
+
+
+def read_json(file: Path) -> dict[str, Any]:
+    """A JSON object from a checkpoint file, or a ValueError that names the file."""
+    try:
+        value = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{file} is not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(value).__name__}")
+    return value

@@ -18,9 +18,14 @@ from typing import Sequence
 
 import torch
 
-from exactspec.models.base import check_local_checkpoint, check_rollback_length, check_token_ids
+from exactspec.models.base import check_local_checkpoint, check_rollback_length, check_token_ids, read_json
 
 __all__ = ["HFModel"]
+
+
+def _one_line(error: Exception, limit: int = 200) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class HFModel:
@@ -42,12 +47,19 @@ class HFModel:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = check_local_checkpoint(path)
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        read_json(path / "config.json")  # a broken file is named here, not deep inside transformers
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as error:  # transformers raises many kinds for a config it cannot use
+            raise ValueError(f"transformers cannot use {path / 'config.json'}: {_one_line(error)}") from None
+        causal_configs = getattr(AutoModelForCausalLM, "_model_mapping", None)  # transformers' registry of causal LMs
+        if causal_configs is not None and type(config) not in causal_configs:
+            kind = getattr(config, "model_type", "unknown")
+            raise ValueError(f"{path} holds a '{kind}' checkpoint, which is not a causal language model")
         try:
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
-        except ValueError as error:
-            kind = getattr(config, "model_type", "unknown")
-            raise ValueError(f"{path} holds a '{kind}' checkpoint, which is not a causal language model") from error
+        except Exception as error:  # truncated weights, missing shards, shape mismatches...
+            raise ValueError(f"transformers cannot load the weights in {path}: {_one_line(error)}") from None
         return cls(model.to(device))
 
     @property

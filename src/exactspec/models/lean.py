@@ -20,8 +20,8 @@ untied embeddings), written after nanoGPT's ``model.py`` and gpt-fast's
 
 from __future__ import annotations
 
-import json
 import math
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import check_rollback_length, check_token_ids
+from .base import check_rollback_length, check_token_ids, read_json
 
 __all__ = ["LlamaConfig", "LlamaDecoder", "LeanModel", "hf_state_dict", "load_hf_state_dict"]
 
@@ -68,9 +68,19 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
-        model_type = d.get("model_type")
-        if model_type != "llama":
-            raise ValueError(f"expected a Llama checkpoint (model_type 'llama'), got model_type {model_type!r}")
+        """The config from a ``config.json`` dictionary; ValueError on a missing or ill-typed field."""
+        if d.get("model_type") != "llama":
+            raise ValueError(f"expected a Llama checkpoint (model_type 'llama'), got model_type {d.get('model_type')!r}")
+        missing = [name for name in REQUIRED_FIELDS if d.get(name) is None]
+        if missing:
+            raise ValueError(f"config lacks the required field(s) {', '.join(map(repr, missing))}")
+        try:
+            return cls._from_dict(d)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"config has an invalid value: {error}") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
         if d.get("rope_scaling"):
             raise ValueError(f"rope_scaling is not supported: {d['rope_scaling']!r}")
         if d.get("attention_bias") or d.get("mlp_bias"):
@@ -118,6 +128,9 @@ class LlamaConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -278,10 +291,10 @@ def load_hf_state_dict(model: LlamaDecoder, sd: dict[str, torch.Tensor]) -> None
 
     def get(name: str) -> torch.Tensor:
         if name not in sd:
-            raise KeyError(f"checkpoint is missing tensor {name!r}")
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
         return sd[name]
 
-    with torch.no_grad():
+    with torch.no_grad(), _named_shape_errors():
         model.embed.weight.copy_(get("model.embed_tokens.weight"))
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
@@ -296,6 +309,15 @@ def load_hf_state_dict(model: LlamaDecoder, sd: dict[str, torch.Tensor]) -> None
             model.lm_head.weight.copy_(get("lm_head.weight"))
 
 
+@contextmanager
+def _named_shape_errors():
+    """A weight whose shape does not match config.json is a ValueError, not a RuntimeError from ``copy_``."""
+    try:
+        yield
+    except RuntimeError as error:
+        raise ValueError(f"a weight does not match the shapes config.json describes ({str(error).splitlines()[0]})") from None
+
+
 def read_config(path: str | Path) -> LlamaConfig:
     path = Path(path)
     if not path.is_dir():
@@ -303,7 +325,21 @@ def read_config(path: str | Path) -> LlamaConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json")
-    return LlamaConfig.from_dict(json.loads(cfg_file.read_text()))
+    try:
+        return LlamaConfig.from_dict(read_json(cfg_file))
+    except ValueError as error:
+        raise ValueError(f"{cfg_file}: {error}") from None
+
+
+def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a ``.safetensors`` file; ValueError naming the file when it cannot be read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise ValueError(f"cannot read {file}: {error} (a truncated or corrupt download?)") from None
 
 
 # ---- the rollback-able single-sequence model --------------------------------------------------
@@ -352,15 +388,18 @@ class LeanModel:
         device: str | torch.device = "cpu",
     ) -> "LeanModel":
         """Load a local Hugging Face Llama directory (``config.json`` + ``model.safetensors``)."""
-        from safetensors.torch import load_file
-
         path = Path(path)
         cfg = read_config(path)
         weights = path / "model.safetensors"
         if not weights.is_file():
-            raise FileNotFoundError(f"{path} has no model.safetensors")
-        decoder = LlamaDecoder(cfg)
-        load_hf_state_dict(decoder, load_file(str(weights)))
+            if (path / "model.safetensors.index.json").is_file():
+                raise ValueError(f"{path} holds a sharded checkpoint, which the lean backend does not load yet; use --backend hf")
+            raise FileNotFoundError(f"{path} has no model.safetensors (the lean backend reads safetensors; try --backend hf)")
+        decoder, tensors = LlamaDecoder(cfg), read_safetensors(weights)
+        try:
+            load_hf_state_dict(decoder, tensors)
+        except ValueError as error:
+            raise ValueError(f"{weights}: {error}") from None
         return cls(decoder, max_len=max_len, device=device, dtype=dtype)
 
     # -- protocol ---------------------------------------------------------------------------
