@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
+from dataclasses import replace
+
 import torch
+
+# The adaptive policy's per-pair cache: never the user's own, for every test and the processes they start.
+os.environ["EXACTSPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="exactspec-test-cache-")
 
 
 def random_distribution(generator: torch.Generator, vocab: int, kind: str = "dense") -> torch.Tensor:  # (V,)
@@ -73,3 +81,19 @@ def tiny_tokenizer_json(extra_text: str = "") -> str:
     text = ["def parse_args(argv):\n    return argv[1:]\n", "import os\nprint(os.getcwd())\n" + extra_text] * 20
     tokenizer.train_from_iterator(text, trainer)
     return tokenizer.to_str()
+
+
+class SyntheticClock:
+    """Passes rounds to a policy with costs from a formula instead of the (microsecond, noisy) Markov timings."""
+
+    def __init__(self, policy, draft_ms: float, target_ms_of) -> None:
+        self.policy, self.draft_ms, self.target_ms_of = policy, draft_ms, target_ms_of
+        self.chosen: list[int] = []
+
+    def next_gamma(self) -> int:
+        self.chosen.append(self.policy.next_gamma())
+        return self.chosen[-1]
+
+    def observe(self, record) -> None:
+        self.policy.observe(replace(record, draft_seconds=record.drafted * self.draft_ms / 1000, draft_setup_seconds=0.0,
+                                    target_seconds=self.target_ms_of(record.drafted + 1) / 1000))

@@ -4,10 +4,12 @@ when speculation does not pay, probes again with a growing wait, and keeps the o
 from __future__ import annotations
 
 import pytest
+import torch
 
-from exactspec import GREEDY, GenerationConfig, MarkovLM, SpeculativeDecoder
-from exactspec.costmodel import best_gamma
-from exactspec.policy import AdaptiveConfig, AdaptiveGamma, RunningMean
+from conftest import SyntheticClock
+from exactspec import GREEDY, GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
+from exactspec.costmodel import best_gamma, expected_tokens_per_round
+from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors, RunningMean
 from exactspec.stats import RoundRecord
 
 
@@ -78,3 +80,83 @@ def test_one_slow_call_at_a_rare_size_does_not_ban_that_size():
     policy.target_ms = {4: RunningMean(5.0, 0.1, count=150), 5: RunningMean(9.0, 0.1, count=1), 3: RunningMean(4.9, 0.1, count=20)}
     n_bar, t_bar, slope = policy.target_cost_line()
     assert t_bar + slope * (5 - n_bar) < 5.4
+
+
+# ---- cold start: priors from calibration and acceptance ----------------------------------------
+
+def cost_model_optimum(alpha: float, draft_ms: float, target_ms_of, max_gamma: int = 8) -> int:
+    """argmax_g E[tokens](g) / (g * draft_ms + T(g + 1)) for i.i.d. acceptance alpha (Leviathan et al., Thm 3.8)."""
+    rate = lambda g: expected_tokens_per_round(alpha, g) / (g * draft_ms + target_ms_of(g + 1))  # noqa: E731
+    return max(range(max_gamma + 1), key=lambda g: (rate(g), -g))
+
+
+def known_acceptance_pair(alpha: float, seed: int = 0) -> tuple[MarkovLM, MarkovLM]:
+    """Target on tokens 0-3 (4-7 get ~1e-13 of mass); draft q = alpha * p + (1 - alpha) * uniform(4-7).
+
+    At every state sum_x min(p, q) = alpha, so each draft position is accepted with probability alpha
+    (to ~1e-12), whatever came before: the cost model's i.i.d. assumption holds exactly.
+    """
+    table = MarkovLM.random(8, 1, seed=seed).table
+    table[:, 4:] = -30.0
+    p = table.double().softmax(-1)
+    q = alpha * p + (1 - alpha) * torch.cat([torch.zeros(8, 4), torch.full((8, 4), 0.25)], 1).double()
+    return MarkovLM(table, 1), MarkovLM(q.log().float(), 1)
+
+
+COLD_CASES = [  # (alpha, draft step ms, target ms of n tokens)
+    (0.9, 0.3, lambda n: 5.0 + 0.05 * n),
+    (0.6, 0.5, lambda n: 5.0 + 0.1 * n),
+    (0.8, 1.5, lambda n: 5.0),
+    (0.3, 1.0, lambda n: 5.0 + 0.3 * n),
+]
+
+
+@pytest.mark.parametrize("alpha,draft_ms,target_ms_of", COLD_CASES)
+def test_with_priors_the_first_round_is_the_cost_model_optimum(alpha, draft_ms, target_ms_of):
+    priors = PolicyPriors({n: target_ms_of(n) for n in range(1, 10)}, draft_ms, (alpha,))
+    assert AdaptiveGamma(priors=priors).next_gamma() == cost_model_optimum(alpha, draft_ms, target_ms_of)
+
+
+@pytest.mark.parametrize("case", range(len(COLD_CASES)))
+def test_cold_start_on_a_pair_with_known_acceptance_runs_at_the_optimum_from_the_first_round(case):
+    """Through the real engine, 10 rounds x 3 seeds: with priors every first round takes the optimum and the rounds
+    keep >= 97% of the optimum's expected token rate; the old cold start (no priors) falls short where the
+    optimum is far from its initial gamma, so the test tells them apart."""
+    alpha, draft_ms, target_ms_of = COLD_CASES[case]
+    target, draft = known_acceptance_pair(alpha)
+    rate = lambda g: expected_tokens_per_round(alpha, g) / (g * draft_ms + target_ms_of(g + 1))  # noqa: E731
+    optimum = cost_model_optimum(alpha, draft_ms, target_ms_of)
+    efficiency = {}
+    for name in ("priors", "cold"):
+        chosen = []
+        for seed in range(3):
+            priors = PolicyPriors({n: target_ms_of(n) for n in range(1, 10)}, draft_ms, (alpha,)) if name == "priors" else PolicyPriors()
+            clock = SyntheticClock(AdaptiveGamma(priors=priors), draft_ms, target_ms_of)
+            SpeculativeDecoder(target, draft, SamplingParams(), policy=clock).generate([1], GenerationConfig(max_new_tokens=200, seed=seed))
+            chosen += clock.chosen[:10]
+            if name == "priors":
+                assert clock.chosen[0] == optimum
+        efficiency[name] = sum(rate(g) for g in chosen) / (len(chosen) * rate(optimum))
+    assert efficiency["priors"] >= 0.97, efficiency
+    if case in (0, 3):  # optimum 8 and 1, initial gamma 4
+        assert efficiency["cold"] < 0.9, efficiency
+
+
+def test_a_wrong_acceptance_prior_is_overruled_by_a_few_rounds():
+    """A prior of 0.95 for a draft that is never accepted: shorter drafts at once, plain decoding within 40 rounds."""
+    priors = PolicyPriors({n: 5.0 + 0.05 * n for n in range(1, 10)}, 0.5, (0.95,))
+    policy = AdaptiveGamma(priors=priors)
+    first = policy.next_gamma()
+    feed(policy, 3, lambda r, i: False, draft_ms=0.5, target_ms_of=lambda n: 5.0 + 0.05 * n)
+    assert first == 8 and policy.next_gamma() <= 3  # the unreached positions lost their optimism with the first
+    feed(policy, 37, lambda r, i: False, draft_ms=0.5, target_ms_of=lambda n: 5.0 + 0.05 * n)
+    assert policy.next_gamma() == 0
+
+
+def test_invalid_priors_are_refused():
+    with pytest.raises(ValueError, match="acceptance rates must be in"):
+        PolicyPriors(acceptance=(1.2,))
+    with pytest.raises(ValueError, match="target_ms must map call sizes"):
+        PolicyPriors(target_ms={0: 1.0})
+    with pytest.raises(ValueError, match="draft_step_ms"):
+        PolicyPriors(draft_step_ms=-1.0)

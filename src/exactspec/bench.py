@@ -4,7 +4,9 @@ Arms (each decodes every prompt of a workload, ``max_new_tokens`` tokens, EOS ig
 
 * ``plain``: plain decoding of the target through the same engine (the baseline);
 * ``draft g=K``: speculative decoding with the draft model at fixed gamma K;
-* ``adaptive``: the draft model with :class:`exactspec.policy.AdaptiveGamma`;
+* ``adaptive``: the draft model with :class:`exactspec.policy.AdaptiveGamma`, started as
+  ``generate --gamma auto`` starts it: calibrated call costs and the draft's shipped acceptance prior
+  (never the per-pair cache, so that runs are comparable);
 * ``lookup``: prompt-lookup drafting (no draft model), gamma ``lookup_gamma``;
 * ``hf plain`` / ``hf assisted g=K``: Hugging Face ``generate`` on the same weights,
   plain and with ``assistant_model`` (constant ``num_assistant_tokens``, no
@@ -31,17 +33,19 @@ from typing import Callable, Sequence
 import torch
 
 from exactspec import costmodel
+from exactspec.calibration import calibrate, measure_call_ms
 from exactspec.engine import GenerationConfig, SpeculativeDecoder
 from exactspec.loading import model_capacity
 from exactspec.models.base import LanguageModel
-from exactspec.policy import AdaptiveGamma
-from exactspec.proposers import PromptLookupProposer
+from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
+from exactspec.priors import mode_key
+from exactspec.proposers import DraftModelProposer, PromptLookupProposer
 from exactspec.sampling import GREEDY, SamplingParams
 from exactspec.stats import GenerationStats, RoundRecord
 from exactspec.tokenizer import TextTokenizer
 from exactspec.workloads import WORKLOADS, workload_prompts
 
-__all__ = ["BenchConfig", "run_bench", "format_table", "write_outputs", "measure_call_ms"]
+__all__ = ["BenchConfig", "run_bench", "format_table", "write_outputs"]
 
 MODES = {"greedy": GREEDY, "sample": SamplingParams()}
 
@@ -93,18 +97,6 @@ class ArmRecord:
                 sum(x.draft_seconds - x.draft_setup_seconds for x in r), sum(x.target_seconds for x in r))
 
 
-def measure_call_ms(model: LanguageModel, context: Sequence[int], new_tokens: int, repeats: int = 30) -> float:
-    """Median milliseconds of one ``forward`` of ``new_tokens`` tokens after ``context`` (rolled back each time)."""
-    model.prefill(list(context))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        model.forward(list(context[-new_tokens:]))
-        times.append(time.perf_counter() - start)
-        model.rollback(len(context))
-    return 1000 * statistics.median(times)
-
-
 def _engine_arm(decoder: SpeculativeDecoder, gamma: int, max_new_tokens: int) -> Arm:
     def run(prompt: list[int], seed: int):
         generation = decoder.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma, seed=seed))
@@ -137,13 +129,13 @@ def _hf_arm(model, assistant, params: SamplingParams, gamma: int, max_new_tokens
     return run
 
 
-def _arms(target, draft, hf_models, params: SamplingParams, config: BenchConfig) -> list[tuple[ArmRecord, Arm]]:
+def _arms(target, draft, hf_models, params: SamplingParams, config: BenchConfig, priors: PolicyPriors) -> list[tuple[ArmRecord, Arm]]:
     n = config.max_new_tokens
     plain = SpeculativeDecoder(target, None, params)
     speculative = SpeculativeDecoder(target, draft, params)
     arms = [(ArmRecord("plain", 0), _engine_arm(plain, 0, n))]
     arms += [(ArmRecord(f"draft g={g}", g), _engine_arm(speculative, g, n)) for g in config.gammas]
-    arms.append((ArmRecord("adaptive", None), _engine_arm(SpeculativeDecoder(target, draft, params, AdaptiveGamma()), 0, n)))
+    arms.append((ArmRecord("adaptive", None), _engine_arm(SpeculativeDecoder(target, draft, params, AdaptiveGamma(priors=priors)), 0, n)))
     arms.append((ArmRecord("lookup", config.lookup_gamma), _engine_arm(SpeculativeDecoder(target, PromptLookupProposer(), params), config.lookup_gamma, n)))
     if hf_models is not None:
         hf_target, hf_draft = hf_models
@@ -207,6 +199,7 @@ def run_bench(
     config: BenchConfig,
     hf_models=None,
     progress: bool = True,
+    acceptance_priors: dict[str, tuple[float, ...]] | None = None,  # mode key -> the draft's shipped prior
 ) -> dict:
     """Run every (workload, mode, arm) ``config.repeats`` times; returns a JSON-ready report."""
     from tqdm import tqdm
@@ -231,8 +224,12 @@ def run_bench(
     bar = tqdm(total=len(config.workloads) * len(config.modes) * config.repeats * arms_per_run, desc="bench", disable=not progress)
     results, interrupted = [], False
     for mode in config.modes:
+        # the adaptive arm starts as `generate --gamma auto` does: calibrated costs and the draft's shipped prior
+        calibration = calibrate(target, DraftModelProposer(draft, MODES[mode]), context[:64], AdaptiveConfig().max_gamma)
+        acceptance = (acceptance_priors or {}).get(mode_key(MODES[mode]), ())
+        priors = PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance)
         for workload in config.workloads:
-            arms = _arms(target, draft, hf_models, MODES[mode], config)
+            arms = _arms(target, draft, hf_models, MODES[mode], config, priors)
             try:
                 _run_arms(arms, prompts[workload][:1], config.seed, warmup=True)
                 for _ in range(config.repeats):

@@ -20,7 +20,9 @@ import torch
 
 from exactspec import __version__, costmodel, verify
 from exactspec.engine import Generation, GenerationConfig, SpeculativeDecoder
-from exactspec.policy import AdaptiveConfig, AdaptiveGamma
+from exactspec.calibration import calibrate
+from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
+from exactspec.priors import PolicyCache, acceptance_prior, fingerprint, mode_key, shipped_prior
 from exactspec.sampling import SamplingParams
 from exactspec.loading import default_pair_dirs
 from exactspec.tokenizer import stream_text
@@ -46,6 +48,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             return action.help
         return super()._get_help_string(action)
 
+
+#: Prompt tokens the load-time calibration runs on (call costs barely depend on the context here).
+CALIBRATION_TOKENS = 64
 
 #: Seeds are unsigned 64-bit integers (torch.Generator's range); -1 asks for a random one.
 MAX_SEED = 2**64 - 1
@@ -240,8 +245,8 @@ def _generate(args: argparse.Namespace) -> dict:
     if not args.ignore_eos:
         config = GenerationConfig(config.max_new_tokens, config.gamma, pair.tokenizer.eos_token_ids, config.seed)
     generation = Generation(tokens=[], stop_reason="max_new_tokens")
-    policy = AdaptiveGamma() if args.gamma == "auto" else None
-    decoder = SpeculativeDecoder(pair.target, pair.draft, params, policy)
+    decoder = SpeculativeDecoder(pair.target, pair.draft, params)
+    cold_start = _cold_start(args, decoder, prompt, params) if args.gamma == "auto" and decoder.proposer else None
     pieces = []
     try:
         for piece in stream_text(pair.tokenizer, decoder.stream(prompt, config, generation)):
@@ -251,6 +256,8 @@ def _generate(args: argparse.Namespace) -> dict:
     except KeyboardInterrupt:  # Ctrl-C: keep what was generated and summarise it
         generation.stop_reason = "interrupted"
     stats = generation.stats
+    if cold_start is not None and cold_start["cache"] is not None:  # the next run with this pair starts here
+        cold_start["cache"].save(cold_start["pair"], mode_key(params), *stats.position_counts())
     return {
         "prompt": args.prompt,
         "text": "".join(pieces),
@@ -260,8 +267,22 @@ def _generate(args: argparse.Namespace) -> dict:
         "sampling": "greedy" if params.greedy else "sampled",
         "stop_reason": generation.stop_reason,
         "tokens_per_second": stats.committed / stats.total_seconds if stats.total_seconds else 0.0,
+        "policy": cold_start["record"] if cold_start else None,
         **stats.summary(),
     }
+
+
+def _cold_start(args: argparse.Namespace, decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams) -> dict:
+    """Give ``decoder`` an adaptive policy that starts from measured costs and an acceptance prior."""
+    config = AdaptiveConfig()
+    calibration = calibrate(decoder.target, decoder.proposer, prompt[:CALIBRATION_TOKENS], config.max_gamma)
+    target_dir, draft_dir = _pair_dirs(args)
+    cache = None if args.no_policy_cache else PolicyCache()
+    acceptance, source = acceptance_prior(target_dir, draft_dir, params, cache)
+    priors = PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance, source=source)
+    decoder.policy = AdaptiveGamma(config, priors)
+    record = {"calibration": calibration.as_dict(), "acceptance_prior": list(acceptance), "prior_source": source}
+    return {"record": record, "cache": cache, "pair": fingerprint(target_dir, draft_dir)}
 
 
 def _print_generate(r: dict) -> None:
@@ -270,7 +291,9 @@ def _print_generate(r: dict) -> None:
         f"[{r['tokens']} tokens, {r['tokens_per_second']:.1f} tokens/s, "
         f"acceptance {r['acceptance_rate']:.2f} of {r['drafted']} drafted, "
         f"{r['tokens_per_round']:.2f} tokens/round, {r['mode']}, "
-        f"{'greedy' if r['sampling'] == 'greedy' else 'seed ' + str(r['seed'])}, stop: {r['stop_reason']}]",
+        f"{'greedy' if r['sampling'] == 'greedy' else 'seed ' + str(r['seed'])}, stop: {r['stop_reason']}"
+        + (f", calibration {r['policy']['calibration']['seconds']:.2f} s, prior: {r['policy']['prior_source']}" if r["policy"] else "")
+        + "]",
         file=sys.stderr,
     )
 
@@ -332,7 +355,9 @@ def _bench(args: argparse.Namespace) -> dict:
             hf_models = tuple(load_model(d, "hf", DTYPES[args.dtype]).model for d in _pair_dirs(args))
         except (OSError, ValueError) as error:
             raise CliError(f"{error} (or pass --no-hf)") from None
-    report = bench.run_bench(pair.target, pair.draft, pair.tokenizer, config, hf_models, progress=not args.json)
+    target_dir, draft_dir = _pair_dirs(args)
+    shipped = {mode: shipped_prior(draft_dir, target_dir, mode) or () for mode in ("greedy", "sampled")}
+    report = bench.run_bench(pair.target, pair.draft, pair.tokenizer, config, hf_models, progress=not args.json, acceptance_priors=shipped)
     report.update(backend=args.backend, dtype=args.dtype)
     if report["results"]:
         report["outputs"] = [str(p) for p in bench.write_outputs(report, args.output_dir)]
@@ -348,6 +373,20 @@ def _check_writable_directory(directory: Path, flag: str) -> None:
         raise CliError(f"{flag} {directory}: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise CliError(f"{flag} {directory}: {existing} is not writable")
+
+
+def _cache(args: argparse.Namespace) -> dict:
+    cache = PolicyCache()
+    entries = [str(p) for p in cache.entries()]
+    removed = cache.clear() if args.clear else 0
+    return {"directory": str(cache.directory), "entries": [] if args.clear else entries, "removed": removed}
+
+
+def _print_cache(r: dict) -> None:
+    if r["removed"]:
+        print(f"removed {r['removed']} entries from {r['directory']}")
+    else:
+        print(f"{r['directory']}: {len(r['entries'])} pair(s)" + "".join(f"\n  {e}" for e in r["entries"]))
 
 
 def _print_bench(report: dict) -> None:
@@ -391,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="stop after this many new tokens")
     generate.add_argument("--seed", type=_seed_argument, default=0, help="seed of the run's random generator, 0 to 2^64-1; -1 picks a random one (printed in the summary)")
     generate.add_argument("--no-speculation", action="store_true", help="plain decoding of the target (the baseline)")
+    generate.add_argument("--no-policy-cache", action="store_true", help="with --gamma auto: neither read nor write the acceptance remembered from the last run of this pair (see `exactspec cache`)")
     generate.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     _add_sampling_arguments(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -411,6 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.set_defaults(run=_bench, show=_print_bench)
+
+    cache = add("cache", help="the adaptive policy's memory of each model pair's acceptance (--gamma auto starts from it)")
+    cache.add_argument("--clear", action="store_true", help="remove every entry")
+    cache.add_argument("--json", action="store_true", help="print JSON")
+    cache.set_defaults(run=_cache, show=_print_cache)
     return parser
 
 

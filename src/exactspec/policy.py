@@ -21,7 +21,16 @@ the policy still probes with a short draft, after ``probe_every`` plain rounds,
 doubling the wait after each probe that did not pay (up to ``max_probe_every``),
 so a useless draft costs well under 1% once it has been recognised.
 
-The choice depends only on completed rounds, never on the current round's
+Cold start. Without priors the first rounds guess (``initial_gamma``,
+``prior_acceptance``) and learn; with :class:`PolicyPriors` the very first round
+already takes the cost model's optimum: call costs measured at load
+(:mod:`exactspec.calibration`: the target at every call size the policy may use,
+one draft step) and acceptance by draft position from the draft's shipped
+held-out figures or the last run of the same pair (:mod:`exactspec.priors`).
+A prior counts as ``weight`` observations, after which completed rounds take
+over at the usual rate, so a wrong prior costs a few rounds, not a generation.
+
+The choice depends only on completed rounds and priors, never on the current round's
 random numbers, so every round is still an exact speculative step. Because
 timings differ between runs, a stochastic run with the adaptive policy is
 exact but not bit-reproducible from its seed; fix gamma for that.
@@ -30,11 +39,11 @@ exact but not bit-reproducible from its seed; fix gamma for that.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Mapping, Protocol
 
 from exactspec.stats import RoundRecord
 
-__all__ = ["AdaptiveConfig", "AdaptiveGamma", "GammaPolicy", "RunningMean"]
+__all__ = ["AdaptiveConfig", "AdaptiveGamma", "GammaPolicy", "PolicyPriors", "RunningMean"]
 
 
 class GammaPolicy(Protocol):
@@ -77,6 +86,30 @@ class AdaptiveConfig:
             raise ValueError(f"switch_margin must be >= 0, got {self.switch_margin}")
 
 
+@dataclass(frozen=True)
+class PolicyPriors:
+    """What is known before the first round (see the module docstring). Empty fields: learn from scratch."""
+
+    target_ms: Mapping[int, float] = field(default_factory=dict)  # call size in tokens -> ms of one target call
+    draft_step_ms: float | None = None  # one draft step, ms
+    acceptance: tuple[float, ...] = ()  # entry i: P(draft position i accepted | reached); the last repeats
+    cost_weight: int = 4  # observations a calibrated cost counts as
+    acceptance_weight: int = 4  # observations an acceptance prior counts as (trusted from the first round)
+    source: str = "none"  # where the acceptance prior came from, for the run record
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_ms", {int(n): float(ms) for n, ms in dict(self.target_ms).items()})
+        object.__setattr__(self, "acceptance", tuple(float(a) for a in self.acceptance))
+        if any(n < 1 or not ms > 0 for n, ms in self.target_ms.items()):
+            raise ValueError(f"target_ms must map call sizes >= 1 to positive times, got {self.target_ms}")
+        if self.draft_step_ms is not None and not self.draft_step_ms >= 0:
+            raise ValueError(f"draft_step_ms must be >= 0, got {self.draft_step_ms}")
+        if any(not 0 <= a <= 1 for a in self.acceptance):
+            raise ValueError(f"acceptance rates must be in [0, 1], got {self.acceptance}")
+        if self.cost_weight < 1 or self.acceptance_weight < 1:
+            raise ValueError("cost_weight and acceptance_weight must be >= 1")
+
+
 @dataclass
 class RunningMean:
     """Average that weighs the newest value by ``max(smoothing, 1 / count)``."""
@@ -95,6 +128,7 @@ class AdaptiveGamma:
     """Picks gamma per round by the cost model on running estimates (see the module docstring)."""
 
     config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    priors: PolicyPriors = field(default_factory=PolicyPriors)
     accept: list[RunningMean] = field(init=False)
     draft_ms: RunningMean | None = field(init=False, default=None)
     target_ms: dict[int, RunningMean] = field(init=False, default_factory=dict)
@@ -103,8 +137,15 @@ class AdaptiveGamma:
     current: int = field(init=False, default=-1)  # the gamma chosen last (-1: none yet)
 
     def __post_init__(self) -> None:
-        # the prior counts as one observation per position
-        self.accept = [RunningMean(self.config.prior_acceptance, self.config.smoothing, 1) for _ in range(self.config.max_gamma)]
+        priors, smoothing = self.priors, self.config.smoothing
+        if priors.acceptance:  # trusted from the first round (see expected_tokens), weighing acceptance_weight observations
+            rates = [priors.acceptance[min(i, len(priors.acceptance) - 1)] for i in range(self.config.max_gamma)]
+            self.accept = [RunningMean(rate, smoothing, priors.acceptance_weight) for rate in rates]
+        else:  # the generic prior counts as one observation per position
+            self.accept = [RunningMean(self.config.prior_acceptance, smoothing, 1) for _ in range(self.config.max_gamma)]
+        if priors.draft_step_ms is not None:
+            self.draft_ms = RunningMean(priors.draft_step_ms, smoothing, priors.cost_weight)
+        self.target_ms = {n: RunningMean(ms, smoothing, priors.cost_weight) for n, ms in priors.target_ms.items()}
         self.probe_wait = self.config.probe_every
 
     def _update(self, mean: RunningMean | None, new: float) -> RunningMean:
@@ -143,12 +184,27 @@ class AdaptiveGamma:
         return n_bar, t_bar, max(slope, 0.0)
 
     def expected_tokens(self) -> list[float]:
-        """Entry g: ``1 + sum_{k<=g} prod_{i<=k} accept[i]``. A position reached fewer than
-        ``MIN_OBSERVATIONS`` times borrows the rate of the last position that was (so longer drafts get tried)."""
-        totals, survive, rate = [1.0], 1.0, self.config.prior_acceptance
-        for mean in self.accept:
-            if mean.count > MIN_OBSERVATIONS:
-                rate = mean.value
+        """Entry g: ``1 + sum_{k<=g} prod_{i<=k} accept[i]``.
+
+        Without an acceptance prior, a position reached fewer than ``MIN_OBSERVATIONS`` times borrows the
+        rate of the last position that was (so longer drafts get tried). With one, a position not reached yet
+        takes its prior scaled by how the evidence moved the last reached position (estimate over prior), so
+        a draft that disappoints early loses its whole optimistic prior, not just the first position's.
+        """
+        totals, survive = [1.0], 1.0
+        rate, level = self.config.prior_acceptance, 1.0
+        prior = self.priors.acceptance
+        for i, mean in enumerate(self.accept):
+            if not prior:
+                if mean.count > MIN_OBSERVATIONS:
+                    rate = mean.value
+            else:
+                start = prior[min(i, len(prior) - 1)]
+                if mean.count > self.priors.acceptance_weight:  # reached in this run: its blend of prior and data
+                    rate = mean.value
+                    level = mean.value / start if start > 0 else 1.0
+                else:
+                    rate = min(1.0, start * level)
             survive *= rate
             totals.append(totals[-1] + survive)
         return totals

@@ -48,14 +48,22 @@ class GenerationStats:
     def tokens_per_round(self) -> float:
         return self.committed / len(self.rounds) if self.rounds else 0.0
 
-    def acceptance_by_position(self) -> list[float]:
-        """Entry ``i``: among rounds that drafted at least ``i + 1`` tokens, the share that accepted them."""
+    def position_counts(self) -> tuple[list[int], list[int]]:
+        """``(reached, accepted)`` per draft position ``i``: rounds that drafted ``i`` and accepted every position
+        before it, and those of them that accepted ``i`` too."""
         longest = max((r.drafted for r in self.rounds), default=0)
-        rates = []
-        for position in range(longest):
-            eligible = [r for r in self.rounds if r.drafted > position]
-            rates.append(sum(r.accepted > position for r in eligible) / len(eligible))
-        return rates
+        reached, accepted = [0] * longest, [0] * longest
+        for r in self.rounds:
+            for position in range(min(r.drafted, r.accepted + 1)):
+                reached[position] += 1
+                accepted[position] += r.accepted > position
+        return reached, accepted
+
+    def acceptance_by_position(self) -> list[float]:
+        """Entry ``i``: P(draft position ``i`` accepted | reached), the per-position rate the cost model and the
+        adaptive policy use (0 for a position never reached)."""
+        reached, accepted = self.position_counts()
+        return [a / n if n else 0.0 for n, a in zip(reached, accepted)]
 
     @property
     def draft_seconds(self) -> float:

@@ -1,0 +1,229 @@
+"""Acceptance-by-position priors for the adaptive policy: shipped with a draft, or remembered per pair.
+
+Two sources, best first:
+
+* the **policy cache**: after a ``generate`` run with ``--gamma auto``, the
+  policy's final acceptance estimates are stored under a fingerprint of the
+  (target, draft) pair and the sampling mode (greedy or sampled), so the next
+  run with the same pair starts where the last one ended. The cache lives in
+  ``$EXACTSPEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/exactspec``, else
+  ``~/.cache/exactspec``; ``exactspec cache --clear`` empties it and
+  ``--no-policy-cache`` neither reads nor writes it;
+* the draft's **shipped prior** ``acceptance_prior.json`` in its directory:
+  acceptance by position measured on held-out prompts with the target it was
+  made for (``python -m exactspec.priors`` writes one), used only when the
+  target's fingerprint matches.
+
+A prior only sets where the policy starts; gamma never depends on the current
+round's random numbers, so the output law is the target's whatever the prior.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from exactspec.sampling import SamplingParams
+
+__all__ = [
+    "PRIOR_FILE", "PolicyCache", "acceptance_prior", "default_cache_dir", "fingerprint", "mode_key", "shipped_prior",
+    "write_shipped_prior",
+]
+
+PRIOR_FILE = "acceptance_prior.json"
+_SAMPLE_BYTES = 1 << 20  # of each weights file's head and tail, hashed with its size
+
+
+def mode_key(params: SamplingParams) -> str:
+    """The acceptance regime a prior belongs to: greedy decoding and sampling differ a lot."""
+    return "greedy" if params.greedy else "sampled"
+
+
+def fingerprint(*model_dirs: str | Path) -> str:
+    """A short hash of checkpoints: config.json, and each weights file's size, head and tail (fast on big files)."""
+    digest = hashlib.sha256()
+    for directory in map(Path, model_dirs):
+        for file in sorted(directory.iterdir()):
+            if file.name == "config.json" or file.suffix in (".safetensors", ".gguf", ".bin"):
+                size = file.stat().st_size
+                digest.update(f"{file.name}:{size}".encode())
+                with file.open("rb") as handle:
+                    digest.update(handle.read(_SAMPLE_BYTES))
+                    handle.seek(max(0, size - _SAMPLE_BYTES))
+                    digest.update(handle.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def _rates(value: object) -> tuple[float, ...] | None:
+    """A valid list of acceptance rates, or None (a damaged or foreign file is ignored, never fatal)."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(v, (int, float)) and 0 <= v <= 1 for v in value):
+        return None
+    return tuple(float(v) for v in value)
+
+
+def _read(file: Path) -> dict:
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _write_atomically(file: Path, value: dict) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as handle:
+        json.dump(value, handle, indent=1)
+    os.replace(handle.name, file)
+
+
+def shipped_prior(draft_dir: str | Path, target_dir: str | Path, mode: str) -> tuple[float, ...] | None:
+    """The draft's shipped acceptance by position for ``mode``, if it was measured with this target."""
+    record = _read(Path(draft_dir) / PRIOR_FILE)
+    if record.get("target_fingerprint") != fingerprint(target_dir):
+        return None
+    return _rates(record.get("acceptance_by_position", {}).get(mode))
+
+
+def write_shipped_prior(draft_dir: str | Path, target_dir: str | Path, by_mode: dict[str, Sequence[float]], how: str) -> Path:
+    file = Path(draft_dir) / PRIOR_FILE
+    _write_atomically(file, {
+        "target_fingerprint": fingerprint(target_dir),
+        "acceptance_by_position": {mode: [round(r, 4) for r in rates] for mode, rates in by_mode.items()},
+        "measured": how,
+    })
+    return file
+
+
+def acceptance_prior(
+    target_dir: str | Path, draft_dir: str | Path, params: SamplingParams, cache: "PolicyCache | None"
+) -> tuple[tuple[float, ...], str]:
+    """``(rates, source)``: the cache's entry for this pair and mode, else the draft's shipped prior, else none."""
+    mode = mode_key(params)
+    if cache is not None:
+        rates = cache.load(fingerprint(target_dir, draft_dir), mode)
+        if rates:
+            return rates, "cache"
+    rates = shipped_prior(draft_dir, target_dir, mode)
+    return (rates, "shipped") if rates else ((), "none")
+
+
+def default_cache_dir() -> Path:
+    if os.environ.get("EXACTSPEC_CACHE_DIR"):
+        return Path(os.environ["EXACTSPEC_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "exactspec"
+
+
+class PolicyCache:
+    """Acceptance counts by draft position per (pair fingerprint, mode), one small JSON file per pair.
+
+    Counts add up over runs; once a position has ``MAX_COUNT`` observations both of its counts are scaled
+    down, so the estimate follows a pair whose behaviour drifts. A rate is served only for the leading
+    positions with at least ``MIN_COUNT`` observations (the policy repeats the last one beyond).
+    """
+
+    MIN_COUNT = 8
+    MAX_COUNT = 256
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else default_cache_dir() / "policy"
+
+    def _file(self, pair: str) -> Path:
+        return self.directory / f"{pair}.json"
+
+    def _counts(self, pair: str, mode: str) -> tuple[list[float], list[float]]:
+        entry = _read(self._file(pair)).get(mode)
+        try:
+            reached, accepted = [float(n) for n in entry["reached"]], [float(a) for a in entry["accepted"]]
+        except (TypeError, KeyError, ValueError):
+            return [], []  # absent or damaged: start afresh
+        if len(reached) != len(accepted) or any(not 0 <= a <= n for n, a in zip(reached, accepted)):
+            return [], []
+        return reached, accepted
+
+    def load(self, pair: str, mode: str) -> tuple[float, ...] | None:
+        rates = []
+        for n, a in zip(*self._counts(pair, mode)):
+            if n < self.MIN_COUNT:
+                break
+            rates.append(a / n)
+        return tuple(rates) or None
+
+    def save(self, pair: str, mode: str, reached: Sequence[int], accepted: Sequence[int]) -> None:
+        """Add one run's counts. Best effort: a cache that cannot be written (read-only home) never fails a run."""
+        old_reached, old_accepted = self._counts(pair, mode)
+        size = max(len(old_reached), len(reached))
+        pad = lambda values: list(values) + [0] * (size - len(values))  # noqa: E731
+        new_reached = [n + m for n, m in zip(pad(old_reached), pad(reached))]
+        new_accepted = [a + b for a, b in zip(pad(old_accepted), pad(accepted))]
+        for i, n in enumerate(new_reached):
+            if n > self.MAX_COUNT:
+                new_reached[i], new_accepted[i] = self.MAX_COUNT, new_accepted[i] * self.MAX_COUNT / n
+        record = _read(self._file(pair))
+        record[mode] = {"reached": new_reached, "accepted": [round(a, 3) for a in new_accepted]}
+        try:
+            _write_atomically(self._file(pair), record)
+        except OSError:
+            pass
+
+    def entries(self) -> list[Path]:
+        return sorted(self.directory.glob("*.json")) if self.directory.is_dir() else []
+
+    def clear(self) -> int:
+        """Remove every entry; returns how many there were."""
+        entries = self.entries()
+        for file in entries:
+            file.unlink()
+        return len(entries)
+
+
+def measure_acceptance(decoder, prompts: Sequence[Sequence[int]], gamma: int, max_new_tokens: int) -> list[float]:
+    """Acceptance by draft position (conditional on reaching it) over fixed-gamma runs of ``decoder`` on ``prompts``."""
+    from exactspec.engine import GenerationConfig
+    from exactspec.stats import GenerationStats
+
+    rounds = []
+    for seed, prompt in enumerate(prompts):
+        rounds += decoder.generate(list(prompt), GenerationConfig(max_new_tokens, gamma, seed=seed)).stats.rounds[1:]
+    return GenerationStats(rounds).acceptance_by_position()
+
+
+def _main() -> None:
+    """python -m exactspec.priors [--target DIR --draft DIR]: measure and write the draft's shipped prior."""
+    import argparse
+
+    import torch
+
+    from exactspec.engine import SpeculativeDecoder
+    from exactspec.loading import default_pair_dirs, load_pair
+    from exactspec.sampling import GREEDY
+    from exactspec.workloads import code_prompts, third_party_sources
+
+    parser = argparse.ArgumentParser(description=_main.__doc__)
+    parser.add_argument("--target", default=str(default_pair_dirs()[0]))
+    parser.add_argument("--draft", default=str(default_pair_dirs()[1]))
+    parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument("--gamma", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    pair = load_pair(args.target, args.draft, dtype=torch.bfloat16)
+    files = third_party_sources()  # odd multiples of 1/(2n): never the files the benchmarks pick (multiples of 1/n)
+    chosen = [files[(2 * i + 1) * len(files) // (2 * args.prompts)] for i in range(args.prompts)]
+    prompts = [pair.tokenizer.encode_prompt(text)[-512:] for text in code_prompts(args.prompts, files=chosen)]
+    by_mode = {
+        mode: measure_acceptance(SpeculativeDecoder(pair.target, pair.draft, params), prompts, args.gamma, args.max_new_tokens)
+        for mode, params in (("greedy", GREEDY), ("sampled", SamplingParams()))
+    }
+    how = (f"gamma {args.gamma}, {args.max_new_tokens} new tokens on {args.prompts} third-party code prompts "
+           "(files the benchmarks do not use), bfloat16")
+    print(write_shipped_prior(args.draft, args.target, by_mode, how), json.dumps(by_mode))
+
+
+if __name__ == "__main__":
+    _main()
