@@ -56,27 +56,23 @@ CALIBRATION_TOKENS = 64
 MAX_SEED = 2**64 - 1
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
+def _integer(minimum: int, maximum: int | None = None, expected: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer in [minimum, maximum], else an error that says what is expected."""
+    expected = expected or f"an integer >= {minimum}"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
         return value
 
     return parse
 
 
-def _seed_argument(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or not -1 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2^64 - 1], or -1 for a random seed; got {text!r}")
-    return value
+_seed_argument = _integer(-1, MAX_SEED, "an integer in [0, 2^64 - 1], or -1 for a random seed")
 
 
 def _list_of(item: Callable[[str], object], what: str) -> Callable[[str], tuple]:
@@ -319,7 +315,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser, default_temperature: float = 1.0) -> None:
     parser.add_argument("--temperature", type=float, default=default_temperature, help="0 means greedy")
-    parser.add_argument("--top-k", type=_int_at_least(0), default=0, help="keep the k most likely tokens (0: off)")
+    parser.add_argument("--top-k", type=_integer(0), default=0, help="keep the k most likely tokens (0: off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set of tokens with this mass (1: off)")
     parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top probability (0: off)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="divide positive / multiply negative logits of seen tokens (1: off)")
@@ -413,13 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
     explain.set_defaults(run=_explain, show=_print_explain)
 
     cost = add("cost", help="expected speedup from the cost model (Leviathan et al. 2023, Thm 3.8)")
-    cost.add_argument("--gamma", type=_int_at_least(0), default=4, help="draft tokens per round")
+    cost.add_argument("--gamma", type=_integer(0), default=4, help="draft tokens per round")
     cost.add_argument("--alpha", type=float, required=True, help="acceptance rate in [0, 1]")
     cost.add_argument("--target-ms", type=float, required=True, help="time of one target call")
     cost.add_argument("--draft-ms", type=float, required=True, help="time of one draft call")
     cost.add_argument("--verify-cost", type=float, default=1.0, help="cost of verifying gamma+1 tokens relative to one")
     cost.add_argument("--best-gamma", action="store_true", help="search gamma in 0..--max-gamma instead of using --gamma")
-    cost.add_argument("--max-gamma", type=_int_at_least(0), default=16, help="largest gamma --best-gamma tries")
+    cost.add_argument("--max-gamma", type=_integer(0), default=16, help="largest gamma --best-gamma tries")
     cost.add_argument("--json", action="store_true", help="print JSON")
     cost.set_defaults(run=_cost, show=_print_cost)
 
@@ -427,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", help="text to continue")
     _add_model_arguments(generate)
     generate.add_argument("--gamma", type=_gamma_argument, default="auto", help="draft tokens per round, or auto: chosen per round by the cost model")
-    generate.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="stop after this many new tokens")
+    generate.add_argument("--max-new-tokens", type=_integer(1), default=128, help="stop after this many new tokens")
     generate.add_argument("--seed", type=_seed_argument, default=0, help="seed of the run's random generator, 0 to 2^64-1; -1 picks a random one (printed in the summary)")
     generate.add_argument("--no-speculation", action="store_true", help="plain decoding of the target (the baseline)")
     generate.add_argument("--no-policy-cache", action="store_true", help="with --gamma auto: neither read nor write the acceptance remembered from the last run of this pair (see `exactspec cache`)")
@@ -440,13 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(bench)
     bench.add_argument("--workloads", type=_list_of(_one_of(WORKLOADS), f"names from {', '.join(WORKLOADS)}"), default=",".join(WORKLOADS), help="comma-separated workloads")
     bench.add_argument("--modes", type=_list_of(_one_of(("greedy", "sample")), "names from greedy (T=0), sample (T=1)"), default="greedy,sample", help="comma-separated sampling modes: greedy (T=0), sample (T=1)")
-    bench.add_argument("--gammas", type=_list_of(_int_at_least(1), "integers >= 1"), default="2,4,6,8", help="fixed gamma values of the draft arms")
-    bench.add_argument("--hf-gamma", type=_int_at_least(1), default=4, help="gamma of Hugging Face assisted generation")
-    bench.add_argument("--lookup-gamma", type=_int_at_least(1), default=8, help="gamma of the prompt-lookup arm")
-    bench.add_argument("--prompts", type=_int_at_least(1), default=6, help="prompts per workload")
-    bench.add_argument("--max-new-tokens", type=_int_at_least(1), default=96, help="new tokens per prompt")
-    bench.add_argument("--repeats", type=_int_at_least(1), default=3, help="repetitions; medians are reported")
-    bench.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of the first prompt (prompt i uses seed + i)")
+    bench.add_argument("--gammas", type=_list_of(_integer(1), "integers >= 1"), default="2,4,6,8", help="fixed gamma values of the draft arms")
+    bench.add_argument("--hf-gamma", type=_integer(1), default=4, help="gamma of Hugging Face assisted generation")
+    bench.add_argument("--lookup-gamma", type=_integer(1), default=8, help="gamma of the prompt-lookup arm")
+    bench.add_argument("--prompts", type=_integer(1), default=6, help="prompts per workload")
+    bench.add_argument("--max-new-tokens", type=_integer(1), default=96, help="new tokens per prompt")
+    bench.add_argument("--repeats", type=_integer(1), default=3, help="repetitions; medians are reported")
+    bench.add_argument("--seed", type=_integer(0), default=0, help="seed of the first prompt (prompt i uses seed + i)")
     bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face arms")
     bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
