@@ -11,6 +11,7 @@ median over prompts, for each sampling mode.
     python benchmarks/cold_start.py                          # the default: code + heldout, greedy and T=1
     python benchmarks/cold_start.py --prompts 2 --repeats 1  # a quick look
     python benchmarks/cold_start.py --extra=--no-policy-cache  # first run on a machine: shipped priors only
+    python benchmarks/cold_start.py --gammas plain --extra=--target=T --extra=--draft=D  # a useless draft D: auto vs plain
 
 Run it with nothing else busy on the machine; it states threads and dtype.
 """
@@ -28,8 +29,9 @@ from exactspec.workloads import workload_prompts
 MODES = {"greedy": ["--temperature", "0"], "sample": ["--temperature", "1"]}
 
 
-def run_generate(prompt: str, gamma: str, mode: str, seed: int, args: argparse.Namespace) -> dict:
-    command = [sys.executable, "-m", "exactspec", "generate", prompt, "--json", "--ignore-eos", "--gamma", gamma,
+def run_generate(prompt: str, arm: str, mode: str, seed: int, args: argparse.Namespace) -> dict:
+    choice = ["--no-speculation"] if arm == "plain" else ["--gamma", arm]
+    command = [sys.executable, "-m", "exactspec", "generate", prompt, "--json", "--ignore-eos", *choice,
                "--max-new-tokens", str(args.max_new_tokens), "--seed", str(seed), *MODES[mode], *args.extra]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -43,7 +45,7 @@ def main() -> None:
     parser.add_argument("--modes", default="greedy,sample")
     parser.add_argument("--prompts", type=int, default=3, help="prompts per workload")
     parser.add_argument("--lines", type=int, default=30, help="lines per prompt")
-    parser.add_argument("--gammas", default="2,4,6,8")
+    parser.add_argument("--gammas", default="2,4,6,8", help="fixed gammas; 'plain' adds plain decoding as an arm")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--extra", action="append", default=[], help="an extra flag for every generate call")
@@ -70,7 +72,7 @@ def main() -> None:
             if not key.startswith(mode + "/"):
                 continue
             medians = {arm: statistics.median(figures[arm]) for arm in arms}
-            best = max(arms[1:], key=lambda a: medians[a])
+            best = max((a for a in arms[1:] if a != "plain"), key=lambda a: medians[a], default="plain")
             ratios.append(medians["auto"] / medians[best])
             print(f"{key:<18}" + "".join(f"{medians[a]:8.1f}" for a in arms) + f"{best:>6}{ratios[-1]:11.3f}")
         print(f"{mode}: median auto / best fixed in hindsight = {statistics.median(ratios):.3f} over {len(ratios)} prompts")

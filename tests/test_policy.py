@@ -119,9 +119,9 @@ def test_with_priors_the_first_round_is_the_cost_model_optimum(alpha, draft_ms, 
 
 @pytest.mark.parametrize("case", range(len(COLD_CASES)))
 def test_cold_start_on_a_pair_with_known_acceptance_runs_at_the_optimum_from_the_first_round(case):
-    """Through the real engine, 10 rounds x 3 seeds: with priors every first round takes the optimum and the rounds
-    keep >= 97% of the optimum's expected token rate; the old cold start (no priors) falls short where the
-    optimum is far from its initial gamma, so the test tells them apart."""
+    """Through the real engine, the first 5 rounds x 3 seeds: with priors every first round takes the optimum and
+    the rounds keep >= 97% of the optimum's expected token rate; without priors the policy falls below 95% wherever
+    the optimum is not next to its initial gamma (all cases but 2), so the test tells them apart."""
     alpha, draft_ms, target_ms_of = COLD_CASES[case]
     target, draft = known_acceptance_pair(alpha)
     rate = lambda g: expected_tokens_per_round(alpha, g) / (g * draft_ms + target_ms_of(g + 1))  # noqa: E731
@@ -133,13 +133,13 @@ def test_cold_start_on_a_pair_with_known_acceptance_runs_at_the_optimum_from_the
             priors = PolicyPriors({n: target_ms_of(n) for n in range(1, 10)}, draft_ms, (alpha,)) if name == "priors" else PolicyPriors()
             clock = SyntheticClock(AdaptiveGamma(priors=priors), draft_ms, target_ms_of)
             SpeculativeDecoder(target, draft, SamplingParams(), policy=clock).generate([1], GenerationConfig(max_new_tokens=200, seed=seed))
-            chosen += clock.chosen[:10]
+            chosen += clock.chosen[:5]
             if name == "priors":
                 assert clock.chosen[0] == optimum
         efficiency[name] = sum(rate(g) for g in chosen) / (len(chosen) * rate(optimum))
     assert efficiency["priors"] >= 0.97, efficiency
-    if case in (0, 3):  # optimum 8 and 1, initial gamma 4
-        assert efficiency["cold"] < 0.9, efficiency
+    if case != 2:  # optima 8, 3 and 1 against the initial gamma 4 (case 2: optimum 3, flat curve)
+        assert efficiency["cold"] < 0.95, efficiency
 
 
 def test_a_wrong_acceptance_prior_is_overruled_by_a_few_rounds():
@@ -160,3 +160,16 @@ def test_invalid_priors_are_refused():
         PolicyPriors(target_ms={0: 1.0})
     with pytest.raises(ValueError, match="draft_step_ms"):
         PolicyPriors(draft_step_ms=-1.0)
+
+
+def test_a_prior_that_says_useless_starts_plain_and_probes_late():
+    """The cache remembers a useless draft: plain decoding from the first round, the first probe after 64 rounds."""
+    priors = PolicyPriors({n: 5.0 + 0.05 * n for n in range(1, 10)}, 0.5, (0.0,))
+    policy = AdaptiveGamma(priors=priors)
+    choices = []
+    for _ in range(70):
+        choices.append(policy.next_gamma())
+        policy.observe(RoundRecord(choices[-1], 0, 1, choices[-1] * 0.0005, (5.0 + 0.05 * (choices[-1] + 1)) / 1000, 0.0))
+    assert choices.index(2) == 64 and set(choices) == {0, 2}
+    without = AdaptiveGamma()  # no prior: the first choice is a guess, the first probe comes after 8 plain rounds
+    assert without.next_gamma() == AdaptiveConfig().initial_gamma

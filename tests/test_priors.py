@@ -30,10 +30,15 @@ def test_the_fingerprint_follows_the_weights_and_config(pair_copy):
     assert fingerprint(target, draft) != before
 
 
-def test_the_shipped_prior_applies_only_to_the_target_it_was_measured_with(pair_copy):
+def test_the_shipped_prior_applies_only_to_the_pair_it_was_measured_with(pair_copy):
     target, draft = pair_copy
     greedy, sampled = shipped_prior(draft, target, "greedy"), shipped_prior(draft, target, "sampled")
     assert greedy and sampled and len(greedy) == 8 and greedy != sampled and all(0 < a <= 1 for a in greedy + sampled)
+    weights = draft / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # the draft retrained in place
+    assert shipped_prior(draft, target, "greedy") is None
+    weights.write_bytes(original)
     config = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))  # another target
     assert shipped_prior(draft, target, "greedy") is None

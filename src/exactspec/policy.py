@@ -17,7 +17,8 @@ may vary with position and a measured verify cost. Each average weighs the
 newest observation by ``max(smoothing, 1 / count)``, so early estimates settle
 fast and later ones track slow drift. Gamma changes only when another value promises a
 rate ``switch_margin`` higher, so noise on a flat curve does not make it wander. When ``g = 0`` (plain decoding) wins,
-the policy still probes with a short draft, after ``probe_every`` plain rounds,
+the policy still probes with a short draft, after ``probe_every`` plain rounds
+(``informed_probe_every`` when an acceptance prior said so from the start),
 doubling the wait after each probe that did not pay (up to ``max_probe_every``),
 so a useless draft costs well under 1% once it has been recognised.
 
@@ -65,6 +66,7 @@ class AdaptiveConfig:
     max_gamma: int = 8
     initial_gamma: int = 4
     probe_every: int = 8  # plain rounds before the first probe
+    informed_probe_every: int = 64  # ...when an acceptance prior already says plain decoding wins from the start
     max_probe_every: int = 256
     probe_gamma: int = 2
     smoothing: float = 0.05  # weight of the newest observation in each moving average
@@ -76,8 +78,8 @@ class AdaptiveConfig:
             raise ValueError(f"need 1 <= initial_gamma <= max_gamma, got {self.initial_gamma} and {self.max_gamma}")
         if not 1 <= self.probe_gamma <= self.max_gamma:
             raise ValueError(f"need 1 <= probe_gamma <= max_gamma, got {self.probe_gamma}")
-        if self.probe_every < 1:
-            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if not 1 <= self.probe_every <= self.max_probe_every or self.informed_probe_every < 1:
+            raise ValueError(f"need 1 <= probe_every <= max_probe_every and informed_probe_every >= 1, got {self}")
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
         if not 0 <= self.prior_acceptance <= 1:
@@ -186,8 +188,9 @@ class AdaptiveGamma:
     def expected_tokens(self) -> list[float]:
         """Entry g: ``1 + sum_{k<=g} prod_{i<=k} accept[i]``.
 
-        Without an acceptance prior, a position reached fewer than ``MIN_OBSERVATIONS`` times borrows the
-        rate of the last position that was (so longer drafts get tried). With one, a position not reached yet
+        Without an acceptance prior, position 0 is its running mean from the first round (a useless draft is
+        dropped after a round or two), and a later position reached fewer than ``MIN_OBSERVATIONS`` times
+        borrows the rate of the last position that was (so longer drafts get tried). With one, a position not reached yet
         takes its prior scaled by how the evidence moved the last reached position (estimate over prior), so
         a draft that disappoints early loses its whole optimistic prior, not just the first position's.
         """
@@ -196,7 +199,7 @@ class AdaptiveGamma:
         prior = self.priors.acceptance
         for i, mean in enumerate(self.accept):
             if not prior:
-                if mean.count > MIN_OBSERVATIONS:
+                if mean.count > MIN_OBSERVATIONS or i == 0:  # position 0: the generic prior is one observation
                     rate = mean.value
             else:
                 start = prior[min(i, len(prior) - 1)]
@@ -218,6 +221,8 @@ class AdaptiveGamma:
         best = max(range(len(rates)), key=lambda g: (rates[g], -g))
         if 0 <= self.current < len(rates) and rates[best] < rates[self.current] * (1 + self.config.switch_margin):
             best = self.current  # hysteresis: noisy estimates of a flat curve should not make gamma wander
+        if self.current < 0 and best == 0 and self.priors.acceptance:  # the prior, not a guess, says plain: probe rarely
+            self.probe_wait = self.config.informed_probe_every
         self.current = best
         if best > 0:
             self.probe_wait = self.config.probe_every

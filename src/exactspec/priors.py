@@ -12,7 +12,7 @@ Two sources, best first:
 * the draft's **shipped prior** ``acceptance_prior.json`` in its directory:
   acceptance by position measured on held-out prompts with the target it was
   made for (``python -m exactspec.priors`` writes one), used only when the
-  target's fingerprint matches.
+  fingerprint of the pair (both models' config and weights) matches.
 
 A prior only sets where the policy starts; gamma never depends on the current
 round's random numbers, so the output law is the target's whatever the prior.
@@ -83,9 +83,10 @@ def _write_atomically(file: Path, value: dict) -> None:
 
 
 def shipped_prior(draft_dir: str | Path, target_dir: str | Path, mode: str) -> tuple[float, ...] | None:
-    """The draft's shipped acceptance by position for ``mode``, if it was measured with this target."""
+    """The draft's shipped acceptance by position for ``mode``, if it was measured with this very pair
+    (a draft retrained in place, or paired with another target, does not inherit it)."""
     record = _read(Path(draft_dir) / PRIOR_FILE)
-    if record.get("target_fingerprint") != fingerprint(target_dir):
+    if record.get("pair_fingerprint") != fingerprint(target_dir, draft_dir):
         return None
     return _rates(record.get("acceptance_by_position", {}).get(mode))
 
@@ -93,7 +94,7 @@ def shipped_prior(draft_dir: str | Path, target_dir: str | Path, mode: str) -> t
 def write_shipped_prior(draft_dir: str | Path, target_dir: str | Path, by_mode: dict[str, Sequence[float]], how: str) -> Path:
     file = Path(draft_dir) / PRIOR_FILE
     _write_atomically(file, {
-        "target_fingerprint": fingerprint(target_dir),
+        "pair_fingerprint": fingerprint(target_dir, draft_dir),
         "acceptance_by_position": {mode: [round(r, 4) for r in rates] for mode, rates in by_mode.items()},
         "measured": how,
     })
