@@ -66,9 +66,26 @@ def test_errors_are_one_line_with_exit_code_2(pair, capsys, tmp_path):
         (["--target", str(target), "--draft", str(mismatched)], "tokenizers differ at"),
         (["--target", str(target)], "give both --target and --draft"),
         (["--target", str(target), "--draft", str(draft), "--top-p", "0"], "--top-p must be in"),
-        (["--target", str(target), "--draft", str(draft), "--max-new-tokens", "1000"], "exceeds the model's 256 positions"),
+        (["--target", str(target), "--draft", str(draft), "--max-new-tokens", "1000"], "exceeds the target model's 256 positions"),
         (["--target", str(target), "--draft", str(draft), "--backend", "vllm"], "invalid choice"),
     ]
     for args, message in cases:
         code, out, err = generate(capsys, "def f(", *args)
         assert code == 2 and message in err and err.count("\n") == 1 and out == "", (args, err)
+
+
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_max_new_tokens_may_fill_the_window_exactly_on_both_backends(pair, capsys, backend):
+    """The last generated token is never fed to a model, and drafts never run past the budget: prompt +
+    max_new_tokens - 1 positions are needed, with or without speculation; one more is a one-line error."""
+    from exactspec.tokenizer import TextTokenizer
+
+    target, draft = pair
+    prompt_length = len(TextTokenizer.from_dir(target).encode_prompt("def f("))
+    fits = str(256 - prompt_length + 1)
+    common = ["def f(", "--target", str(target), "--draft", str(draft), "--backend", backend, "--ignore-eos", "--json"]
+    for extra in (["--no-speculation"], ["--gamma", "4"], []):
+        code, out, err = generate(capsys, *common, *extra, "--max-new-tokens", fits)
+        assert code == 0 and json.loads(out)["tokens"] == int(fits), (extra, err)
+    code, out, err = generate(capsys, *common, "--no-speculation", "--max-new-tokens", str(int(fits) + 1))
+    assert code == 2 and "exceeds the target model's 256 positions" in err and err.count("\n") == 1

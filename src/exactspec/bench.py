@@ -223,29 +223,27 @@ def run_bench(
     arms_per_run = 3 + len(config.gammas) + (2 if hf_models else 0)
     bar = tqdm(total=len(config.workloads) * len(config.modes) * config.repeats * arms_per_run, desc="bench", disable=not progress)
     results, interrupted = [], False
-    for mode in config.modes:
-        # the adaptive arm starts as `generate --gamma auto` does: calibrated costs and the draft's shipped prior
-        calibration = calibrate(target, DraftModelProposer(draft, MODES[mode]), context[:64], AdaptiveConfig().max_gamma)
-        acceptance = (acceptance_priors or {}).get(mode_key(MODES[mode]), ())
-        priors = PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance)
-        for workload in config.workloads:
-            arms = _arms(target, draft, hf_models, MODES[mode], config, priors)
-            try:
-                _run_arms(arms, prompts[workload][:1], config.seed, warmup=True)
-                for _ in range(config.repeats):
-                    for arm in arms:
-                        _run_arm(arm, prompts[workload], config.seed)
-                        bar.update()
-            except KeyboardInterrupt:  # Ctrl-C: keep every arm with at least one finished repetition
-                interrupted = True
-            finished = [record for record, _ in arms if record.tokens_per_second]
-            if finished and finished[0].name == "plain":
-                results.append({"workload": workload, "mode": mode, "repeats": len(finished[0].tokens_per_second),
-                                "arms": _summarise(finished)})
-            if interrupted:
-                break
-        if interrupted:
-            break
+    try:
+        for mode in config.modes:
+            # the adaptive arm starts as `generate --gamma auto` does: calibrated costs and the draft's shipped prior
+            calibration = calibrate(target, DraftModelProposer(draft, MODES[mode]), context[:64], AdaptiveConfig().max_gamma)
+            acceptance = (acceptance_priors or {}).get(mode_key(MODES[mode]), ())
+            priors = PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance)
+            for workload in config.workloads:
+                arms = _arms(target, draft, hf_models, MODES[mode], config, priors)
+                try:
+                    _run_arms(arms, prompts[workload][:1], config.seed, warmup=True)
+                    for _ in range(config.repeats):
+                        for arm in arms:
+                            _run_arm(arm, prompts[workload], config.seed)
+                            bar.update()
+                finally:  # also on Ctrl-C: keep every arm with at least one finished repetition
+                    finished = [record for record, _ in arms if record.tokens_per_second]
+                    if finished and finished[0].name == "plain":
+                        results.append({"workload": workload, "mode": mode, "repeats": len(finished[0].tokens_per_second),
+                                        "arms": _summarise(finished)})
+    except KeyboardInterrupt:
+        interrupted = True
     bar.close()
     return {
         "config": asdict(config),

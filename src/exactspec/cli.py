@@ -235,9 +235,11 @@ def _generate(args: argparse.Namespace) -> dict:
     prompt = pair.tokenizer.encode_prompt(args.prompt)
     if not prompt:
         raise CliError("the prompt is empty and the checkpoint has no BOS token to start from")
-    capacity = model_capacity(pair.target)
-    if capacity is not None and len(prompt) + args.max_new_tokens + AdaptiveConfig().max_gamma + 1 > capacity:
-        raise CliError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's {capacity} positions")
+    needed = len(prompt) + args.max_new_tokens - 1  # drafts never run past the budget; the newest token is never fed
+    for name, model in (("target", pair.target), ("draft", pair.draft)):
+        capacity = model_capacity(model) if model is not None else None
+        if capacity is not None and needed > capacity:
+            raise CliError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the {name} model's {capacity} positions")
     if not args.ignore_eos:
         config = GenerationConfig(config.max_new_tokens, config.gamma, pair.tokenizer.eos_token_ids, config.seed)
     generation = Generation(tokens=[], stop_reason="max_new_tokens")

@@ -41,6 +41,8 @@ class HFModel:
         self._cache = DynamicCache()
         self._length = 0
         self.device = next(model.parameters()).device
+        config = model.config  # the learned or trained position window, where the architecture has one
+        self.max_len: int | None = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "HFModel":
@@ -77,6 +79,10 @@ class HFModel:
 
     def forward(self, token_ids: Sequence[int]) -> torch.Tensor:  # (n, V) float32
         ids = check_token_ids(token_ids, self.vocab_size)
+        if self.max_len is not None and self._length + len(ids) > self.max_len:
+            raise ValueError(
+                f"sequence too long: {self._length} cached + {len(ids)} new tokens exceeds the model's {self.max_len} positions"
+            )
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, n)
         with torch.inference_mode():
             out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_argument: self._cache})
