@@ -163,7 +163,7 @@ def _bias_after_penalty(logits, prefix, bias, penalty):
 
 def test_order_matches_transformers_logits_processors_on_random_logits():
     """Bias, repetition penalty, banned tokens, temperature, top-k, top-p, min-p: Hugging Face's order and results."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.generation import logits_process as hf
 
     generator = torch.Generator().manual_seed(0)

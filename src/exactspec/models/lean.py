@@ -13,7 +13,9 @@ untied embeddings), written after nanoGPT's ``model.py`` and gpt-fast's
 * every call runs under ``torch.inference_mode`` with no Python work per token:
   a call of ``n`` new tokens is one pass through the layers.
 
-``LeanModel`` implements :class:`exactspec.models.base.LanguageModel`.
+``LeanModel`` implements :class:`exactspec.models.base.LanguageModel`. Which
+``config.json`` keys are read, checked, ignored or refused, and the rotary
+variants, live in :mod:`exactspec.models.llama_config`.
 ``LlamaDecoder.forward_train`` is the cache-free full-sequence forward used by
 ``exactspec.training``.
 """
@@ -22,131 +24,23 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .base import check_rollback_length, check_token_ids, read_json
+from .llama_config import LlamaConfig, rope_tables
 
 __all__ = ["LlamaConfig", "LlamaDecoder", "LeanModel", "hf_state_dict", "load_hf_state_dict"]
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """The subset of a Hugging Face Llama ``config.json`` this decoder needs."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    head_dim: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be a multiple of num_attention_heads")
-
-    @property
-    def head_size(self) -> int:
-        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
-        """The config from a ``config.json`` dictionary; ValueError on a missing or ill-typed field."""
-        if d.get("model_type") != "llama":
-            raise ValueError(f"expected a Llama checkpoint (model_type 'llama'), got model_type {d.get('model_type')!r}")
-        missing = [name for name in REQUIRED_FIELDS if d.get(name) is None]
-        if missing:
-            raise ValueError(f"config lacks the required field(s) {', '.join(map(repr, missing))}")
-        try:
-            return cls._from_dict(d)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"config has an invalid value: {error}") from None
-
-    @classmethod
-    def _from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
-        if d.get("rope_scaling"):
-            raise ValueError(f"rope_scaling is not supported: {d['rope_scaling']!r}")
-        if d.get("attention_bias") or d.get("mlp_bias"):
-            raise ValueError("attention_bias / mlp_bias are not supported")
-        rope_theta = d.get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 may nest it under rope_parameters
-            rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        eos = d.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
-            num_attention_heads=int(d["num_attention_heads"]),
-            num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            head_dim=d.get("head_dim"),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos,
-        )
-
-    def to_hf_dict(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
-        """A ``config.json`` that ``transformers.AutoConfig`` reads as a ``LlamaConfig``."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["head_dim"] = self.head_size
-        d.update(
-            model_type="llama",
-            architectures=["LlamaForCausalLM"],
-            hidden_act="silu",
-            attention_bias=False,
-            attention_dropout=0.0,
-            mlp_bias=False,
-            pretraining_tp=1,
-            rope_scaling=None,
-            initializer_range=0.02,
-            use_cache=True,
-            torch_dtype=torch_dtype,
-        )
-        return d
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """Hugging Face's rotation: (x1, x2) -> (-x2, x1) on the two halves of the last dim."""
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-def rope_tables(cfg: LlamaConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables, each ``(max_len, head_size)`` float32 (HF Llama default rope)."""
-    hd = cfg.head_size
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))  # (hd/2,)
-    t = torch.arange(max_len, dtype=torch.int64).float()  # (L,)
-    freqs = torch.outer(t, inv_freq)  # (L, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (L, hd)
-    return emb.cos(), emb.sin()
 
 
 class Block(nn.Module):
