@@ -59,10 +59,13 @@ def unreadable_tokenizer(path):
     return f"{path / 'tokenizer.json'} is not a readable tokenizer"
 
 
-def sharded(path):
-    (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
-    return {"lean": f"{path} holds a sharded checkpoint, which the lean backend does not load yet; use --backend hf"}
+def missing_shard(path):
+    (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    ))
+    return {"lean": f"lists model-00002-of-00002.safetensors, which is not in {path}",
+            "hf": f"transformers cannot load the weights in {path}"}
 
 
 def not_llama(path):
@@ -70,7 +73,7 @@ def not_llama(path):
     return {"lean": "expected a Llama checkpoint (model_type 'llama'), got model_type 'gpt2'"}
 
 
-BREAKAGES = [invalid_json, missing_field, truncated_weights, wrong_shapes, missing_tokenizer, unreadable_tokenizer, sharded, not_llama]
+BREAKAGES = [invalid_json, missing_field, truncated_weights, wrong_shapes, missing_tokenizer, unreadable_tokenizer, missing_shard, not_llama]
 
 
 @pytest.mark.parametrize("breakage", BREAKAGES, ids=lambda b: b.__name__)

@@ -89,3 +89,16 @@ def test_max_new_tokens_may_fill_the_window_exactly_on_both_backends(pair, capsy
         assert code == 0 and json.loads(out)["tokens"] == int(fits), (extra, err)
     code, out, err = generate(capsys, *common, "--no-speculation", "--max-new-tokens", str(int(fits) + 1))
     assert code == 2 and "exceeds the target model's 256 positions" in err and err.count("\n") == 1
+
+
+def test_a_hub_id_is_read_from_the_local_hugging_face_cache_and_never_downloaded(pair, capsys, tmp_path, monkeypatch):
+    target, draft = pair
+    snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / "0123abcd"
+    shutil.copytree(target, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    code, out, err = generate(capsys, "def f(", "--target", "tiny-org/tiny-llama", "--no-speculation", "--max-new-tokens", "4", "--ignore-eos", "--json")
+    assert code == 0 and json.loads(out)["tokens"] == 4, err
+    code, out, err = generate(capsys, "def f(", "--target", "tiny-org/absent", "--draft", str(draft))
+    assert code == 2 and err.count("\n") == 1 and "never downloads" in err and "huggingface-cli download tiny-org/absent" in err

@@ -158,3 +158,12 @@ def test_random_init_decoder_runs():
     with pytest.raises(ValueError, match="multiple"):
         LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                     num_attention_heads=3, num_key_value_heads=2)
+
+
+def test_a_sharded_checkpoint_loads_like_the_single_file(checkpoint, tmp_path):
+    """model.safetensors.index.json and its shards (what save_pretrained writes for big models)."""
+    path, ids, ref = checkpoint
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    torch.testing.assert_close(LeanModel.from_pretrained(tmp_path).prefill(ids), ref, atol=ATOL, rtol=0)

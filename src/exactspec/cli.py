@@ -24,7 +24,7 @@ from exactspec.calibration import calibrate
 from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
 from exactspec.priors import PolicyCache, acceptance_prior, fingerprint, mode_key, shipped_prior
 from exactspec.sampling import SamplingParams
-from exactspec.loading import default_pair_dirs
+from exactspec.loading import default_pair_dirs, resolve_checkpoint
 from exactspec.tokenizer import stream_text
 from exactspec.workloads import WORKLOADS
 
@@ -208,10 +208,15 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         raise CliError(f"--{field.replace('_', '-')}{message[len(field):]}" if hasattr(args, field) else message) from None
 
 
-def _pair_dirs(args: argparse.Namespace, with_draft: bool = True):
+def _pair_dirs(args: argparse.Namespace, with_draft: bool = True) -> tuple[Path, Path | None]:
     if (args.target is None) != (args.draft is None) and not (args.target and not with_draft):
         raise CliError("give both --target and --draft, or neither for the shipped default pair")
-    return (args.target, args.draft) if args.target else default_pair_dirs()
+    if not args.target:
+        return default_pair_dirs()
+    try:
+        return resolve_checkpoint(args.target), resolve_checkpoint(args.draft) if args.draft else None
+    except FileNotFoundError as error:
+        raise CliError(str(error)) from None
 
 
 def _load(args: argparse.Namespace, with_draft: bool):
@@ -309,8 +314,8 @@ def _gamma_argument(text: str) -> str | int:
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="target checkpoint directory (default: the shipped target)")
-    parser.add_argument("--draft", help="draft checkpoint directory (default: the shipped draft)")
+    parser.add_argument("--target", help="target checkpoint: a directory, or a hub id (org/name) in the local Hugging Face cache (default: the shipped target)")
+    parser.add_argument("--draft", help="draft checkpoint, as --target (default: the shipped draft)")
     parser.add_argument("--backend", choices=["lean", "hf"], default="lean", help="lean (Llama-family, fast) or hf (any causal LM)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="bfloat16: faster, flat verify cost; float32: bit-exact greedy equivalence")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -12,10 +14,44 @@ from exactspec.models.base import LanguageModel, check_local_checkpoint
 from exactspec.tokenizer import TextTokenizer
 from exactspec.vocab import align_pair, restrict_to_vocabulary
 
-__all__ = ["BACKENDS", "DTYPES", "default_pair_dirs", "load_model", "load_pair", "LoadedPair", "model_capacity"]
+__all__ = [
+    "BACKENDS", "DTYPES", "default_pair_dirs", "hub_cache_dir", "load_model", "load_pair", "LoadedPair", "model_capacity",
+    "resolve_checkpoint",
+]
 
 BACKENDS = ("lean", "hf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def hub_cache_dir() -> Path:
+    """Where Hugging Face keeps downloaded models: $HF_HUB_CACHE, $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface" / "hub"
+
+
+def resolve_checkpoint(name_or_path: str | Path) -> Path:
+    """A local checkpoint directory, or a hub id (``org/name``) found in the local Hugging Face cache.
+
+    Never a download: an id that is not in the cache is a FileNotFoundError that says how to fetch it.
+    """
+    path = Path(name_or_path)
+    if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", str(name_or_path)):
+        return path
+    repo = hub_cache_dir() / f"models--{str(name_or_path).replace('/', '--')}"
+    ref = repo / "refs" / "main"
+    snapshot = repo / "snapshots" / ref.read_text().strip() if ref.is_file() else None
+    if snapshot is None or not snapshot.is_dir():
+        snapshots = sorted((repo / "snapshots").glob("*/config.json")) if (repo / "snapshots").is_dir() else []
+        snapshot = snapshots[-1].parent if snapshots else None
+    if snapshot is None:
+        raise FileNotFoundError(
+            f"{name_or_path} is neither a local directory nor in the Hugging Face cache ({hub_cache_dir()}); "
+            f"exactspec never downloads: fetch it once with `huggingface-cli download {name_or_path}`"
+        )
+    return snapshot
 
 
 def default_pair_dirs() -> tuple[Path, Path]:
@@ -65,10 +101,10 @@ def load_pair(
     backend: str = "lean",
     dtype: torch.dtype = torch.float32,
 ) -> LoadedPair:
-    """Target (and draft) with the target's tokenizer, both restricted to its real vocabulary (padding rows cut)."""
-    for path in (target_dir, draft_dir):
-        if path is not None:
-            check_local_checkpoint(path)
+    """Target (and draft) with the target's tokenizer, both restricted to its real vocabulary (padding rows cut).
+    Each is a local directory or a hub id found in the local Hugging Face cache (:func:`resolve_checkpoint`)."""
+    target_dir = check_local_checkpoint(resolve_checkpoint(target_dir))
+    draft_dir = None if draft_dir is None else check_local_checkpoint(resolve_checkpoint(draft_dir))
     tokenizer = TextTokenizer.from_dir(target_dir)
     target = load_model(target_dir, backend, dtype)
     if draft_dir is None:

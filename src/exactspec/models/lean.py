@@ -236,6 +236,24 @@ def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"cannot read {file}: {error} (a truncated or corrupt download?)") from None
 
 
+def read_checkpoint_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """Every tensor of a checkpoint directory, single-file or sharded, and the file that names them."""
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.is_file():
+        return read_safetensors(single), single
+    if not index.is_file():
+        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json (the lean backend reads safetensors; try --backend hf)")
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no weight_map")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (path / shard).is_file():
+            raise FileNotFoundError(f"{index} lists {shard}, which is not in {path}")
+        tensors.update(read_safetensors(path / shard))
+    return tensors, index
+
+
 # ---- the rollback-able single-sequence model --------------------------------------------------
 
 class LeanModel:
@@ -281,19 +299,15 @@ class LeanModel:
         max_len: int | None = None,
         device: str | torch.device = "cpu",
     ) -> "LeanModel":
-        """Load a local Hugging Face Llama directory (``config.json`` + ``model.safetensors``)."""
+        """Load a local Hugging Face Llama directory (``config.json`` + ``model.safetensors``, or shards listed
+        in ``model.safetensors.index.json``)."""
         path = Path(path)
         cfg = read_config(path)
-        weights = path / "model.safetensors"
-        if not weights.is_file():
-            if (path / "model.safetensors.index.json").is_file():
-                raise ValueError(f"{path} holds a sharded checkpoint, which the lean backend does not load yet; use --backend hf")
-            raise FileNotFoundError(f"{path} has no model.safetensors (the lean backend reads safetensors; try --backend hf)")
-        decoder, tensors = LlamaDecoder(cfg), read_safetensors(weights)
+        decoder, (tensors, source) = LlamaDecoder(cfg), read_checkpoint_weights(path)
         try:
             load_hf_state_dict(decoder, tensors)
         except ValueError as error:
-            raise ValueError(f"{weights}: {error}") from None
+            raise ValueError(f"{source}: {error}") from None
         return cls(decoder, max_len=max_len, device=device, dtype=dtype)
 
     # -- protocol ---------------------------------------------------------------------------
