@@ -111,3 +111,25 @@ def test_help_shows_every_default():
             if action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
                 continue
             assert action.help and f"(default: {action.default})" in text, (name, action.dest)
+
+
+def test_prompt_from_stdin_or_a_file_and_threads(tmp_path):
+    """`-` reads standard input, --prompt-file a file; the same prompt gives the same greedy text; --threads is applied."""
+    import subprocess
+    import sys
+
+    common = [sys.executable, "-m", "exactspec", "generate", "--max-new-tokens", "8", "--temperature", "0", "--ignore-eos", "--json"]
+    prompt = "def parse_args(argv):\n    "
+    (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
+    runs = [
+        subprocess.run([*common, prompt], capture_output=True, text=True),
+        subprocess.run([*common, "-", "--threads", "1"], input=prompt, capture_output=True, text=True),
+        subprocess.run([*common, "--prompt-file", str(tmp_path / "prompt.txt")], capture_output=True, text=True),
+    ]
+    results = [json.loads(run.stdout) for run in runs]
+    assert all(r["prompt"] == prompt for r in results) and len({r["text"] for r in results}) == 1
+    assert results[1]["threads"] == 1
+    for args, message in (([], "exactly one of them"), (["x", "--prompt-file", "p"], "exactly one of them"),
+                          (["--prompt-file", str(tmp_path / "absent.txt")], "--prompt-file"), (["x", "--threads", "0"], "argument --threads")):
+        done = subprocess.run([*common, *args], capture_output=True, text=True)
+        assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr

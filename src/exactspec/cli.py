@@ -233,11 +233,14 @@ def _generate(args: argparse.Namespace) -> dict:
     from exactspec.loading import model_capacity
 
     params = _sampling(args)
+    text = _prompt_text(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     seed = args.seed if args.seed >= 0 else secrets.randbits(64)
     fixed_gamma = 0 if args.gamma == "auto" else args.gamma
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=fixed_gamma, seed=seed)
     pair = _load(args, with_draft=not args.no_speculation)
-    prompt = pair.tokenizer.encode_prompt(args.prompt)
+    prompt = pair.tokenizer.encode_prompt(text)
     if not prompt:
         raise CliError("the prompt is empty and the checkpoint has no BOS token to start from")
     needed = len(prompt) + args.max_new_tokens - 1  # drafts never run past the budget; the newest token is never fed
@@ -262,7 +265,8 @@ def _generate(args: argparse.Namespace) -> dict:
     if cold_start is not None and cold_start["cache"] is not None:  # the next run with this pair starts here
         cold_start["cache"].save(cold_start["pair"], mode_key(params), *stats.position_counts())
     return {
-        "prompt": args.prompt,
+        "prompt": text,
+        "threads": torch.get_num_threads(),
         "text": "".join(pieces),
         "mode": "plain" if pair.draft is None else f"speculative, gamma {args.gamma}",
         "gammas_used": sorted({r.drafted for r in stats.rounds[1:]}),
@@ -273,6 +277,23 @@ def _generate(args: argparse.Namespace) -> dict:
         "policy": cold_start["record"] if cold_start else None,
         **stats.summary(),
     }
+
+
+def _prompt_text(args: argparse.Namespace) -> str:
+    """The prompt from the argument, standard input (``-``) or ``--prompt-file``: exactly one of them."""
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise CliError("give the prompt as an argument, as - (standard input) or with --prompt-file, exactly one of them")
+    if args.prompt_file is not None:
+        try:
+            return Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise CliError(f"--prompt-file {args.prompt_file}: {error}") from None
+    if args.prompt == "-":
+        try:
+            return sys.stdin.read()
+        except UnicodeDecodeError as error:
+            raise CliError(f"standard input is not text: {error}") from None
+    return args.prompt
 
 
 def _cold_start(args: argparse.Namespace, decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams) -> dict:
@@ -427,7 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     cost.set_defaults(run=_cost, show=_print_cost)
 
     generate = add("generate", help="generate text with speculative decoding (default: the shipped pair)")
-    generate.add_argument("prompt", help="text to continue")
+    generate.add_argument("prompt", nargs="?", help="text to continue; - reads it from standard input")
+    generate.add_argument("--prompt-file", help="read the prompt from this file (UTF-8)")
+    generate.add_argument("--threads", type=_integer(1), help="CPU threads for torch (default: torch's own choice)")
     _add_model_arguments(generate)
     generate.add_argument("--gamma", type=_gamma_argument, default="auto", help="draft tokens per round, or auto: chosen per round by the cost model")
     generate.add_argument("--max-new-tokens", type=_integer(1), default=128, help="stop after this many new tokens")
