@@ -111,6 +111,10 @@ class PolicyPriors:
         if self.cost_weight < 1 or self.acceptance_weight < 1:
             raise ValueError("cost_weight and acceptance_weight must be >= 1")
 
+    def acceptance_at(self, position: int) -> float:
+        """The prior rate of a draft position; positions past the list repeat its last entry."""
+        return self.acceptance[min(position, len(self.acceptance) - 1)]
+
 
 @dataclass
 class RunningMean:
@@ -141,8 +145,7 @@ class AdaptiveGamma:
     def __post_init__(self) -> None:
         priors, smoothing = self.priors, self.config.smoothing
         if priors.acceptance:  # trusted from the first round (see expected_tokens), weighing acceptance_weight observations
-            rates = [priors.acceptance[min(i, len(priors.acceptance) - 1)] for i in range(self.config.max_gamma)]
-            self.accept = [RunningMean(rate, smoothing, priors.acceptance_weight) for rate in rates]
+            self.accept = [RunningMean(priors.acceptance_at(i), smoothing, priors.acceptance_weight) for i in range(self.config.max_gamma)]
         else:  # the generic prior counts as one observation per position
             self.accept = [RunningMean(self.config.prior_acceptance, smoothing, 1) for _ in range(self.config.max_gamma)]
         if priors.draft_step_ms is not None:
@@ -190,19 +193,18 @@ class AdaptiveGamma:
 
         Without an acceptance prior, position 0 is its running mean from the first round (a useless draft is
         dropped after a round or two), and a later position reached fewer than ``MIN_OBSERVATIONS`` times
-        borrows the rate of the last position that was (so longer drafts get tried). With one, a position not reached yet
-        takes its prior scaled by how the evidence moved the last reached position (estimate over prior), so
-        a draft that disappoints early loses its whole optimistic prior, not just the first position's.
+        borrows the rate of the last position that was (so longer drafts get tried). With one, a position not
+        reached yet takes its prior scaled by how the evidence moved the last reached position (estimate over
+        prior), so a draft that disappoints early loses its whole optimistic prior, not just the first position's.
         """
         totals, survive = [1.0], 1.0
         rate, level = self.config.prior_acceptance, 1.0
-        prior = self.priors.acceptance
         for i, mean in enumerate(self.accept):
-            if not prior:
+            if not self.priors.acceptance:
                 if mean.count > MIN_OBSERVATIONS or i == 0:  # position 0: the generic prior is one observation
                     rate = mean.value
             else:
-                start = prior[min(i, len(prior) - 1)]
+                start = self.priors.acceptance_at(i)
                 if mean.count > self.priors.acceptance_weight:  # reached in this run: its blend of prior and data
                     rate = mean.value
                     level = mean.value / start if start > 0 else 1.0
