@@ -28,6 +28,8 @@ def test_ctrl_c_keeps_the_partial_output_prints_the_summary_and_exits_130():
     process = subprocess.Popen(
         [*EXACTSPEC, "generate", "def parse_args(", "--max-new-tokens", "900", "--ignore-eos", "--gamma", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        # a shell's background job ignores SIGINT and a child inherits that: give it Ctrl-C as a terminal would
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     first = process.stdout.read(8)  # generation is under way
     process.send_signal(signal.SIGINT)

@@ -213,7 +213,10 @@ def _main() -> None:
     parser.add_argument("--gamma", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
-    pair = load_pair(args.target, args.draft, dtype=torch.bfloat16)
+    try:
+        pair = load_pair(args.target, args.draft, dtype=torch.bfloat16)
+    except (OSError, ValueError) as error:
+        parser.exit(2, f"exactspec.priors: error: {error}\n")
     files = third_party_sources()  # odd multiples of 1/(2n): never the files the benchmarks pick (multiples of 1/n)
     chosen = [files[(2 * i + 1) * len(files) // (2 * args.prompts)] for i in range(args.prompts)]
     prompts = [pair.tokenizer.encode_prompt(text)[-512:] for text in code_prompts(args.prompts, files=chosen)]

@@ -31,7 +31,7 @@ class TextTokenizer:
                 raise ValueError(f"{path / 'tokenizer.json'} is not a readable tokenizer ({error})") from None
         else:
             tokenizer = _converted_tokenizer(path)
-        config = read_json(path / "config.json") if (path / "config.json").is_file() else {}
+        config = _read_if_present(path / "config.json")
         return cls(tokenizer, _eos_ids(path), config.get("bos_token_id"))
 
     def encode(self, text: str) -> list[int]:
@@ -48,6 +48,10 @@ class TextTokenizer:
     def vocabulary(self) -> dict[str, int]:
         """Token string -> id, special tokens included."""
         return self.tokenizer.get_vocab(with_added_tokens=True)
+
+
+def _read_if_present(file: Path) -> dict:
+    return read_json(file) if file.is_file() else {}
 
 
 def _converted_tokenizer(path: Path):
@@ -68,8 +72,7 @@ def _converted_tokenizer(path: Path):
 def _eos_ids(path: Path) -> frozenset[int]:
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
-        file = path / name
-        value = read_json(file).get("eos_token_id") if file.is_file() else None
+        value = _read_if_present(path / name).get("eos_token_id")
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list):
