@@ -51,3 +51,12 @@ def test_draft_steps_are_timed_through_the_proposer_without_its_setup():
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="non-empty context"):
         calibrate(MarkovLM.random(3), None, [], max_gamma=2)
+
+
+def test_a_slow_model_times_a_few_sizes_and_interpolates_the_rest():
+    target = SleepyModel(0.006, 0.001, first_call_extra=0.0)  # 7 ms and up: above SLOW_CALL_MS
+    result = calibrate(target, None, [1, 2, 3], max_gamma=8, repeats=1)
+    assert sorted(set(target.calls[1:])) == [1, 2, 3, 5, 9]  # after the prefill; the other sizes are never called
+    assert sorted(result.target_ms) == list(range(1, 10))
+    ms = result.target_ms
+    assert ms[4] == pytest.approx((ms[3] + ms[5]) / 2) and ms[6] == pytest.approx((3 * ms[5] + ms[9]) / 4)

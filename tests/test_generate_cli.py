@@ -64,7 +64,7 @@ def test_errors_are_one_line_with_exit_code_2(pair, capsys, tmp_path):
     cases = [
         (["--target", str(tmp_path / "absent"), "--draft", str(draft)], "model directory not found"),
         (["--target", str(target), "--draft", str(mismatched)], "tokenizers differ at"),
-        (["--target", str(target)], "give both --target and --draft"),
+        (["--draft", str(draft)], "--draft needs --target"),
         (["--target", str(target), "--draft", str(draft), "--top-p", "0"], "--top-p must be in"),
         (["--target", str(target), "--draft", str(draft), "--max-new-tokens", "1000"], "exceeds the target model's 256 positions"),
         (["--target", str(target), "--draft", str(draft), "--backend", "vllm"], "invalid choice"),
@@ -102,3 +102,10 @@ def test_a_hub_id_is_read_from_the_local_hugging_face_cache_and_never_downloaded
     assert code == 0 and json.loads(out)["tokens"] == 4, err
     code, out, err = generate(capsys, "def f(", "--target", "tiny-org/absent", "--draft", str(draft))
     assert code == 2 and err.count("\n") == 1 and "never downloads" in err and "huggingface-cli download tiny-org/absent" in err
+
+
+def test_a_target_without_a_draft_speculates_by_prompt_lookup(pair, capsys):
+    target, _ = pair
+    for args in (["--target", str(target)], ["--target", str(target), "--draft", "lookup"]):
+        record = json.loads(generate(capsys, "def f(x):\n    return x\n", *args, "--json", "--max-new-tokens", "16", "--ignore-eos")[1])
+        assert record["mode"].startswith("speculative (prompt lookup)") and record["tokens"] == 16

@@ -7,7 +7,9 @@ mistakes that warm-up for the price of long drafts and backs off. Calibration
 makes one untimed warm-up call per size, then times ``repeats`` more, for every
 target call size the policy may use (1 to ``max_gamma + 1`` tokens) and for
 draft steps made through the proposer itself (the per-step cost the policy
-observes in the loop: model call, processors and sampling).
+observes in the loop: model call, processors and sampling). When one call is
+slow (a real model: tens of milliseconds), only a few sizes are timed and the
+others interpolated linearly, which keeps calibration near half a second.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import torch
 from exactspec.models.base import LanguageModel
 from exactspec.proposers import Proposer
 
-__all__ = ["Calibration", "calibrate", "measure_call_ms"]
+__all__ = ["Calibration", "calibrate", "measure_call_ms", "SLOW_CALL_MS"]
+
+SLOW_CALL_MS = 5.0  # a one-token call slower than this: time a few call sizes and interpolate the rest
 
 
 def measure_call_ms(model: LanguageModel, context: Sequence[int], new_tokens: int, repeats: int = 30, warmup: int = 0) -> float:
@@ -72,7 +76,10 @@ def calibrate(
     while len(context) < max_gamma + 2:  # the timed calls re-feed the context's last tokens
         context = context + context
     target.prefill(context)
-    target_ms = {n: _median_call_ms(target, context, n, repeats, warmup=1) for n in range(1, max_gamma + 2)}
+    target_ms = {1: _median_call_ms(target, context, 1, repeats, warmup=1)}
+    sizes = range(2, max_gamma + 2) if target_ms[1] < SLOW_CALL_MS else sorted({2, 3, 5, max_gamma + 1} - {1})
+    target_ms.update({n: _median_call_ms(target, context, n, repeats, warmup=1) for n in sizes if n <= max_gamma + 1})
+    target_ms = _interpolated(target_ms, max_gamma + 1)
     draft_step_ms = None
     if proposer is not None and max_gamma > 0:
         generator = torch.Generator().manual_seed(0)  # never the generation's own
@@ -85,3 +92,15 @@ def calibrate(
             steps.append(1000 * spent / max(1, len(draft.tokens)))
         draft_step_ms = statistics.median(steps[1:])
     return Calibration(target_ms, draft_step_ms, time.perf_counter() - start)
+
+
+def _interpolated(measured: dict[int, float], largest: int) -> dict[int, float]:
+    """Every size 1..largest: measured ones as they are, the others on the line between their measured neighbours."""
+    known = sorted(measured)
+    out = {}
+    for n in range(1, largest + 1):
+        below = max(k for k in known if k <= n)
+        above = min((k for k in known if k >= n), default=below)
+        weight = 0.0 if above == below else (n - below) / (above - below)
+        out[n] = measured[below] + weight * (measured[above] - measured[below])
+    return out

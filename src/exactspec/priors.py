@@ -43,11 +43,16 @@ def mode_key(params: SamplingParams) -> str:
     return "greedy" if params.greedy else "sampled"
 
 
-def fingerprint(*model_dirs: str | Path) -> str:
-    """A short hash of checkpoints: config.json, and each weights file's size, head and tail (fast on big files)."""
+def fingerprint(*checkpoints: str | Path | None) -> str:
+    """A short hash of checkpoints (directories or single files; None for a model-free proposer such as prompt
+    lookup): config.json, and each weights file's size, head and tail (fast on big files)."""
     digest = hashlib.sha256()
-    for directory in map(Path, model_dirs):
-        for file in sorted(directory.iterdir()):
+    for checkpoint in checkpoints:
+        if checkpoint is None:
+            digest.update(b"<no draft model>")
+            continue
+        checkpoint = Path(checkpoint)
+        for file in [checkpoint] if checkpoint.is_file() else sorted(checkpoint.iterdir()):
             if file.name == "config.json" or file.suffix in (".safetensors", ".gguf", ".bin"):
                 size = file.stat().st_size
                 digest.update(f"{file.name}:{size}".encode())
@@ -102,7 +107,7 @@ def write_shipped_prior(draft_dir: str | Path, target_dir: str | Path, by_mode: 
 
 
 def acceptance_prior(
-    target_dir: str | Path, draft_dir: str | Path, params: SamplingParams, cache: "PolicyCache | None"
+    target_dir: str | Path, draft_dir: str | Path | None, params: SamplingParams, cache: "PolicyCache | None"
 ) -> tuple[tuple[float, ...], str]:
     """``(rates, source)``: the cache's entry for this pair and mode, else the draft's shipped prior, else none."""
     mode = mode_key(params)
@@ -110,7 +115,7 @@ def acceptance_prior(
         rates = cache.load(fingerprint(target_dir, draft_dir), mode)
         if rates:
             return rates, "cache"
-    rates = shipped_prior(draft_dir, target_dir, mode)
+    rates = None if draft_dir is None else shipped_prior(draft_dir, target_dir, mode)
     return (rates, "shipped") if rates else ((), "none")
 
 

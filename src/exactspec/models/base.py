@@ -71,8 +71,11 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
 
 
 def check_local_checkpoint(path: str | Path) -> Path:
-    """The path as a Path, or a clear error if it is not a local directory with a config.json (never a download)."""
+    """The path as a Path, or a clear error if it is neither a ``.gguf`` file nor a local directory with a config.json
+    (never a download)."""
     path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
     if not path.is_dir():
         raise FileNotFoundError(f"model directory not found: {path} (exactspec loads local directories only)")
     if not (path / "config.json").is_file():

@@ -6,7 +6,8 @@ accepts, and what 4.x (>= 4.45) reads as "remove that many" too. Tested with
 transformers 5.24. Caches that cannot be rolled back (sliding-window or
 recurrent layers report ``is_croppable == False``) are refused.
 
-Nothing is ever downloaded: the path must be an existing local directory and
+Nothing is ever downloaded: the path must be an existing local directory (or
+``.gguf`` file, which transformers dequantizes with the ``gguf`` package) and
 loading runs with ``local_files_only=True``.
 """
 
@@ -49,17 +50,21 @@ class HFModel:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = check_local_checkpoint(path)
-        read_json(path / "config.json")  # a broken file is named here, not deep inside transformers
+        location = {"pretrained_model_name_or_path": path, "local_files_only": True}
+        if path.is_file():  # a .gguf file: transformers dequantizes it (needs the gguf and accelerate packages)
+            location.update(pretrained_model_name_or_path=path.parent, gguf_file=path.name)
+        else:
+            read_json(path / "config.json")  # a broken file is named here, not deep inside transformers
         try:
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            config = AutoConfig.from_pretrained(**location)
         except Exception as error:  # transformers raises many kinds for a config it cannot use
-            raise ValueError(f"transformers cannot use {path / 'config.json'}: {_one_line(error)}") from None
+            raise ValueError(f"transformers cannot use {path if path.is_file() else path / 'config.json'}: {_one_line(error)}") from None
         causal_configs = getattr(AutoModelForCausalLM, "_model_mapping", None)  # transformers' registry of causal LMs
         if causal_configs is not None and type(config) not in causal_configs:
             kind = getattr(config, "model_type", "unknown")
             raise ValueError(f"{path} holds a '{kind}' checkpoint, which is not a causal language model")
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(**location, dtype=dtype)
         except Exception as error:  # truncated weights, missing shards, shape mismatches...
             raise ValueError(f"transformers cannot load the weights in {path}: {_one_line(error)}") from None
         return cls(model.to(device))

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import check_rollback_length, check_token_ids, read_json
+from .gguf import hf_state_dict as gguf_state_dict, llama_config, read_gguf
 from .llama_config import LlamaConfig, rope_tables
 
 __all__ = ["LlamaConfig", "LlamaDecoder", "LeanModel", "hf_state_dict", "load_hf_state_dict"]
@@ -300,10 +301,15 @@ class LeanModel:
         device: str | torch.device = "cpu",
     ) -> "LeanModel":
         """Load a local Hugging Face Llama directory (``config.json`` + ``model.safetensors``, or shards listed
-        in ``model.safetensors.index.json``)."""
+        in ``model.safetensors.index.json``) or a Llama ``.gguf`` file (dequantized, :mod:`exactspec.models.gguf`)."""
         path = Path(path)
-        cfg = read_config(path)
-        decoder, (tensors, source) = LlamaDecoder(cfg), read_checkpoint_weights(path)
+        if path.is_file() and path.suffix == ".gguf":
+            gguf_file = read_gguf(path)
+            cfg = llama_config(gguf_file)
+            decoder, tensors, source = LlamaDecoder(cfg), gguf_state_dict(gguf_file, cfg), path
+        else:
+            cfg = read_config(path)
+            decoder, (tensors, source) = LlamaDecoder(cfg), read_checkpoint_weights(path)
         try:
             load_hf_state_dict(decoder, tensors)
         except ValueError as error:
