@@ -88,12 +88,21 @@ def default_pair_dirs() -> tuple[Path, Path]:
     return root / "target", root / "draft"
 
 
-def load_model(path: str | Path, backend: str = "lean", dtype: torch.dtype = torch.float32) -> LanguageModel:
-    """One model from a local checkpoint directory or ``.gguf`` file (never a download)."""
+def load_model(
+    path: str | Path,
+    backend: str = "lean",
+    dtype: torch.dtype = torch.float32,
+    weights: str = "dense",
+    invariant: bool = False,
+) -> LanguageModel:
+    """One model from a local checkpoint directory or ``.gguf`` file (never a download). ``weights`` and
+    ``invariant`` are the lean backend's (:meth:`exactspec.models.lean.LeanModel.from_pretrained`)."""
     if backend == "lean":
         from exactspec.models.lean import LeanModel
 
-        return LeanModel.from_pretrained(path, dtype=dtype)
+        return LeanModel.from_pretrained(path, dtype=dtype, weights=weights, invariant=invariant)
+    if backend == "hf" and (weights != "dense" or invariant):
+        raise ValueError("--weights q4 and --invariant are options of the lean backend, not of --backend hf")
     if backend == "hf":
         try:
             from transformers.utils import logging as hf_logging
@@ -128,17 +137,20 @@ def load_pair(
     draft_dir: str | Path | None,
     backend: str = "lean",
     dtype: torch.dtype = torch.float32,
+    weights: str = "dense",
+    invariant: bool = False,
 ) -> LoadedPair:
     """Target (and draft) with the target's tokenizer, both restricted to its real vocabulary (padding rows cut).
     Each is a local directory, a ``.gguf`` file, a packaged model's name or a hub id found in the local Hugging Face
-    cache (:func:`resolve_checkpoint`)."""
+    cache (:func:`resolve_checkpoint`). ``weights`` applies to the target (a draft stays dense); ``invariant`` to
+    both."""
     target_dir = check_local_checkpoint(resolve_checkpoint(target_dir))
     draft_dir = None if draft_dir is None else check_local_checkpoint(resolve_checkpoint(draft_dir))
     tokenizer = TextTokenizer.from_path(target_dir)
-    target = load_model(target_dir, backend, dtype)
+    target = load_model(target_dir, backend, dtype, weights, invariant)
     if draft_dir is None:
         return LoadedPair(restrict_to_vocabulary(target, tokenizer.vocabulary()), None, tokenizer)
-    draft = load_model(draft_dir, backend, dtype)
+    draft = load_model(draft_dir, backend, dtype, invariant=invariant)
     draft_tokenizer = TextTokenizer.from_path(draft_dir)
     target, draft = align_pair(target, draft, tokenizer.vocabulary(), draft_tokenizer.vocabulary())
     return LoadedPair(target, draft, tokenizer)

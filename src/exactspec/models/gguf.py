@@ -29,7 +29,8 @@ import torch
 
 from .llama_config import LlamaConfig, RopeScaling
 
-__all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "llama_config", "hf_state_dict", "dequantize", "SUPPORTED_TYPES"]
+__all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "llama_config", "hf_state_dict", "dequantize", "unpermute_rotary",
+           "SUPPORTED_TYPES"]
 
 _MAGIC = b"GGUF"
 # metadata value type -> struct format (8: string and 9: array are read separately)
@@ -79,6 +80,22 @@ class GGUFFile:
         if raw.size != info.nbytes:
             raise ValueError(f"{self.path} is truncated: tensor {name} needs {info.nbytes} bytes at offset {info.offset}")
         return dequantize(torch.from_numpy(raw), info.type_id, info.shape)
+
+
+    def q4_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A ``Q4_0``/``Q4_1`` tensor as it is stored: ``q`` (N, K) in 0..15, ``d`` and ``m`` (N, K / 32) float32,
+        with w = d * q + m (Q4_0: m = -8 d)."""
+        info = self.tensors[name]
+        if info.type_name not in ("Q4_0", "Q4_1"):
+            raise ValueError(f"{self.path}: tensor {name} is {info.type_name}, not a 4-bit block format")
+        blocks = torch.from_numpy(np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset))
+        blocks = blocks.reshape(-1, SUPPORTED_TYPES[info.type_id][2])  # (n_blocks, block_bytes)
+        rows, cols = info.shape
+        d = blocks[:, :2].contiguous().view(torch.float16).float()  # (n_blocks, 1)
+        m = -8 * d if info.type_name == "Q4_0" else blocks[:, 2:4].contiguous().view(torch.float16).float()
+        packed = blocks[:, -16:]
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=1)  # (n_blocks, 32)
+        return q.reshape(rows, cols), d.reshape(rows, cols // 32), m.reshape(rows, cols // 32)
 
 
 def dequantize(raw: torch.Tensor, type_id: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -235,7 +252,7 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def _unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
+def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's row order for one projection: per head, interleaved pairs -> two halves (rotate_half)."""
     out_features = weight.shape[0]
     return weight.reshape(heads, out_features // heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
@@ -247,8 +264,8 @@ def hf_state_dict(gguf: GGUFFile, config: LlamaConfig) -> dict[str, torch.Tensor
     for name in gguf.tensors:
         tensor = gguf.tensor(name)
         if name.endswith("attn_q.weight"):
-            tensor = _unpermute_rotary(tensor, config.num_attention_heads)
+            tensor = unpermute_rotary(tensor, config.num_attention_heads)
         elif name.endswith("attn_k.weight"):
-            tensor = _unpermute_rotary(tensor, config.num_key_value_heads)
+            tensor = unpermute_rotary(tensor, config.num_key_value_heads)
         state[_hf_name(name)] = tensor
     return state

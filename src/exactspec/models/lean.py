@@ -33,15 +33,57 @@ from torch import nn
 
 from .base import check_rollback_length, check_token_ids, read_json
 from .gguf import hf_state_dict as gguf_state_dict, llama_config, read_gguf
+from .quantized import use_q4_weights
 from .llama_config import LlamaConfig, rope_tables
 
-__all__ = ["LlamaConfig", "LlamaDecoder", "LeanModel", "hf_state_dict", "load_hf_state_dict"]
+__all__ = ["INVARIANT_ROWS", "LlamaConfig", "LlamaDecoder", "LeanModel", "hf_state_dict", "load_hf_state_dict"]
+
+# Invariant mode: every call of up to this many tokens (every decoding call: gamma <= 16) runs its matmuls at
+# exactly this many rows, so a position's logits are the same bits whatever the call size. Longer calls (a
+# prompt's prefill, the same in every mode) run unpadded.
+INVARIANT_ROWS = 17
+WEIGHT_FORMATS = ("dense", "q4")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """Hugging Face's rotation: (x1, x2) -> (-x2, x1) on the two halves of the last dim."""
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+ATTENTION_CHUNK = 64  # keys per fixed-shape chunk of the invariant attention
+
+
+def chunked_attention(
+    q: torch.Tensor,  # (1, nh, R, hd): queries at positions pos, pos + 1, ...
+    k_cache: torch.Tensor,  # (1, nkv, max_len, hd)
+    v_cache: torch.Tensor,  # (1, nkv, max_len, hd)
+    pos: int,
+    end: int,  # keys [0, end) hold the history and the call's tokens
+) -> torch.Tensor:  # (1, nh, R, hd)
+    """Causal softmax attention (softmax(q k^T / sqrt(hd)) v) whose result for a query depends only on its position
+    and the keys it sees, never on the number of queries or keys in the call.
+
+    Keys are cut into chunks of ``ATTENTION_CHUNK`` absolute positions; scores and weighted values are computed
+    per chunk with fixed-shape batched matmuls; a query's masked keys contribute exact zeros; chunks are combined
+    by ``cumsum``, a strict left-to-right sum, so trailing all-masked chunks add exact zeros. The row maximum is
+    exact in any order. Computed in float32.
+    """
+    _, nh, rows, hd = q.shape
+    nkv, group = k_cache.shape[1], nh // k_cache.shape[1]
+    chunks = -(-end // ATTENTION_CHUNK)
+    keys = chunks * ATTENTION_CHUNK
+    k = k_cache[0, :, :keys].float().reshape(nkv, chunks, ATTENTION_CHUNK, hd)
+    v = v_cache[0, :, :keys].float().reshape(nkv, chunks, ATTENTION_CHUNK, hd)
+    queries = (q[0].float() / math.sqrt(hd)).reshape(nkv, 1, group * rows, hd)  # query head h reads kv head h // group
+    scores = queries @ k.transpose(-1, -2)  # (nkv, chunks, group R, chunk)
+    key_pos = torch.arange(keys, device=q.device).reshape(chunks, 1, ATTENTION_CHUNK)
+    query_pos = (pos + torch.arange(rows, device=q.device)).repeat(group).reshape(1, group * rows, 1)
+    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    weights = torch.exp(scores - scores.amax(dim=(1, 3), keepdim=True))  # masked keys: exactly 0
+    total = weights.sum(-1).cumsum(1)[:, -1]  # (nkv, group R)
+    out = (weights @ v).cumsum(1)[:, -1] / total.unsqueeze(-1)  # (nkv, group R, hd)
+    return out.reshape(1, nh, rows, hd).to(q.dtype)
 
 
 class Block(nn.Module):
@@ -104,6 +146,26 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, enable_gqa=self.n_kv != self.n_head
         )  # (1, nh, T, hd)
+        return self._finish(x, y)
+
+
+    def forward_invariant(
+        self,
+        x: torch.Tensor,  # (1, R, C): the call's t tokens, then padding rows
+        cos: torch.Tensor,  # (R, hd)
+        sin: torch.Tensor,  # (R, hd)
+        k_cache: torch.Tensor,  # (1, nkv, max_len, hd)
+        v_cache: torch.Tensor,  # (1, nkv, max_len, hd)
+        pos: int,
+        t: int,
+    ) -> torch.Tensor:
+        """As :meth:`forward_cached`, with every matmul at the fixed row count R and attention in fixed-shape key
+        chunks (:func:`chunked_attention`), so that a position's result never depends on how many tokens its call
+        carries. Padding rows never reach the cache or another row."""
+        q, k, v = self._qkv(x, cos, sin)
+        k_cache[:, :, pos : pos + t] = k[:, :, :t]
+        v_cache[:, :, pos : pos + t] = v[:, :, :t]
+        y = chunked_attention(q, k_cache, v_cache, pos, pos + t)
         return self._finish(x, y)
 
 
@@ -210,7 +272,7 @@ def _named_shape_errors():
     try:
         yield
     except RuntimeError as error:
-        raise ValueError(f"a weight does not match the shapes config.json describes ({str(error).splitlines()[0]})") from None
+        raise ValueError(f"a weight does not match the shapes its config describes ({str(error).splitlines()[0]})") from None
 
 
 def read_config(path: str | Path) -> LlamaConfig:
@@ -271,21 +333,24 @@ class LeanModel:
         max_len: int | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        invariant: bool = False,
     ) -> None:
         cfg = decoder.cfg
+        self.invariant = invariant
         self.cfg = cfg
         self.max_len = int(max_len or cfg.max_position_embeddings)
         if dtype is not None:
             decoder = decoder.to(dtype=dtype)
         self.decoder = decoder.to(device).eval()
-        self.dtype = next(decoder.parameters()).dtype
+        self.dtype = decoder.norm.dtype
         self.device = torch.device(device)
         with torch.inference_mode():
             cos, sin = rope_tables(cfg, self.max_len)
             self._cos = cos.to(device=self.device, dtype=self.dtype)  # (max_len, hd)
             self._sin = sin.to(device=self.device, dtype=self.dtype)
-            shape = (cfg.num_hidden_layers, 1, cfg.num_key_value_heads, self.max_len, cfg.head_size)
-            self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # (L, 1, nkv, max_len, hd)
+            cache_len = -(-self.max_len // ATTENTION_CHUNK) * ATTENTION_CHUNK  # whole chunks for chunked_attention
+            shape = (cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cache_len, cfg.head_size)
+            self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # (L, 1, nkv, cache_len, hd)
             self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
             # Row i of the causal mask for a block starting at pos is tril[pos + i, :pos + T].
             self._tril = torch.ones(self.max_len, self.max_len, dtype=torch.bool, device=self.device).tril()
@@ -299,12 +364,23 @@ class LeanModel:
         dtype: torch.dtype = torch.float32,
         max_len: int | None = None,
         device: str | torch.device = "cpu",
+        weights: str = "dense",
+        invariant: bool = False,
     ) -> "LeanModel":
         """Load a local Hugging Face Llama directory (``config.json`` + ``model.safetensors``, or shards listed
-        in ``model.safetensors.index.json``) or a Llama ``.gguf`` file (dequantized, :mod:`exactspec.models.gguf`)."""
+        in ``model.safetensors.index.json``) or a Llama ``.gguf`` file (:mod:`exactspec.models.gguf`).
+
+        ``weights``: ``dense`` (every weight dequantized to ``dtype``) or ``q4`` (a GGUF file's 4-bit projections
+        kept as stored and run by torch's int4 CPU kernel, :mod:`exactspec.models.quantized`; bfloat16 on CPU).
+        ``invariant``: call-size-invariant numerics (:meth:`Block.forward_invariant`).
+        """
         path = Path(path)
-        if path.is_file() and path.suffix == ".gguf":
-            gguf_file = read_gguf(path)
+        gguf_file = read_gguf(path) if path.is_file() and path.suffix == ".gguf" else None
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+        if weights == "q4" and (gguf_file is None or dtype != torch.bfloat16 or torch.device(device).type != "cpu"):
+            raise ValueError("--weights q4 needs a .gguf checkpoint, --dtype bfloat16 and the CPU (torch's int4 kernel)")
+        if gguf_file is not None:
             cfg = llama_config(gguf_file)
             decoder, tensors, source = LlamaDecoder(cfg), gguf_state_dict(gguf_file, cfg), path
         else:
@@ -314,7 +390,10 @@ class LeanModel:
             load_hf_state_dict(decoder, tensors)
         except ValueError as error:
             raise ValueError(f"{source}: {error}") from None
-        return cls(decoder, max_len=max_len, device=device, dtype=dtype)
+        decoder = decoder.to(dtype=dtype)
+        if weights == "q4" and not use_q4_weights(decoder, gguf_file):
+            raise ValueError(f"{path} stores no projection in Q4_0 or Q4_1; use --weights dense")
+        return cls(decoder, max_len=max_len, device=device, dtype=dtype, invariant=invariant)
 
     # -- protocol ---------------------------------------------------------------------------
     @property
@@ -342,15 +421,28 @@ class LeanModel:
                 f"sequence too long: {pos} cached + {t} new tokens exceeds the cache of {self.max_len} positions"
             )
         with torch.inference_mode():
-            idx = torch.tensor(ids, dtype=torch.long, device=self.device).unsqueeze(0)  # (1, T)
-            x = self.decoder.embed(idx)  # (1, T, C)
-            cos, sin = self._cos[pos:end], self._sin[pos:end]  # (T, hd)
-            mask = None if t == 1 else self._tril[pos:end, :end]  # (T, pos + T)
-            for i, layer in enumerate(self._layers):
-                x = layer.forward_cached(x, cos, sin, self._k[i], self._v[i], pos, mask)
-            logits = self.decoder._final(x)[0]  # (T, V)
+            if self.invariant and t <= INVARIANT_ROWS:
+                logits = self._forward_invariant(ids, pos)
+            else:
+                idx = torch.tensor(ids, dtype=torch.long, device=self.device).unsqueeze(0)  # (1, T)
+                x = self.decoder.embed(idx)  # (1, T, C)
+                cos, sin = self._cos[pos:end], self._sin[pos:end]  # (T, hd)
+                mask = None if t == 1 else self._tril[pos:end, :end]  # (T, pos + T)
+                for i, layer in enumerate(self._layers):
+                    x = layer.forward_cached(x, cos, sin, self._k[i], self._v[i], pos, mask)
+                logits = self.decoder._final(x)[0]  # (T, V)
         self._pos = end
         return logits.float().cpu()
+
+    def _forward_invariant(self, ids: list[int], pos: int) -> torch.Tensor:  # (t, V)
+        t, rows = len(ids), INVARIANT_ROWS
+        idx = torch.tensor(ids + [0] * (rows - t), dtype=torch.long, device=self.device).unsqueeze(0)  # (1, R)
+        positions = torch.arange(pos, pos + rows, device=self.device).clamp(max=self.max_len - 1)  # padding: any angle
+        cos, sin = self._cos[positions], self._sin[positions]  # (R, hd)
+        x = self.decoder.embed(idx)  # (1, R, C)
+        for i, layer in enumerate(self._layers):
+            x = layer.forward_invariant(x, cos, sin, self._k[i], self._v[i], pos, t)
+        return self.decoder._final(x)[0, :t]
 
     def __repr__(self) -> str:
         c = self.cfg
