@@ -92,7 +92,7 @@ def load_model(
     path: str | Path,
     backend: str = "lean",
     dtype: torch.dtype = torch.float32,
-    weights: str = "dense",
+    weights: str = "auto",
     invariant: bool = False,
 ) -> LanguageModel:
     """One model from a local checkpoint directory or ``.gguf`` file (never a download). ``weights`` and
@@ -101,7 +101,7 @@ def load_model(
         from exactspec.models.lean import LeanModel
 
         return LeanModel.from_pretrained(path, dtype=dtype, weights=weights, invariant=invariant)
-    if backend == "hf" and (weights != "dense" or invariant):
+    if backend == "hf" and (weights == "q4" or invariant):
         raise ValueError("--weights q4 and --invariant are options of the lean backend, not of --backend hf")
     if backend == "hf":
         try:
@@ -137,7 +137,7 @@ def load_pair(
     draft_dir: str | Path | None,
     backend: str = "lean",
     dtype: torch.dtype = torch.float32,
-    weights: str = "dense",
+    weights: str = "auto",
     invariant: bool = False,
 ) -> LoadedPair:
     """Target (and draft) with the target's tokenizer, both restricted to its real vocabulary (padding rows cut).
@@ -150,7 +150,7 @@ def load_pair(
     target = load_model(target_dir, backend, dtype, weights, invariant)
     if draft_dir is None:
         return LoadedPair(restrict_to_vocabulary(target, tokenizer.vocabulary()), None, tokenizer)
-    draft = load_model(draft_dir, backend, dtype, invariant=invariant)
+    draft = load_model(draft_dir, backend, dtype, "dense", invariant)
     draft_tokenizer = TextTokenizer.from_path(draft_dir)
     target, draft = align_pair(target, draft, tokenizer.vocabulary(), draft_tokenizer.vocabulary())
     return LoadedPair(target, draft, tokenizer)

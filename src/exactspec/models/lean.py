@@ -42,7 +42,7 @@ __all__ = ["INVARIANT_ROWS", "LlamaConfig", "LlamaDecoder", "LeanModel", "hf_sta
 # exactly this many rows, so a position's logits are the same bits whatever the call size. Longer calls (a
 # prompt's prefill, the same in every mode) run unpadded.
 INVARIANT_ROWS = 17
-WEIGHT_FORMATS = ("dense", "q4")
+WEIGHT_FORMATS = ("auto", "dense", "q4")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -364,21 +364,25 @@ class LeanModel:
         dtype: torch.dtype = torch.float32,
         max_len: int | None = None,
         device: str | torch.device = "cpu",
-        weights: str = "dense",
+        weights: str = "auto",
         invariant: bool = False,
     ) -> "LeanModel":
         """Load a local Hugging Face Llama directory (``config.json`` + ``model.safetensors``, or shards listed
         in ``model.safetensors.index.json``) or a Llama ``.gguf`` file (:mod:`exactspec.models.gguf`).
 
-        ``weights``: ``dense`` (every weight dequantized to ``dtype``) or ``q4`` (a GGUF file's 4-bit projections
-        kept as stored and run by torch's int4 CPU kernel, :mod:`exactspec.models.quantized`; bfloat16 on CPU).
+        ``weights``: ``dense`` (every weight dequantized to ``dtype``), ``q4`` (a GGUF file's 4-bit projections
+        kept as stored and run by torch's int4 CPU kernel, :mod:`exactspec.models.quantized`; bfloat16 on CPU), or
+        ``auto``: ``q4`` where it can run (a GGUF file with 4-bit projections, bfloat16, CPU), else ``dense``.
         ``invariant``: call-size-invariant numerics (:meth:`Block.forward_invariant`).
         """
         path = Path(path)
         gguf_file = read_gguf(path) if path.is_file() and path.suffix == ".gguf" else None
-        if weights not in WEIGHT_FORMATS:
+        if weights not in WEIGHT_FORMATS:  # checked before anything is read
             raise ValueError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-        if weights == "q4" and (gguf_file is None or dtype != torch.bfloat16 or torch.device(device).type != "cpu"):
+        q4_possible = gguf_file is not None and dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+        if weights == "auto":
+            weights = "q4" if q4_possible and any(t.type_name in ("Q4_0", "Q4_1") for t in gguf_file.tensors.values()) else "dense"
+        if weights == "q4" and not q4_possible:
             raise ValueError("--weights q4 needs a .gguf checkpoint, --dtype bfloat16 and the CPU (torch's int4 kernel)")
         if gguf_file is not None:
             cfg = llama_config(gguf_file)
