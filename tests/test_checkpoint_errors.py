@@ -44,7 +44,7 @@ def truncated_weights(path):
 
 def wrong_shapes(path):
     edit_config(path, lambda c: c.update(intermediate_size=100))
-    return {"lean": f"{path / 'model.safetensors'}: a weight does not match the shapes config.json describes",
+    return {"lean": f"{path / 'model.safetensors'}: a weight does not match the shapes its config describes",
             "hf": f"transformers cannot load the weights in {path}"}
 
 
