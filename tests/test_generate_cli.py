@@ -109,3 +109,22 @@ def test_a_target_without_a_draft_speculates_by_prompt_lookup(pair, capsys):
     for args in (["--target", str(target)], ["--target", str(target), "--draft", "lookup"]):
         record = json.loads(generate(capsys, "def f(x):\n    return x\n", *args, "--json", "--max-new-tokens", "16", "--ignore-eos")[1])
         assert record["mode"].startswith("speculative (prompt lookup)") and record["tokens"] == 16
+
+
+def test_threads_default_to_one_for_a_small_target_and_follow_the_flag(pair, capsys):
+    import torch
+
+    target, draft = pair
+    before = torch.get_num_threads()
+    try:
+        for flags, expected in (([], 1), (["--threads", "2"], 2)):
+            record = json.loads(generate(capsys, "def f(", "--target", str(target), "--draft", str(draft), "--json", "--max-new-tokens", "4", *flags)[1])
+            assert record["threads"] == expected
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bench_without_a_draft_model_is_refused(pair, capsys, tmp_path):
+    target, _ = pair
+    code = main(["bench", "--target", str(target), "--output-dir", str(tmp_path / "out")])
+    assert code == 2 and "give --draft DIR" in capsys.readouterr().err

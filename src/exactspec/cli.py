@@ -53,6 +53,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 #: Prompt tokens the load-time calibration runs on (call costs barely depend on the context here).
 CALIBRATION_TOKENS = 64
+SMALL_MODEL_PARAMETERS = 20_000_000  # below this a target call is too short for a second thread to pay (toy pair: 1 thread ~ 2)
 LOOKUP = "lookup"  # --draft value: prompt-lookup drafting, no draft model
 
 #: Seeds are unsigned 64-bit integers (torch.Generator's range); -1 asks for a random one.
@@ -231,13 +232,16 @@ def _pair_dirs(args: argparse.Namespace, with_draft: bool = True) -> tuple[Path,
 
 
 def _load(args: argparse.Namespace, with_draft: bool):
-    from exactspec.loading import DTYPES, load_pair
+    from exactspec.loading import DTYPES, load_pair, model_parameters
 
     target_dir, draft_dir = _pair_dirs(args, with_draft)
     try:
-        return load_pair(target_dir, draft_dir if with_draft else None, args.backend, DTYPES[args.dtype], args.weights, args.invariant)
+        pair = load_pair(target_dir, draft_dir if with_draft else None, args.backend, DTYPES[args.dtype], args.weights, args.invariant)
     except (OSError, ValueError) as error:
         raise CliError(str(error)) from None
+    small = (model_parameters(pair.target) or SMALL_MODEL_PARAMETERS) < SMALL_MODEL_PARAMETERS
+    torch.set_num_threads(args.threads or (1 if small else torch.get_num_threads()))
+    return pair
 
 
 def _generate(args: argparse.Namespace) -> dict:
@@ -245,8 +249,6 @@ def _generate(args: argparse.Namespace) -> dict:
 
     params = _sampling(args)
     text = _prompt_text(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     seed = args.seed if args.seed >= 0 else secrets.randbits(64)
     fixed_gamma = 0 if args.gamma == "auto" else args.gamma
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=fixed_gamma, seed=seed)
@@ -364,6 +366,7 @@ def _gamma_argument(text: str) -> str | int:
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help=f"target checkpoint: a directory, a .gguf file, a packaged model ({', '.join(PACKAGED_MODELS)}), or a hub id (org/name) in the local Hugging Face cache (default: the shipped target)")
     parser.add_argument("--draft", help=f"draft checkpoint, as --target, or '{LOOKUP}' for prompt-lookup drafting (default: the shipped draft; with --target alone, {LOOKUP})")
+    parser.add_argument("--threads", type=_integer(1), help=f"CPU threads for torch (default: 1 for targets under {SMALL_MODEL_PARAMETERS // 10**6}M parameters, whose calls are too short to share, else torch's own choice)")
     parser.add_argument("--backend", choices=["lean", "hf"], default="lean", help="lean (Llama-family, fast) or hf (any causal LM)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="bfloat16: faster, flat verify cost; float32: closer to the checkpoint's own numbers")
     parser.add_argument("--weights", choices=["auto", "dense", "q4"], default="auto", help="dense: dequantize every weight to --dtype; q4: keep a GGUF file's 4-bit projections and run torch's int4 CPU kernel (bfloat16, CPU, lean backend; faster one-token calls); auto: q4 where it can run, else dense")
@@ -399,6 +402,8 @@ def _bench(args: argparse.Namespace) -> dict:
     except ValueError as error:
         raise CliError(str(error)) from None
     _check_writable_directory(Path(args.output_dir), "--output-dir")
+    if _pair_dirs(args)[1] is None:
+        raise CliError("bench compares draft-model arms: give --draft DIR (for a target alone, see benchmarks/smollm2_vs_llamacpp.py)")
     pair = _load(args, with_draft=True)
     hf_models = None
     if config.hf:
@@ -482,7 +487,6 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--chat", action="store_true", help="send the prompt as a user turn through the model's chat template; stops at its end-of-turn token")
     generate.add_argument("--system", help="system message of the chat (implies --chat)")
     generate.add_argument("--user", help="the user's message (implies --chat; instead of the prompt argument)")
-    generate.add_argument("--threads", type=_integer(1), help="CPU threads for torch (default: torch's own choice)")
     _add_model_arguments(generate)
     generate.add_argument("--gamma", type=_gamma_argument, default="auto", help="draft tokens per round, or auto: chosen per round by the cost model")
     generate.add_argument("--max-new-tokens", type=_integer(1), default=128, help="stop after this many new tokens")

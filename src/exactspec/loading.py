@@ -16,7 +16,7 @@ from exactspec.vocab import align_pair, restrict_to_vocabulary
 
 __all__ = [
     "BACKENDS", "DTYPES", "default_pair_dirs", "hub_cache_dir", "load_model", "load_pair", "LoadedPair", "model_capacity",
-    "PACKAGED_MODELS", "resolve_checkpoint",
+    "model_parameters", "PACKAGED_MODELS", "resolve_checkpoint",
 ]
 
 BACKENDS = ("lean", "hf")
@@ -123,6 +123,17 @@ def model_capacity(model: LanguageModel) -> int | None:
     while not hasattr(model, "max_len") and hasattr(model, "model"):
         model = model.model
     return getattr(model, "max_len", None)
+
+
+def model_parameters(model: LanguageModel) -> int | None:
+    """How many weights the model holds (4-bit ones counted once), where it is a torch module inside."""
+    while not isinstance(model, torch.nn.Module) and not hasattr(model, "decoder") and hasattr(model, "model"):
+        model = model.model
+    module = getattr(model, "decoder", model)
+    if not isinstance(module, torch.nn.Module):
+        return None
+    quantized = sum(m.packed_weights for m in module.modules() if hasattr(m, "packed_weights"))
+    return sum(p.numel() for p in module.parameters()) + quantized
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ class Int4Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.out_features = q.shape[0]
+        self.packed_weights = q.numel()
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1))
         self.register_buffer("scale_zero", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype))  # (K/32, N, 2)
 
