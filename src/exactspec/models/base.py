@@ -77,7 +77,7 @@ def check_local_checkpoint(path: str | Path) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         return path
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory not found: {path} (exactspec loads local directories only)")
+        raise FileNotFoundError(f"model directory not found: {path} (exactspec loads local directories and .gguf files, never downloads)")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
     return path

@@ -13,6 +13,12 @@ untied embeddings), written after nanoGPT's ``model.py`` and gpt-fast's
 * every call runs under ``torch.inference_mode`` with no Python work per token:
   a call of ``n`` new tokens is one pass through the layers.
 
+* ``invariant=True`` makes a position's logits the same bits whatever the call
+  size (up to ``INVARIANT_ROWS`` tokens): fixed-row matmuls and
+  :func:`chunked_attention`; weights come from safetensors or GGUF files
+  (:mod:`exactspec.models.gguf`), optionally kept 4-bit
+  (:mod:`exactspec.models.quantized`).
+
 ``LeanModel`` implements :class:`exactspec.models.base.LanguageModel`. Which
 ``config.json`` keys are read, checked, ignored or refused, and the rotary
 variants, live in :mod:`exactspec.models.llama_config`.
