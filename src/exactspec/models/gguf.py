@@ -56,7 +56,9 @@ class GGUFTensor:
 
     @property
     def type_name(self) -> str:
-        return SUPPORTED_TYPES.get(self.type_id, (_OTHER_TYPES.get(self.type_id, f"type {self.type_id}"),))[0]
+        if self.type_id in SUPPORTED_TYPES:
+            return SUPPORTED_TYPES[self.type_id][0]
+        return _OTHER_TYPES.get(self.type_id, f"type {self.type_id}")
 
     @property
     def nbytes(self) -> int:
