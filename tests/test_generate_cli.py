@@ -128,3 +128,28 @@ def test_bench_without_a_draft_model_is_refused(pair, capsys, tmp_path):
     target, _ = pair
     code = main(["bench", "--target", str(target), "--output-dir", str(tmp_path / "out")])
     assert code == 2 and "give --draft DIR" in capsys.readouterr().err
+
+
+def test_download_fetches_a_missing_hub_id_only_when_asked(pair, capsys, monkeypatch, tmp_path):
+    """--download hands a hub id missing from the cache to huggingface_hub (replaced here: tests stay offline);
+    without it nothing is fetched; a failed download is one line."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    target, _ = pair
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    fetched = []
+
+    def fake_snapshot_download(repo_id, cache_dir):
+        fetched.append(repo_id)
+        if repo_id == "tiny-org/offline":
+            raise OSError("We couldn't connect to 'https://huggingface.co'")
+        destination = tmp_path / "hub" / "fetched"
+        shutil.copytree(target, destination)
+        return str(destination)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    code, _, err = generate(capsys, "def f(", "--target", "tiny-org/tiny", "--no-speculation", "--max-new-tokens", "2")
+    assert code == 2 and "pass --download" in err and fetched == []
+    code, out, err = generate(capsys, "def f(", "--target", "tiny-org/tiny", "--download", "--no-speculation", "--max-new-tokens", "2", "--json")
+    assert code == 0 and json.loads(out)["tokens"] == 2 and fetched == ["tiny-org/tiny"], err
+    code, _, err = generate(capsys, "def f(", "--target", "tiny-org/offline", "--download", "--no-speculation")
+    assert code == 2 and err.count("\n") == 1 and "could not download tiny-org/offline" in err

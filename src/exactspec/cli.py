@@ -223,10 +223,10 @@ def _pair_dirs(args: argparse.Namespace, with_draft: bool = True) -> tuple[Path,
         raise CliError("--draft needs --target (give neither for the shipped default pair)")
     default_target, default_draft = default_pair_dirs()
     try:
-        target = resolve_checkpoint(args.target) if args.target else default_target
+        target = resolve_checkpoint(args.target, args.download) if args.target else default_target
         if not with_draft or _uses_lookup(args):
             return target, None
-        return target, resolve_checkpoint(args.draft) if args.draft else default_draft
+        return target, resolve_checkpoint(args.draft, args.download) if args.draft else default_draft
     except FileNotFoundError as error:
         raise CliError(str(error)) from None
 
@@ -366,6 +366,7 @@ def _gamma_argument(text: str) -> str | int:
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help=f"target checkpoint: a directory, a .gguf file, a packaged model ({', '.join(PACKAGED_MODELS)}), or a hub id (org/name) in the local Hugging Face cache (default: the shipped target)")
     parser.add_argument("--draft", help=f"draft checkpoint, as --target, or '{LOOKUP}' for prompt-lookup drafting (default: the shipped draft; with --target alone, {LOOKUP})")
+    parser.add_argument("--download", action="store_true", help="fetch a hub id (org/name) that is not in the local Hugging Face cache; the only time exactspec uses the network")
     parser.add_argument("--threads", type=_integer(1), help=f"CPU threads for torch (default: 1 for targets under {SMALL_MODEL_PARAMETERS // 10**6}M parameters, whose calls are too short to share, else torch's own choice)")
     parser.add_argument("--backend", choices=["lean", "hf"], default="lean", help="lean (Llama-family, fast) or hf (any causal LM)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="bfloat16: faster, flat verify cost; float32: closer to the checkpoint's own numbers")

@@ -57,11 +57,13 @@ PACKAGED_MODELS = {
 }
 
 
-def resolve_checkpoint(name_or_path: str | Path) -> Path:
+def resolve_checkpoint(name_or_path: str | Path, download: bool = False) -> Path:
     """A local checkpoint (directory or ``.gguf`` file), a packaged model's short name (:data:`PACKAGED_MODELS`), or a
     hub id (``org/name``) found in the local Hugging Face cache.
 
-    Never a download: an id that is not in the cache is a FileNotFoundError that says how to fetch it.
+    A hub id that is not in the cache is a FileNotFoundError that says how to fetch it, unless ``download`` is
+    True (the CLI's ``--download``, the only time exactspec uses the network): then ``huggingface_hub`` fetches it
+    into that cache.
     """
     path = Path(name_or_path)
     if not path.exists() and str(name_or_path) in PACKAGED_MODELS:
@@ -74,12 +76,27 @@ def resolve_checkpoint(name_or_path: str | Path) -> Path:
     if snapshot is None or not snapshot.is_dir():
         snapshots = sorted((repo / "snapshots").glob("*/config.json")) if (repo / "snapshots").is_dir() else []
         snapshot = snapshots[-1].parent if snapshots else None
+    if snapshot is None and download:
+        return _download(str(name_or_path))
     if snapshot is None:
         raise FileNotFoundError(
             f"{name_or_path} is neither a local directory nor in the Hugging Face cache ({hub_cache_dir()}); "
-            f"exactspec never downloads: fetch it once with `huggingface-cli download {name_or_path}`"
+            f"exactspec never downloads unless asked: pass --download, or fetch it once with "
+            f"`huggingface-cli download {name_or_path}`"
         )
     return snapshot
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise FileNotFoundError("--download needs huggingface_hub: pip install 'exactspec[hf]'") from None
+    try:
+        return Path(snapshot_download(repo_id=repo_id, cache_dir=hub_cache_dir()))
+    except Exception as error:  # offline, unknown repository, gated model: one line either way
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        raise FileNotFoundError(f"could not download {repo_id}: {reason}") from None
 
 
 def default_pair_dirs() -> tuple[Path, Path]:
