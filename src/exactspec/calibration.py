@@ -77,9 +77,10 @@ def calibrate(
         context = context + context
     target.prefill(context)
     target_ms = {1: _median_call_ms(target, context, 1, repeats, warmup=1)}
-    sizes = range(2, max_gamma + 2) if target_ms[1] < SLOW_CALL_MS else sorted({2, 3, 5, max_gamma + 1} - {1})
-    target_ms.update({n: _median_call_ms(target, context, n, repeats, warmup=1) for n in sizes if n <= max_gamma + 1})
-    target_ms = _interpolated(target_ms, max_gamma + 1)
+    largest = max_gamma + 1
+    sizes = range(2, largest + 1) if target_ms[1] < SLOW_CALL_MS else sorted({n for n in (2, 3, 5, largest) if 1 < n <= largest})
+    target_ms.update({n: _median_call_ms(target, context, n, repeats, warmup=1) for n in sizes})
+    target_ms = _interpolated(target_ms, largest)
     draft_step_ms = None
     if proposer is not None and max_gamma > 0:
         generator = torch.Generator().manual_seed(0)  # never the generation's own

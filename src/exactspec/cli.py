@@ -240,7 +240,8 @@ def _load(args: argparse.Namespace, with_draft: bool):
     except (OSError, ValueError) as error:
         raise CliError(str(error)) from None
     small = (model_parameters(pair.target) or SMALL_MODEL_PARAMETERS) < SMALL_MODEL_PARAMETERS
-    torch.set_num_threads(args.threads or (1 if small else torch.get_num_threads()))
+    if args.threads or small:  # else torch's own choice
+        torch.set_num_threads(args.threads or 1)
     return pair
 
 

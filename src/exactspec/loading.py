@@ -12,7 +12,7 @@ import torch
 
 from exactspec.models.base import LanguageModel, check_local_checkpoint
 from exactspec.tokenizer import TextTokenizer
-from exactspec.vocab import align_pair, restrict_to_vocabulary
+from exactspec.vocab import RestrictedVocabulary, align_pair, restrict_to_vocabulary
 
 __all__ = [
     "BACKENDS", "DTYPES", "default_pair_dirs", "hub_cache_dir", "load_model", "load_pair", "LoadedPair", "model_capacity",
@@ -135,18 +135,23 @@ def load_model(
     raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
+def _unwrapped(model: LanguageModel) -> LanguageModel:
+    """The backend model inside vocabulary restrictions."""
+    while isinstance(model, RestrictedVocabulary):
+        model = model.model
+    return model
+
+
 def model_capacity(model: LanguageModel) -> int | None:
     """How many positions the model's cache holds, where it has a fixed limit."""
-    while not hasattr(model, "max_len") and hasattr(model, "model"):
-        model = model.model
-    return getattr(model, "max_len", None)
+    return getattr(_unwrapped(model), "max_len", None)
 
 
 def model_parameters(model: LanguageModel) -> int | None:
-    """How many weights the model holds (4-bit ones counted once), where it is a torch module inside."""
-    while not isinstance(model, torch.nn.Module) and not hasattr(model, "decoder") and hasattr(model, "model"):
-        model = model.model
-    module = getattr(model, "decoder", model)
+    """How many weights the model holds (4-bit ones counted once), where a torch module is inside (lean: its
+    decoder; hf: the transformers model)."""
+    inner = _unwrapped(model)
+    module = getattr(inner, "decoder", getattr(inner, "model", None))
     if not isinstance(module, torch.nn.Module):
         return None
     quantized = sum(m.packed_weights for m in module.modules() if hasattr(m, "packed_weights"))

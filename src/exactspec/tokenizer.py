@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from exactspec.models.base import read_json
+from exactspec.models.base import is_gguf, read_json
 
 __all__ = ["TextTokenizer", "stream_text"]
 
@@ -38,7 +38,7 @@ class TextTokenizer:
     def from_path(cls, path: str | Path) -> "TextTokenizer":
         """From a checkpoint directory or a ``.gguf`` file."""
         path = Path(path)
-        return cls.from_gguf(path) if path.is_file() and path.suffix == ".gguf" else cls.from_dir(path)
+        return cls.from_gguf(path) if is_gguf(path) else cls.from_dir(path)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "TextTokenizer":

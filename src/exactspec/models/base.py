@@ -70,11 +70,16 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
     return ids
 
 
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` is a single-file GGUF checkpoint (else a checkpoint directory is expected)."""
+    return Path(path).suffix == ".gguf" and Path(path).is_file()
+
+
 def check_local_checkpoint(path: str | Path) -> Path:
     """The path as a Path, or a clear error if it is neither a ``.gguf`` file nor a local directory with a config.json
     (never a download)."""
     path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
+    if is_gguf(path):
         return path
     if not path.is_dir():
         raise FileNotFoundError(f"model directory not found: {path} (exactspec loads local directories and .gguf files, never downloads)")

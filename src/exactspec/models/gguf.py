@@ -90,13 +90,9 @@ class GGUFFile:
         info = self.tensors[name]
         if info.type_name not in ("Q4_0", "Q4_1"):
             raise ValueError(f"{self.path}: tensor {name} is {info.type_name}, not a 4-bit block format")
-        blocks = torch.from_numpy(np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset))
-        blocks = blocks.reshape(-1, SUPPORTED_TYPES[info.type_id][2])  # (n_blocks, block_bytes)
+        raw = torch.from_numpy(np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset))
+        q, d, m = _q4_fields(raw, info.type_name)
         rows, cols = info.shape
-        d = blocks[:, :2].contiguous().view(torch.float16).float()  # (n_blocks, 1)
-        m = -8 * d if info.type_name == "Q4_0" else blocks[:, 2:4].contiguous().view(torch.float16).float()
-        packed = blocks[:, -16:]
-        q = torch.cat([packed & 0x0F, packed >> 4], dim=1)  # (n_blocks, 32)
         return q.reshape(rows, cols), d.reshape(rows, cols // 32), m.reshape(rows, cols // 32)
 
 
@@ -107,17 +103,22 @@ def dequantize(raw: torch.Tensor, type_id: int, shape: tuple[int, ...]) -> torch
         return raw.view(torch.float32).reshape(shape).clone()
     if name in ("F16", "BF16"):
         return raw.view(torch.float16 if name == "F16" else torch.bfloat16).float().reshape(shape)
-    blocks = raw.reshape(-1, block_bytes)  # (n_blocks, block_bytes)
-    d = blocks[:, :2].contiguous().view(torch.float16).float()  # (n_blocks, 1)
     if name == "Q8_0":
+        blocks = raw.reshape(-1, block_bytes)  # (n_blocks, 34)
+        d = blocks[:, :2].contiguous().view(torch.float16).float()  # (n_blocks, 1)
         q = blocks[:, 2:].contiguous().view(torch.int8).float()  # (n_blocks, 32)
         return (d * q).reshape(shape)
-    packed = blocks[:, block_bytes - 16:]  # (n_blocks, 16)
-    q = torch.cat([packed & 0x0F, packed >> 4], dim=1).float()  # (n_blocks, 32)
-    if name == "Q4_0":
-        return (d * (q - 8)).reshape(shape)
-    m = blocks[:, 2:4].contiguous().view(torch.float16).float()  # (n_blocks, 1)
-    return (d * q + m).reshape(shape)
+    q, d, m = _q4_fields(raw, name)
+    return (d * q + m).reshape(shape)  # exact in float32: Q4_0's d * q - 8 d equals d * (q - 8)
+
+
+def _q4_fields(raw: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``raw`` bytes of Q4_0/Q4_1 blocks -> q (n_blocks, 32) uint8 in 0..15, d and m (n_blocks, 1) float32."""
+    blocks = raw.reshape(-1, 20 if name == "Q4_1" else 18)  # (n_blocks, block_bytes): d [m] and 16 nibble bytes
+    d = blocks[:, :2].contiguous().view(torch.float16).float()
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float() if name == "Q4_1" else -8 * d
+    packed = blocks[:, -16:]  # weights 0..15 in the low nibbles, 16..31 in the high ones
+    return torch.cat([packed & 0x0F, packed >> 4], dim=1), d, m
 
 
 class _Reader:

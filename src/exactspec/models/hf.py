@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from exactspec.models.base import check_local_checkpoint, check_rollback_length, check_token_ids, read_json
+from exactspec.models.base import check_local_checkpoint, check_rollback_length, check_token_ids, is_gguf, read_json
 
 __all__ = ["HFModel"]
 
@@ -51,14 +51,14 @@ class HFModel:
 
         path = check_local_checkpoint(path)
         location = {"pretrained_model_name_or_path": path, "local_files_only": True}
-        if path.is_file():  # a .gguf file: transformers dequantizes it (needs the gguf and accelerate packages)
+        if is_gguf(path):  # a .gguf file: transformers dequantizes it (needs the gguf and accelerate packages)
             location.update(pretrained_model_name_or_path=path.parent, gguf_file=path.name)
         else:
             read_json(path / "config.json")  # a broken file is named here, not deep inside transformers
         try:
             config = AutoConfig.from_pretrained(**location)
         except Exception as error:  # transformers raises many kinds for a config it cannot use
-            raise ValueError(f"transformers cannot use {path if path.is_file() else path / 'config.json'}: {_one_line(error)}") from None
+            raise ValueError(f"transformers cannot use {path if is_gguf(path) else path / 'config.json'}: {_one_line(error)}") from None
         causal_configs = getattr(AutoModelForCausalLM, "_model_mapping", None)  # transformers' registry of causal LMs
         if causal_configs is not None and type(config) not in causal_configs:
             kind = getattr(config, "model_type", "unknown")

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import check_rollback_length, check_token_ids, read_json
+from .base import check_rollback_length, check_token_ids, is_gguf, read_json
 from .gguf import hf_state_dict as gguf_state_dict, llama_config, read_gguf
 from .quantized import use_q4_weights
 from .llama_config import LlamaConfig, rope_tables
@@ -382,7 +382,7 @@ class LeanModel:
         ``invariant``: call-size-invariant numerics (:meth:`Block.forward_invariant`).
         """
         path = Path(path)
-        gguf_file = read_gguf(path) if path.is_file() and path.suffix == ".gguf" else None
+        gguf_file = read_gguf(path) if is_gguf(path) else None
         if weights not in WEIGHT_FORMATS:  # checked before anything is read
             raise ValueError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
         q4_possible = gguf_file is not None and dtype == torch.bfloat16 and torch.device(device).type == "cpu"
@@ -400,7 +400,6 @@ class LeanModel:
             load_hf_state_dict(decoder, tensors)
         except ValueError as error:
             raise ValueError(f"{source}: {error}") from None
-        decoder = decoder.to(dtype=dtype)
         if weights == "q4" and not use_q4_weights(decoder, gguf_file):
             raise ValueError(f"{path} stores no projection in Q4_0 or Q4_1; use --weights dense")
         return cls(decoder, max_len=max_len, device=device, dtype=dtype, invariant=invariant)
