@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from exactspec.models.base import LanguageModel
-from exactspec.models.lean import LeanModel, LlamaConfig, LlamaDecoder, hf_state_dict
+from exactspec.models.lean import LeanModel, LlamaConfig, LlamaDecoder, cache_dtype, hf_state_dict, one_row_head
 
 transformers = pytest.importorskip("transformers")
 
@@ -167,3 +167,46 @@ def test_a_sharded_checkpoint_loads_like_the_single_file(checkpoint, tmp_path):
     model.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("model-*.safetensors"))) > 2
     torch.testing.assert_close(LeanModel.from_pretrained(tmp_path).prefill(ids), ref, atol=ATOL, rtol=0)
+
+
+def test_bfloat16_on_cpu_caches_its_own_values_in_float32(checkpoint):
+    """The KV cache of a bfloat16 model on the CPU is float32 (faster attention) but holds bfloat16 values."""
+    path, ids, _ = checkpoint
+    model = LeanModel.from_pretrained(path, dtype=torch.bfloat16)
+    model.prefill(ids)
+    cached = model._k[:, :, :, : len(ids)]
+    assert model._k.dtype == torch.float32 and cached.abs().sum() > 0
+    assert torch.equal(cached.to(torch.bfloat16).float(), cached)
+    assert cache_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+
+
+def test_one_token_calls_use_a_float16_copy_of_the_same_head(checkpoint):
+    """One-token calls of a bfloat16 model on the CPU run the LM head in float16 on exactly the same weights; the
+    logits agree with the bfloat16 head's and with float32 to bfloat16 accuracy."""
+    path, ids, ref = checkpoint
+    model = LeanModel.from_pretrained(path, dtype=torch.bfloat16)
+    head = model._head_f16
+    assert head is not None and head.dtype == torch.float16
+    assert torch.equal(head.to(torch.bfloat16), model.decoder.lm_head.weight)
+    model.prefill(ids[:-1])
+    one = model.forward(ids[-1:])[0]
+    block = model.prefill(ids)[-1]
+    assert not torch.equal(one, block)  # the float16 path ran (it rounds the logits less than bfloat16)
+    torch.testing.assert_close(one, block, atol=0.25, rtol=0.02)
+    torch.testing.assert_close(one, ref[-1], atol=0.25, rtol=0.02)
+    assert LeanModel.from_pretrained(path, dtype=torch.bfloat16, invariant=True)._head_f16 is None
+    assert LeanModel.from_pretrained(path)._head_f16 is None  # float32 model
+
+
+def test_the_float16_head_is_refused_where_it_would_change_the_model(checkpoint):
+    path, _, _ = checkpoint
+    decoder = LeanModel.from_pretrained(path, dtype=torch.bfloat16).decoder
+    cpu = torch.device("cpu")
+    assert one_row_head(decoder, cpu) is not None and one_row_head(decoder, torch.device("cuda")) is None
+    with torch.no_grad():
+        decoder.lm_head.weight[0, 0] = 1e-30  # a bfloat16 number float16 cannot hold
+        assert one_row_head(decoder, cpu) is None
+        decoder.lm_head.weight[0, 0] = 0.5
+        assert one_row_head(decoder, cpu) is not None
+        decoder.norm[0] = 1e4  # a normed hidden state could overflow float16
+        assert one_row_head(decoder, cpu) is None

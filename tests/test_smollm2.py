@@ -203,8 +203,12 @@ def float32_lookup_run():
 
 
 def test_cli_chat_answer_streams_without_the_end_of_turn_token(capsys):
-    """The default run (bfloat16, prompt lookup) answers, stops at <|im_end|> and does not print it."""
-    code, out, err = generate(capsys, "--target", "smollm2", "--user", QUESTION, "--temperature", "0", "--max-new-tokens", "24")
+    """The default run (bfloat16, prompt lookup) answers, stops at <|im_end|> and does not print it.
+
+    Not QUESTION: its first token is a near-tie in float32 ("The" 25.33 against "L" 25.24), which bfloat16 rounding
+    decides either way."""
+    question = "Name the capital city of France."
+    code, out, err = generate(capsys, "--target", "smollm2", "--user", question, "--temperature", "0", "--max-new-tokens", "24")
     assert code == 0, err
     assert "Paris" in out and "<|im_end|>" not in out and "<|im_start|>" not in out
 
