@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -112,8 +113,6 @@ def test_a_target_without_a_draft_speculates_by_prompt_lookup(pair, capsys):
 
 
 def test_threads_default_to_one_for_a_small_target_and_follow_the_flag(pair, capsys):
-    import torch
-
     target, draft = pair
     before = torch.get_num_threads()
     try:
@@ -124,10 +123,23 @@ def test_threads_default_to_one_for_a_small_target_and_follow_the_flag(pair, cap
         torch.set_num_threads(before)
 
 
-def test_bench_without_a_draft_model_is_refused(pair, capsys, tmp_path):
-    target, _ = pair
-    code = main(["bench", "--target", str(target), "--output-dir", str(tmp_path / "out")])
-    assert code == 2 and "give --draft DIR" in capsys.readouterr().err
+def test_device_is_checked_before_loading(pair, capsys):
+    target, draft = pair
+    code, _, err = generate(capsys, "x", "--target", str(target), "--draft", str(draft), "--device", "nosuch")
+    assert code == 2 and "unknown device 'nosuch'" in err and err.count("\n") == 1
+    if not torch.cuda.is_available():
+        code, _, err = generate(capsys, "x", "--target", str(target), "--draft", str(draft), "--device", "cuda")
+        assert code == 2 and "device cuda is not available" in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_generate_on_cuda_matches_cpu_greedy(pair, capsys):
+    """The same float32 greedy tokens on the GPU as on the CPU (the tiny pair has no near-ties at this length)."""
+    target, draft = pair
+    runs = [json.loads(generate(capsys, "def f(", "--target", str(target), "--draft", str(draft), "--json", "--temperature", "0",
+                                "--dtype", "float32", "--max-new-tokens", "16", "--ignore-eos", "--device", device)[1])
+            for device in ("cpu", "cuda")]
+    assert runs[0]["text"] == runs[1]["text"]
 
 
 def test_download_fetches_a_missing_hub_id_only_when_asked(pair, capsys, monkeypatch, tmp_path):

@@ -236,7 +236,7 @@ def _load(args: argparse.Namespace, with_draft: bool):
 
     target_dir, draft_dir = _pair_dirs(args, with_draft)
     try:
-        pair = load_pair(target_dir, draft_dir if with_draft else None, args.backend, DTYPES[args.dtype], args.weights, args.invariant)
+        pair = load_pair(target_dir, draft_dir if with_draft else None, args.backend, DTYPES[args.dtype], args.weights, args.invariant, args.device)
     except (OSError, ValueError) as error:
         raise CliError(str(error)) from None
     small = (model_parameters(pair.target) or SMALL_MODEL_PARAMETERS) < SMALL_MODEL_PARAMETERS
@@ -370,6 +370,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--download", action="store_true", help="fetch a hub id (org/name) that is not in the local Hugging Face cache; the only time exactspec uses the network")
     parser.add_argument("--threads", type=_integer(1), help=f"CPU threads for torch (default: 1 for targets under {SMALL_MODEL_PARAMETERS // 10**6}M parameters, whose calls are too short to share, else torch's own choice)")
     parser.add_argument("--backend", choices=["lean", "hf"], default="lean", help="lean (Llama-family, fast) or hf (any causal LM)")
+    parser.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="bfloat16: faster, flat verify cost; float32: closer to the checkpoint's own numbers")
     parser.add_argument("--weights", choices=["auto", "dense", "q4"], default="auto", help="dense: dequantize every weight to --dtype; q4: keep a GGUF file's 4-bit projections and run torch's int4 CPU kernel (bfloat16, CPU, lean backend; faster one-token calls); auto: q4 where it can run, else dense")
     parser.add_argument("--invariant", action="store_true", help="call-size-invariant numerics (lean backend): a position's logits are the same bits whether computed alone or in a block of up to 17, so speculative output follows exactly the law of plain decoding in this precision; costs time (see README)")
@@ -405,14 +406,14 @@ def _bench(args: argparse.Namespace) -> dict:
         raise CliError(str(error)) from None
     _check_writable_directory(Path(args.output_dir), "--output-dir")
     if _pair_dirs(args)[1] is None:
-        raise CliError("bench compares draft-model arms: give --draft DIR (for a target alone, see benchmarks/smollm2_vs_llamacpp.py)")
+        return _bench_against_peers(args)
     pair = _load(args, with_draft=True)
     hf_models = None
     if config.hf:
         from exactspec.loading import DTYPES, load_model
 
         try:
-            hf_models = tuple(load_model(d, "hf", DTYPES[args.dtype]).model for d in _pair_dirs(args))
+            hf_models = tuple(load_model(d, "hf", DTYPES[args.dtype], device=args.device).model for d in _pair_dirs(args))
         except (OSError, ValueError) as error:
             raise CliError(f"{error} (or pass --no-hf)") from None
     target_dir, draft_dir = _pair_dirs(args)
@@ -421,6 +422,32 @@ def _bench(args: argparse.Namespace) -> dict:
     report.update(backend=args.backend, dtype=args.dtype)
     if report["results"]:
         report["outputs"] = [str(p) for p in bench.write_outputs(report, args.output_dir)]
+    return report
+
+
+def _bench_against_peers(args: argparse.Namespace) -> dict:
+    """A target without a draft model: exactspec plain and prompt lookup against llama.cpp on the same GGUF file."""
+    from exactspec.models.base import is_gguf
+    from exactspec import peers
+
+    target = _pair_dirs(args)[0]
+    skipped = None if is_gguf(target) else "the target is not a .gguf file"
+    if skipped is None and not peers.llama_cpp_available():
+        skipped = "llama_cpp is not installed (pip install llama-cpp-python; see the README for build flags)"
+    flags = ["--backend", args.backend, "--device", args.device, "--dtype", args.dtype, "--weights", args.weights,
+             *(["--invariant"] if args.invariant else [])]
+    try:
+        config = peers.PeerBenchConfig(target, args.threads or torch.get_num_threads(), args.prompts, args.max_new_tokens,
+                                       args.repeats, args.llama_cpp_lookup, tuple(flags), llama_cpp=skipped is None)
+        report = peers.run_peer_bench(config, progress=not args.json)
+    except (ValueError, RuntimeError) as error:
+        raise CliError(str(error)) from None
+    report["llama_cpp_skipped"] = skipped
+    directory = Path(args.output_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "peers.json").write_text(json.dumps(report, indent=2))
+    (directory / "peers.txt").write_text(peers.format_peer_table(report) + "\n")
+    report["outputs"] = [str(directory / "peers.json"), str(directory / "peers.txt")]
     return report
 
 
@@ -451,8 +478,13 @@ def _print_cache(r: dict) -> None:
 
 def _print_bench(report: dict) -> None:
     from exactspec.bench import format_table
+    from exactspec.peers import format_peer_table
 
-    if report["results"]:
+    if "llama_cpp_skipped" in report:
+        print(format_peer_table(report))
+        if report["llama_cpp_skipped"]:
+            print(f"[llama.cpp arms skipped: {report['llama_cpp_skipped']}]", file=sys.stderr)
+    elif report["results"]:
         print(format_table(report))
     if report.get("interrupted"):
         kept = f"the arms finished so far are in {Path(report['outputs'][0]).parent}" if report.get("outputs") else "no arm had finished"
@@ -500,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generate.set_defaults(run=_generate, show=_print_generate)
 
-    bench = add("bench", help="side-by-side speed benchmark: plain, draft, adaptive, lookup, Hugging Face")
+    bench = add("bench", help="side-by-side speed benchmark: plain, draft, adaptive, lookup, Hugging Face; a target without a draft model against llama.cpp")
     _add_model_arguments(bench)
     bench.add_argument("--workloads", type=_list_of(_one_of(WORKLOADS), f"names from {', '.join(WORKLOADS)}"), default=",".join(WORKLOADS), help="comma-separated workloads")
     bench.add_argument("--modes", type=_list_of(_one_of(("greedy", "sample")), "names from greedy (T=0), sample (T=1)"), default="greedy,sample", help="comma-separated sampling modes: greedy (T=0), sample (T=1)")
@@ -512,6 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=_integer(1), default=3, help="repetitions; medians are reported")
     bench.add_argument("--seed", type=_integer(0), default=0, help="seed of the first prompt (prompt i uses seed + i)")
     bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face arms")
+    bench.add_argument("--llama-cpp-lookup", type=_integer(1), default=2, help="tokens per llama.cpp prompt-lookup draft (a target without a draft model; 2 is llama-cpp-python's advice for CPUs)")
     bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.set_defaults(run=_bench, show=_print_bench)

@@ -111,13 +111,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     weights: str = "auto",
     invariant: bool = False,
+    device: str | torch.device = "cpu",
 ) -> LanguageModel:
-    """One model from a local checkpoint directory or ``.gguf`` file (never a download). ``weights`` and
-    ``invariant`` are the lean backend's (:meth:`exactspec.models.lean.LeanModel.from_pretrained`)."""
+    """One model from a local checkpoint directory or ``.gguf`` file (never a download), on ``device``.
+    ``weights`` and ``invariant`` are the lean backend's (:meth:`exactspec.models.lean.LeanModel.from_pretrained`)."""
+    device = check_device(device)
     if backend == "lean":
         from exactspec.models.lean import LeanModel
 
-        return LeanModel.from_pretrained(path, dtype=dtype, weights=weights, invariant=invariant)
+        return LeanModel.from_pretrained(path, dtype=dtype, weights=weights, invariant=invariant, device=device)
     if backend == "hf" and (weights == "q4" or invariant):
         raise ValueError("--weights q4 and --invariant are options of the lean backend, not of --backend hf")
     if backend == "hf":
@@ -131,8 +133,23 @@ def load_model(
         hf_logging.disable_progress_bar()  # loading bars would mix with the streamed text
         hf_logging.set_verbosity_error()
 
-        return HFModel.from_pretrained(path, dtype=dtype)
+        return HFModel.from_pretrained(path, dtype=dtype, device=device)
     raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device that exists here; ValueError naming it otherwise."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"unknown device {str(device)!r} (examples: cpu, cuda, cuda:1, mps)") from None
+    available = {"cpu": lambda: True, "cuda": torch.cuda.is_available,
+                 "mps": lambda: hasattr(torch.backends, "mps") and torch.backends.mps.is_available()}
+    if not available.get(device.type, lambda: False)():
+        raise ValueError(f"device {device} is not available in this torch build ({torch.__version__})")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def _unwrapped(model: LanguageModel) -> LanguageModel:
@@ -172,6 +189,7 @@ def load_pair(
     dtype: torch.dtype = torch.float32,
     weights: str = "auto",
     invariant: bool = False,
+    device: str | torch.device = "cpu",
 ) -> LoadedPair:
     """Target (and draft) with the target's tokenizer, both restricted to its real vocabulary (padding rows cut).
     Each is a local directory, a ``.gguf`` file, a packaged model's name or a hub id found in the local Hugging Face
@@ -180,10 +198,10 @@ def load_pair(
     target_dir = check_local_checkpoint(resolve_checkpoint(target_dir))
     draft_dir = None if draft_dir is None else check_local_checkpoint(resolve_checkpoint(draft_dir))
     tokenizer = TextTokenizer.from_path(target_dir)
-    target = load_model(target_dir, backend, dtype, weights, invariant)
+    target = load_model(target_dir, backend, dtype, weights, invariant, device)
     if draft_dir is None:
         return LoadedPair(restrict_to_vocabulary(target, tokenizer.vocabulary()), None, tokenizer)
-    draft = load_model(draft_dir, backend, dtype, "dense", invariant)
+    draft = load_model(draft_dir, backend, dtype, "dense", invariant, device)
     draft_tokenizer = TextTokenizer.from_path(draft_dir)
     target, draft = align_pair(target, draft, tokenizer.vocabulary(), draft_tokenizer.vocabulary())
     return LoadedPair(target, draft, tokenizer)
