@@ -90,6 +90,16 @@ class SpeculativeDecoder:
                 )
             draft = DraftModelProposer(draft, params)
         self.proposer: Proposer | None = draft
+        self._reads_features = getattr(draft, "reads_target_features", False)
+        if self._reads_features:
+            if not hasattr(target, "capture_features"):
+                raise ValueError("this draft reads the target's hidden states, which only the lean backend provides")
+            target.capture_features(draft.feature_layers)
+
+    def _share_features(self, rows: int) -> None:
+        """Give a feature-reading proposer the target's features of the ``rows`` positions just computed and kept."""
+        if self._reads_features:
+            self.proposer.observe_target(self.target.last_features[:rows])
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> Generation:
         generation = Generation(tokens=[], stop_reason="max_new_tokens")
@@ -108,6 +118,7 @@ class SpeculativeDecoder:
         if self.proposer is not None:
             self.proposer.reset(prompt)
         logits = self.target.prefill(prompt)[-1:]  # (1, V)
+        self._share_features(len(prompt))
         p = block_probs(logits, prompt, [], len(prompt), self.params).unsqueeze(0)  # (1, 1, V)
         committed = self._verify(torch.empty((1, 0), dtype=torch.int64), None, p, generator).committed()
         generation.stats.observe(RoundRecord(0, 0, 1, 0.0, time.perf_counter() - start, 0.0))
@@ -152,6 +163,7 @@ class SpeculativeDecoder:
         result = self._verify(draft_tokens, draft_probs, p.unsqueeze(0), generator)
         accepted = int(result.num_accepted[0])
         self.target.rollback(len(context) + accepted)  # keeps context and the accepted drafts
+        self._share_features(accepted + 1)
         t3 = time.perf_counter()
         record = RoundRecord(len(draft.tokens), accepted, accepted + 1, t1 - t0, t2 - t1, t3 - t2, draft.setup_seconds)
         stats.observe(record)

@@ -63,6 +63,13 @@ class RestrictedVocabulary:
     def rollback(self, length: int) -> None:
         self.model.rollback(length)
 
+    def capture_features(self, layers: Sequence[int]) -> None:
+        self.model.capture_features(layers)
+
+    @property
+    def last_features(self) -> torch.Tensor | None:
+        return self.model.last_features
+
 
 def restrict_to_vocabulary(model: LanguageModel, vocab: Mapping[str, int]) -> LanguageModel:
     """``model`` cut to its tokenizer's real vocabulary (unchanged when it has no padding rows)."""

@@ -211,17 +211,22 @@ class LlamaDecoder(nn.Module):
     def _final(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.final_norm(x))
 
-    def forward_train(self, idx: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
-        """Full causal forward without a cache. ``idx`` ``(B, T)`` -> logits ``(B, T, V)``."""
+    def forward_train(self, idx: torch.Tensor, feature_layers: Sequence[int] = ()):
+        """Full causal forward without a cache. ``idx`` ``(B, T)`` -> logits ``(B, T, V)``; with ``feature_layers``,
+        (logits, the outputs of those layers concatenated ``(B, T, len(feature_layers) C)``)."""
         t = idx.shape[1]
         if t > self.rope_cos.shape[0]:
             raise ValueError(f"sequence of {t} tokens exceeds the rope table ({self.rope_cos.shape[0]})")
         x = self.embed(idx)  # (B, T, C)
         cos = self.rope_cos[:t].to(x.dtype)
         sin = self.rope_sin[:t].to(x.dtype)
-        for layer in self.layers:
+        features = []
+        for i, layer in enumerate(self.layers):
             x = layer.forward_train(x, cos, sin)
-        return self._final(x)  # (B, T, V)
+            if i in feature_layers:
+                features.append(x)
+        logits = self._final(x)  # (B, T, V)
+        return (logits, torch.cat(features, dim=-1)) if feature_layers else logits
 
     forward = forward_train
 
@@ -392,6 +397,16 @@ class LeanModel:
             self._tril = torch.ones(self.max_len, self.max_len, dtype=torch.bool, device=self.device).tril()
         self._pos = 0
         self._layers = list(self.decoder.layers)
+        self._feature_layers: frozenset[int] = frozenset()
+        self.last_features: torch.Tensor | None = None  # (T, F) of the last call, when capture_features asked
+
+    def capture_features(self, layers: Sequence[int]) -> None:
+        """Keep the outputs of ``layers`` (concatenated in layer order) for every position of each call, as
+        ``last_features`` ``(T, len(layers) C)``: what a feature-level draft reads (:mod:`exactspec.models.eagle`)."""
+        bad = [i for i in layers if not 0 <= i < self.cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"feature layers {bad} do not exist in a {self.cfg.num_hidden_layers}-layer target")
+        self._feature_layers = frozenset(layers)
 
     @classmethod
     def from_pretrained(
@@ -467,8 +482,12 @@ class LeanModel:
                 x = self.decoder.embed(idx)  # (1, T, C)
                 cos, sin = self._cos[pos:end], self._sin[pos:end]  # (T, hd)
                 mask = None if t == 1 else self._tril[pos:end, :end]  # (T, pos + T)
+                features = []
                 for i, layer in enumerate(self._layers):
                     x = layer.forward_cached(x, cos, sin, self._k[i], self._v[i], pos, mask)
+                    if i in self._feature_layers:
+                        features.append(x[0])
+                self.last_features = torch.cat(features, dim=-1) if features else None
                 h = self.decoder.final_norm(x)  # (1, T, C)
                 if t == 1 and self._head_f16 is not None:
                     logits = F.linear(h.to(torch.float16), self._head_f16)[0]  # (1, V)
@@ -483,8 +502,12 @@ class LeanModel:
         positions = torch.arange(pos, pos + rows, device=self.device).clamp(max=self.max_len - 1)  # padding: any angle
         cos, sin = self._cos[positions], self._sin[positions]  # (R, hd)
         x = self.decoder.embed(idx)  # (1, R, C)
+        features = []
         for i, layer in enumerate(self._layers):
             x = layer.forward_invariant(x, cos, sin, self._k[i], self._v[i], pos, t)
+            if i in self._feature_layers:
+                features.append(x[0, :t])
+        self.last_features = torch.cat(features, dim=-1) if features else None
         return self.decoder._final(x)[0, :t]
 
     def __repr__(self) -> str:

@@ -1,0 +1,200 @@
+"""A feature-level draft (EAGLE-style) that reads the target's own hidden states.
+
+Slot j of the draft's sequence stands for target position j and predicts token x_{j+2}:
+
+    u_j = fc([a_j ; b_j ; c_j])   the target's hidden states after three of its layers at position j
+          or g_{j-1}              the draft's own output at the previous slot, where the target has not run yet
+    h_j = w_in([u_j ; E x_{j+1}]) E: the target's token embedding (frozen, not stored)
+    g_j = Block(h_j)              one Llama decoder layer over the slots so far (causal, own KV cache, rope at j)
+    q(x_{j+2}) = softmax(H_S norm(g_j)) on S, zero elsewhere
+
+H_S is the target's LM head restricted to S, a set of frequent tokens (frozen, only the ids are stored). The
+architecture follows EAGLE (Li et al. 2024, arXiv 2401.15077): features plus the next token's embedding, one
+decoder layer, the target's head; EAGLE-3 (arXiv 2503.01840): low, middle and high layer features fused by ``fc``
+and training on the draft's own features ("training-time test", :meth:`FeatureDraft.forward_train`); FR-Spec
+(arXiv 2502.14856): the head restricted to frequent tokens. Exactness does not depend on any of it: q is a
+distribution over the full vocabulary (zero outside S), checked by the usual rule.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .lean import Block, LlamaDecoder, cache_dtype
+from .llama_config import LlamaConfig, rope_tables
+
+__all__ = ["FeatureDraftConfig", "FeatureDraft", "FeatureDraftRunner", "ttt_mask"]
+
+CONFIG_FILE, WEIGHTS_FILE = "feature_draft.json", "feature_draft.safetensors"
+
+
+@dataclass(frozen=True)
+class FeatureDraftConfig:
+    target_hidden_size: int
+    feature_layers: tuple[int, ...]  # target layers whose outputs are read (0-based)
+    vocab_subset_size: int  # |S|
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+
+    def layer_config(self) -> LlamaConfig:
+        return LlamaConfig(vocab_size=self.vocab_subset_size, hidden_size=self.target_hidden_size,
+                           intermediate_size=self.intermediate_size, num_hidden_layers=1,
+                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                           rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                           max_position_embeddings=self.max_position_embeddings)
+
+    @classmethod
+    def for_target(cls, target: LlamaConfig, vocab_subset_size: int) -> "FeatureDraftConfig":
+        """Layers at a quarter, a half and the end of the target; the target's attention shape."""
+        n = target.num_hidden_layers
+        layers = tuple(sorted({max(0, n // 4 - 1), max(0, n // 2 - 1), n - 1}))
+        return cls(target.hidden_size, layers, vocab_subset_size, target.num_attention_heads,
+                   target.num_key_value_heads, target.intermediate_size, target.rms_norm_eps, target.rope_theta,
+                   target.max_position_embeddings)
+
+
+class FeatureDraft(nn.Module):
+    """The trainable part of the draft; ``attach`` gives it the target's frozen embedding and head rows."""
+
+    def __init__(self, cfg: FeatureDraftConfig) -> None:
+        super().__init__()
+        c = cfg.target_hidden_size
+        self.cfg = cfg
+        self.fc = nn.Linear(len(cfg.feature_layers) * c, c, bias=False)
+        self.w_in = nn.Linear(2 * c, c, bias=False)
+        self.block = Block(cfg.layer_config())
+        self.norm = nn.Parameter(torch.ones(c))
+        self.register_buffer("vocab_ids", torch.zeros(cfg.vocab_subset_size, dtype=torch.long))  # S, ascending
+        cos, sin = rope_tables(cfg.layer_config(), cfg.max_position_embeddings)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (L, hd)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.embed: torch.Tensor | None = None  # (V, C) the target's, frozen
+        self.head: torch.Tensor | None = None  # (|S|, C) the target's LM head rows of S, frozen
+
+    def attach(self, target: LlamaDecoder) -> "FeatureDraft":
+        weight = target.embed.weight.detach()
+        self.embed = weight
+        self.head = target.lm_head.weight.detach()[self.vocab_ids.to(weight.device)]
+        return self
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:  # (..., C) -> (..., |S|)
+        xf = g.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return F.linear(self.norm * xf.to(g.dtype), self.head.to(g.dtype))
+
+    def inputs(self, u: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:  # (B, T, C), (B, T) -> (B, T, C)
+        return self.w_in(torch.cat([u, self.embed[next_tokens].to(u.dtype)], dim=-1))
+
+    def forward_train(
+        self,
+        features: torch.Tensor,  # (B, T, F): the target's features at positions 0..T-1
+        next_tokens: torch.Tensor,  # (B, T): x_{j+1} for slot j
+        steps: int,
+    ) -> list[torch.Tensor]:  # one (B, T, C) output per step; step k at slot j drafts x_{j+2} k-1 slots past the truth
+        """Training-time test: step 1 runs every slot on the target's features; step k > 1 runs slot j on the
+        draft's own step-(k-1) output of slot j - 1, attending (:func:`ttt_mask`) exactly to what decoding would
+        have in its cache: true slots up to j - k + 1 and this chain's predicted slots after it."""
+        b, t, _ = features.shape
+        cos, sin = self.rope_cos[:t].to(features.dtype), self.rope_sin[:t].to(features.dtype)
+        u = self.fc(features)
+        keys, values, outputs = [], [], []
+        for k in range(1, steps + 1):
+            x = self.inputs(u, next_tokens)
+            q, key, value = self.block._qkv(x, cos, sin)
+            keys.append(key)
+            values.append(value)
+            mask = ttt_mask(t, k, features.device)
+            y = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                               enable_gqa=self.block.n_kv != self.block.n_head)
+            g = self.block._finish(x, y)
+            outputs.append(g)
+            u = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)  # slot j reads g_{j-1}
+        return outputs
+
+    # -- files --------------------------------------------------------------------------------
+    def save(self, directory: str | Path, card: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_FILE))
+        (directory / CONFIG_FILE).write_text(json.dumps({"kind": "exactspec-feature-draft", **asdict(self.cfg), **({"card": card} if card else {})}, indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "FeatureDraft":
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        raw = json.loads((directory / CONFIG_FILE).read_text())
+        raw.pop("kind", None)
+        raw.pop("card", None)
+        raw["feature_layers"] = tuple(raw["feature_layers"])
+        model = cls(FeatureDraftConfig(**raw))
+        state = load_file(str(directory / WEIGHTS_FILE))
+        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        return model
+
+    @staticmethod
+    def is_feature_draft(directory: str | Path) -> bool:
+        return (Path(directory) / CONFIG_FILE).is_file()
+
+
+def ttt_mask(slots: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:  # (T, step T) bool
+    """Keys visible to step ``step``'s query at slot j, over the keys of steps 1..step concatenated: step 1's slots
+    i <= j - step + 1 (the target's features: in the cache at decode time) and step s's slot j - step + s for
+    1 < s <= step (the chain of the draft's own predictions leading to this one)."""
+    j = torch.arange(slots, device=device).unsqueeze(1)  # (T, 1)
+    i = torch.arange(slots, device=device).unsqueeze(0)  # (1, T)
+    blocks = [i <= j - step + 1] + [i == j - step + s for s in range(2, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+class FeatureDraftRunner:
+    """Decoding with a :class:`FeatureDraft`: its own KV cache over slots, rolled back by moving an integer."""
+
+    def __init__(self, draft: FeatureDraft, max_len: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.draft = draft.to(device=device, dtype=dtype).eval()
+        self.dtype, self.device = dtype, torch.device(device)
+        cfg = draft.cfg.layer_config()
+        self.max_len = max_len
+        shape = (1, cfg.num_key_value_heads, max_len, cfg.head_size)
+        self._k = torch.zeros(shape, dtype=cache_dtype(dtype, self.device), device=self.device)
+        self._v = torch.zeros_like(self._k)
+        self._tril = torch.ones(max_len, max_len, dtype=torch.bool, device=self.device).tril()
+        self._cos = draft.rope_cos[:max_len].to(dtype)
+        self._sin = draft.rope_sin[:max_len].to(dtype)
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll the draft back to {length} slots (it holds {self.length})")
+        self.length = length
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:  # (n, F) -> (n, C)
+        with torch.inference_mode():
+            return self.draft.fc(features.to(device=self.device, dtype=self.dtype))
+
+    def step(self, u: torch.Tensor, next_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed slots ``length ..`` with inputs ``u`` ``(n, C)`` and tokens x_{j+1}; returns the last slot's output g
+        ``(C,)`` and its logits over S ``(|S|,)`` float32."""
+        n, pos = u.shape[0], self.length
+        if pos + n > self.max_len:
+            raise ValueError(f"the draft's cache of {self.max_len} slots is full")
+        with torch.inference_mode():
+            tokens = torch.tensor(next_tokens, dtype=torch.long, device=self.device).unsqueeze(0)
+            x = self.draft.inputs(u.unsqueeze(0), tokens)  # (1, n, C)
+            mask = None if n == 1 else self._tril[pos : pos + n, : pos + n]
+            g = self.draft.block.forward_cached(x, self._cos[pos : pos + n], self._sin[pos : pos + n], self._k, self._v, pos, mask)
+            self.length = pos + n
+            return g[0, -1], self.draft.logits(g[0, -1]).float()

@@ -1,0 +1,169 @@
+"""The feature-level draft (exactspec.models.eagle, exactspec.proposers.feature_draft): training mirrors decoding,
+the engine hands it the target's features, and speculative output with it follows the target's law.
+
+Statistical tests: as in test_exactness.py (G-test, N = 8000, ALPHA = 1e-3 each, fixed seeds), on a tiny random
+Llama target over 4 tokens whose draft's vocabulary subset leaves one token out (q = 0 there), so the
+reduced-vocabulary head is part of what is tested. Power: a mutant replacement rule and a mutant proposer that
+samples from the processed q but reports the raw one are rejected at the same N.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import exactspec.engine as engine_module
+from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
+from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig, FeatureDraftRunner, ttt_mask
+from exactspec.models.lean import LeanModel, LlamaConfig, LlamaDecoder
+from exactspec.proposers import Draft
+from exactspec.proposers.feature_draft import FeatureDraftProposer
+from exactspec.sampling import block_probs
+from test_exactness import ALPHA, N, g_test_p_value, replacement_from_target
+
+VOCAB, PROMPT, NEW_TOKENS, GAMMA = 4, [1, 2], 5, 3
+SUBSET = [0, 1, 3]  # token 2 is never drafted
+
+
+def tiny_target(seed: int = 3) -> LlamaDecoder:
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True)
+    decoder = LlamaDecoder(cfg)
+    decoder.init_weights(torch.Generator().manual_seed(seed), std=0.6)
+    return decoder.eval()
+
+
+def tiny_draft(target: LlamaDecoder, subset=SUBSET, seed: int = 1) -> FeatureDraft:
+    torch.manual_seed(seed)
+    draft = FeatureDraft(FeatureDraftConfig.for_target(target.cfg, len(subset)))
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.4)
+        draft.vocab_ids.copy_(torch.tensor(subset))
+    return draft.attach(target).eval()
+
+
+def test_layers_are_spread_over_the_target():
+    target = LlamaConfig(vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_layers=30, num_attention_heads=2,
+                         num_key_value_heads=1)
+    cfg = FeatureDraftConfig.for_target(target, 8)
+    assert cfg.feature_layers == (6, 14, 29)
+
+
+def test_ttt_mask_is_the_decoding_cache():
+    """Step 3 at slot 5 sees the true slots 0..3 and its own chain: step 2's slot 4 and step 3's slot 5."""
+    mask = ttt_mask(8, 3)
+    assert mask.shape == (8, 24)
+    assert mask[5].nonzero().flatten().tolist() == [0, 1, 2, 3, 8 + 4, 16 + 5]
+    assert ttt_mask(4, 1).equal(torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_training_forward_equals_decoding_with_the_drafts_own_features():
+    """forward_train's step k at slot j is what decoding computes when the target's features end at slot j - k + 1
+    and the draft chains its own outputs for k - 1 slots; and the LeanModel's captured features equal the training
+    forward's."""
+    target = tiny_target()
+    draft = tiny_draft(target)
+    tokens = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, features = target.forward_train(tokens, draft.cfg.feature_layers)  # (1, 12, F)
+        outputs = draft.forward_train(features[:, :-1], tokens[:, 1:], steps=3)  # slot j pairs f_j with x_{j+1}
+    lean = LeanModel(target)
+    lean.capture_features(draft.cfg.feature_layers)
+    lean.prefill(tokens[0].tolist())
+    torch.testing.assert_close(lean.last_features, features[0], atol=1e-5, rtol=0)
+    runner = FeatureDraftRunner(draft, max_len=16)
+    for k, j in [(1, 4), (2, 5), (3, 7), (3, 10)]:
+        runner.rollback(0)
+        last_true = j - k + 1
+        g, _ = runner.step(runner.project(features[0, : last_true + 1]), tokens[0, 1 : last_true + 2].tolist())
+        for slot in range(last_true + 1, j + 1):
+            g, _ = runner.step(g.unsqueeze(0), [int(tokens[0, slot + 1])])
+        torch.testing.assert_close(g, outputs[k - 1][0, j], atol=1e-5, rtol=1e-5)  # float32 rounding only
+
+
+def test_a_target_without_features_is_refused():
+    from exactspec import MarkovLM
+
+    draft = tiny_draft(tiny_target())
+    with pytest.raises(ValueError, match="hidden states"):
+        SpeculativeDecoder(MarkovLM.random(VOCAB, 2, seed=0), FeatureDraftProposer(FeatureDraftRunner(draft, 16), VOCAB, SamplingParams()))
+
+
+def test_greedy_equals_plain_greedy_and_drafts_come_from_the_subset():
+    target = tiny_target()
+    params = SamplingParams(temperature=0)
+    proposer = FeatureDraftProposer(FeatureDraftRunner(tiny_draft(target), 32), VOCAB, params)
+    drafted = []
+    propose = proposer.propose
+    proposer.propose = lambda *a: drafted.append(propose(*a)) or drafted[-1]
+    config = GenerationConfig(max_new_tokens=20, gamma=3, seed=0)
+    speculative = SpeculativeDecoder(LeanModel(target), proposer, params).generate(PROMPT, config)
+    plain = SpeculativeDecoder(LeanModel(tiny_target()), None, params).generate(PROMPT, config)
+    assert speculative.tokens == plain.tokens
+    assert speculative.stats.summary()["accepted"] > 0
+    assert drafted and all(t in SUBSET for d in drafted for t in d.tokens)
+
+
+# ---------------------------------------------------------------- statistical exactness
+
+
+def exact_law(model: LeanModel, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    law = {}
+    for sequence in itertools.product(range(VOCAB), repeat=NEW_TOKENS):
+        prob, prefix = 1.0, list(PROMPT)
+        for token in sequence:
+            logits = model.prefill(prefix)[-1:]
+            prob *= float(block_probs(logits, prefix, [], len(PROMPT), params)[0, token])
+            prefix.append(token)
+        if prob > 0:
+            law[sequence] = prob
+    return law
+
+
+class RawProbsReported(FeatureDraftProposer):
+    """Bug: tokens are sampled from the processed q, the verifier is handed the unprocessed softmax over S."""
+
+    def _probs(self, subset_logits, prefix):
+        self._raw = getattr(self, "_raw", [])
+        full = torch.full((VOCAB,), float("-inf"))
+        full[self._ids] = subset_logits
+        self._raw.append(full.double().softmax(-1))
+        return super()._probs(subset_logits, prefix)
+
+    def propose(self, context, gamma, generator):
+        self._raw = []
+        draft = super().propose(context, gamma, generator)
+        if draft.probs is None:
+            return draft
+        return Draft(draft.tokens, torch.stack(self._raw[: len(draft.tokens)]))
+
+
+def counts_and_law(params: SamplingParams, proposer_class=FeatureDraftProposer):
+    target = tiny_target()
+    proposer = proposer_class(FeatureDraftRunner(tiny_draft(target), 32), VOCAB, params)
+    decoder = SpeculativeDecoder(LeanModel(target), proposer, params)
+    counts: dict[tuple[int, ...], int] = {}
+    for seed in range(N):
+        tokens = tuple(decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=seed)).tokens)
+        counts[tokens] = counts.get(tokens, 0) + 1
+    return counts, exact_law(LeanModel(tiny_target()), params), decoder
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=3)], ids=["T=1", "T=0.7,top_k=3"])
+def test_speculative_output_with_the_feature_draft_follows_the_target_law(params):
+    counts, law, decoder = counts_and_law(params)
+    assert g_test_p_value(counts, law) > ALPHA
+
+
+@pytest.mark.parametrize("mutant", ["replacement_from_target", "raw_probs_reported"])
+def test_the_same_test_rejects_wrong_variants_with_the_feature_draft(mutant, monkeypatch):
+    if mutant == "replacement_from_target":
+        monkeypatch.setattr(engine_module, "verify_stochastic", replacement_from_target)
+        counts, law, _ = counts_and_law(SamplingParams())
+    else:
+        counts, law, _ = counts_and_law(SamplingParams(temperature=0.7, top_k=3), RawProbsReported)
+    assert g_test_p_value(counts, law) < ALPHA
