@@ -85,6 +85,9 @@ def calibrate(
     if proposer is not None and max_gamma > 0:
         generator = torch.Generator().manual_seed(0)  # never the generation's own
         proposer.reset(context)
+        if getattr(proposer, "reads_target_features", False):  # it drafts from the target's features of the context
+            target.prefill(context[:-1])
+            proposer.observe_target(target.last_features)
         steps = []
         for _ in range(repeats + 1):  # the first proposal includes the lazy prefill and the warm-up
             began = time.perf_counter()

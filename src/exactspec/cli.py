@@ -212,9 +212,15 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         raise CliError(f"--{field.replace('_', '-')}{message[len(field):]}" if hasattr(args, field) else message) from None
 
 
+def _shipped_draft(args: argparse.Namespace) -> Path | None:
+    """The draft exactspec ships for a packaged target given without --draft."""
+    packaged = PACKAGED_MODELS.get(args.target) if args.draft is None else None
+    return packaged.shipped_draft() if packaged else None
+
+
 def _uses_lookup(args: argparse.Namespace) -> bool:
-    """Prompt-lookup drafting: asked for, or a target given without a draft model."""
-    return args.draft == LOOKUP or (args.target is not None and args.draft is None)
+    """Prompt-lookup drafting: asked for, or a target given without a draft model and with none shipped for it."""
+    return args.draft == LOOKUP or (args.target is not None and args.draft is None and _shipped_draft(args) is None)
 
 
 def _pair_dirs(args: argparse.Namespace, with_draft: bool = True) -> tuple[Path, Path | None]:
@@ -226,7 +232,9 @@ def _pair_dirs(args: argparse.Namespace, with_draft: bool = True) -> tuple[Path,
         target = resolve_checkpoint(args.target, args.download) if args.target else default_target
         if not with_draft or _uses_lookup(args):
             return target, None
-        return target, resolve_checkpoint(args.draft, args.download) if args.draft else default_draft
+        if args.draft:
+            return target, resolve_checkpoint(args.draft, args.download)
+        return target, _shipped_draft(args) or default_draft
     except FileNotFoundError as error:
         raise CliError(str(error)) from None
 
@@ -266,7 +274,7 @@ def _generate(args: argparse.Namespace) -> dict:
         config = GenerationConfig(config.max_new_tokens, config.gamma, pair.tokenizer.eos_token_ids, config.seed)
     generation = Generation(tokens=[], stop_reason="max_new_tokens")
     lookup = _uses_lookup(args) and not args.no_speculation
-    decoder = SpeculativeDecoder(pair.target, PromptLookupProposer() if lookup else pair.draft, params)
+    decoder = SpeculativeDecoder(pair.target, PromptLookupProposer() if lookup else pair.proposer(params), params)
     cold_start = _cold_start(args, decoder, prompt, params) if args.gamma == "auto" and decoder.proposer else None
     pieces = []
     try:
@@ -451,6 +459,25 @@ def _bench_against_peers(args: argparse.Namespace) -> dict:
     return report
 
 
+def _train_draft(args: argparse.Namespace) -> dict:
+    from exactspec.training.feature_draft import TrainDraftArgs, train_draft
+
+    _check_writable_directory(Path(args.out), "--out")
+    try:
+        target = resolve_checkpoint(args.target)
+        config = TrainDraftArgs(target, Path(args.out), args.minutes, args.vocab_subset, args.ttt_steps,
+                                seed=args.seed, threads=args.threads)
+        return train_draft(config)
+    except (FileNotFoundError, ValueError, RuntimeError) as error:
+        raise CliError(str(error)) from None
+
+
+def _print_train_draft(card: dict) -> None:
+    acceptance = card["held_out_acceptance_by_position"]
+    print(f"draft written to {card['out']}; held-out acceptance by position: T=1 "
+          f"{', '.join(f'{a:.2f}' for a in acceptance['sampled'])}; greedy {', '.join(f'{a:.2f}' for a in acceptance['greedy'])}")
+
+
 def _check_writable_directory(directory: Path, flag: str) -> None:
     """Before a long run: the directory exists and is writable, or can be created where it should be."""
     existing = directory
@@ -553,6 +580,16 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--clear", action="store_true", help="remove every entry")
     cache.add_argument("--json", action="store_true", help="print JSON")
     cache.set_defaults(run=_cache, show=_print_cache)
+    train = add("train-draft", help="train a feature-level (EAGLE-style) draft for a Llama-family target on the CPU, within a time budget; rerun to resume")
+    train.add_argument("--target", required=True, help="the target: a .gguf file, a Llama directory or a packaged model's name")
+    train.add_argument("--out", required=True, help="the run's directory (data, checkpoints; the draft lands in OUT/draft)")
+    train.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget for every phase together")
+    train.add_argument("--vocab-subset", type=_integer(16), default=8192, help="tokens the draft's head covers (the most frequent in its data)")
+    train.add_argument("--ttt-steps", type=_integer(1), default=3, help="training-time-test depth: steps trained on the draft's own features")
+    train.add_argument("--threads", type=_integer(1), help="CPU threads for torch (default: torch's choice)")
+    train.add_argument("--seed", type=_integer(0), default=0, help="seed of the prompts, data order and initialisation")
+    train.add_argument("--json", action="store_true", help="print the model card as JSON")
+    train.set_defaults(run=_train_draft, show=_print_train_draft)
     return parser
 
 

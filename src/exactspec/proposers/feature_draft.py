@@ -41,6 +41,7 @@ class FeatureDraftProposer:
         self._pending: list[torch.Tensor] = []  # target features not yet fed to the draft, in position order
         self._known = 0  # target positions whose features were observed
         self._true_slots = 0  # draft slots built from target features
+        self._last_u: torch.Tensor | None = None  # (1, C) the input of the last of them
 
     def reset(self, prompt: Sequence[int]) -> None:
         self.prompt_length = len(prompt)
@@ -58,10 +59,14 @@ class FeatureDraftProposer:
         if self._known != n - 1:
             raise RuntimeError(f"the target's features cover {self._known} positions, the context needs {n - 1}")
         start = time.perf_counter()
-        self.runner.rollback(self._true_slots)  # drop last round's predicted slots
-        fed = n - 1 - self._true_slots
-        g, logits = self.runner.step(self.runner.project(torch.cat(self._pending)), list(context[self._true_slots + 1 : n]))
-        self._pending, self._true_slots = [], n - 1
+        if self._pending:  # the target's new positions, after the slots already built from its features
+            first, u = self._true_slots, self.runner.project(torch.cat(self._pending))
+        else:  # the same context again (calibration): rebuild its last slot
+            first, u = n - 2, self._last_u
+        fed = n - 1 - first
+        self.runner.rollback(first)  # also drops last round's predicted slots
+        g, logits = self.runner.step(u, list(context[first + 1 : n]))
+        self._pending, self._true_slots, self._last_u = [], n - 1, u[-1:]
         setup = time.perf_counter() - start if fed > 2 else 0.0  # a prompt's worth of slots is setup, not a step
         prefix, tokens, rows = list(context), [], []
         for step in range(gamma):

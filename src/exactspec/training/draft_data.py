@@ -1,0 +1,169 @@
+"""Training text for a draft of a real target, built offline: chat prompts the target answers itself
+(self-distillation), and CPython standard-library source.
+
+Prompts are generated from templates (general questions over a list of topics, coding tasks, and questions about
+stdlib code excerpts); every 20th is held out for the model card's acceptance figures. None of them is a
+benchmark prompt (:data:`exactspec.peers.CHAT_PROMPTS`). Answers are sampled from the target through transformers'
+batched ``generate`` (the lean backend decodes one sequence at a time), written one JSON line per prompt as soon as a
+batch finishes, so an interrupted run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Callable
+
+from exactspec.training.data import read_source, train_files
+
+__all__ = ["chat_prompts", "generate_answers", "read_answers", "corpus_chunks"]
+
+TOPICS = (
+    "photosynthesis", "the water cycle", "black holes", "the French Revolution", "vaccines", "climate change",
+    "machine learning", "the stock market", "compound interest", "the immune system", "volcanoes", "the Roman Empire",
+    "plate tectonics", "electric cars", "the internet", "DNA", "the solar system", "healthy sleep", "meditation",
+    "coffee", "bread baking", "time management", "public speaking", "learning a new language", "recycling",
+    "the printing press", "renewable energy", "inflation", "supply and demand", "the human heart", "bees",
+    "ocean tides", "earthquakes", "the moon landing", "democracy", "chess", "jazz music", "gardening", "marathons",
+    "budgeting", "job interviews", "email etiquette", "rainforests", "antibiotics", "3D printing", "quantum computers",
+    "blockchains", "recursion", "version control with git", "unit testing", "databases", "HTTP", "encryption",
+    "sorting algorithms", "object-oriented programming", "functional programming", "regular expressions",
+    "Python decorators", "Python generators", "Big-O notation", "linked lists", "binary search", "REST APIs",
+)
+TEMPLATES = (
+    "Explain {t} in simple terms.", "What are three interesting facts about {t}?", "Write a short paragraph about {t}.",
+    "Give me a beginner's guide to {t}.", "What are the pros and cons of {t}?", "Summarize the history of {t}.",
+    "Write a haiku about {t}.", "How would you teach {t} to a ten-year-old?", "What are common misconceptions about {t}?",
+    "Write a short quiz with three questions about {t}.", "Describe {t} in five bullet points.",
+    "Why does {t} matter today?",
+)
+CODE_TASKS = (
+    "checks whether a string is a palindrome", "counts the words in a text file", "merges two sorted lists",
+    "computes the n-th Fibonacci number iteratively", "removes duplicates from a list while keeping order",
+    "flattens a nested list", "parses a date string in ISO format", "finds the most common element in a list",
+    "converts Celsius to Fahrenheit", "validates an email address with a regular expression",
+    "reads a CSV file into a list of dictionaries", "implements binary search", "transposes a matrix",
+    "checks whether a number is prime", "computes the factorial of n recursively", "groups words by their first letter",
+    "returns the n largest numbers of a list", "capitalizes every word of a sentence", "sums the digits of an integer",
+    "implements a stack class with push and pop", "implements a simple LRU cache", "retries a function three times",
+    "measures how long a function takes", "chunks a list into pieces of size n", "finds all anagrams in a word list",
+)
+CODE_TEMPLATES = (
+    "Write a Python function that {t}.", "Write a Python function that {t}, with type hints and a docstring.",
+    "Show me how to write a function that {t} in Python, and explain it.",
+)
+EXCERPT_TEMPLATES = (
+    "Explain what this Python code does:\n\n```python\n{t}\n```",
+    "Add helpful comments to this code:\n\n```python\n{t}\n```",
+    "Is there a bug in this code? Explain.\n\n```python\n{t}\n```",
+)
+HELD_OUT_EVERY = 20
+
+
+def _excerpts(count: int, lines: int, rng: random.Random) -> list[str]:
+    files = train_files()
+    out = []
+    for path in rng.sample(files, min(count, len(files))):
+        text = read_source(path).splitlines()
+        if len(text) > lines:
+            start = rng.randrange(0, len(text) - lines)
+            out.append("\n".join(text[start : start + lines]).strip())
+    return [e for e in out if e]
+
+
+def chat_prompts(seed: int = 0, excerpts: int = 240) -> tuple[list[str], list[str]]:
+    """(training prompts, held-out prompts), shuffled deterministically."""
+    rng = random.Random(seed)
+    prompts = [t.format(t=topic) for t in TEMPLATES for topic in TOPICS]
+    prompts += [t.format(t=task) for t in CODE_TEMPLATES for task in CODE_TASKS]
+    prompts += [rng.choice(EXCERPT_TEMPLATES).format(t=e) for e in _excerpts(excerpts, 14, rng)]
+    rng.shuffle(prompts)
+    held = prompts[::HELD_OUT_EVERY]
+    return [p for i, p in enumerate(prompts) if i % HELD_OUT_EVERY], held
+
+
+def read_answers(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by an interruption
+            break
+    return rows
+
+
+def generate_answers(
+    target: Path,  # a .gguf file or a Hugging Face directory
+    prompts: list[str],
+    out: Path,
+    deadline: float,  # time.monotonic() value
+    batch_size: int = 32,
+    max_new_tokens: int = 256,
+    temperature: float = 0.7,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
+    """Sample the target's answers to ``prompts`` (skipping those already in ``out``) until done or ``deadline``;
+    returns how many answers ``out`` holds."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from exactspec.chat import chat_messages
+    from exactspec.tokenizer import TextTokenizer
+
+    done = {row["prompt"] for row in read_answers(out)}
+    todo = [p for p in prompts if p not in done]
+    if not todo or time.monotonic() > deadline:
+        return len(done)
+    tokenizer = TextTokenizer.from_path(target)
+    from exactspec.models.base import is_gguf
+
+    source = {"pretrained_model_name_or_path": str(target.parent), "gguf_file": target.name} if is_gguf(target) else {"pretrained_model_name_or_path": str(target)}
+    model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32).eval()  # GGUF: its quantized kernels compute in float32
+    eos = sorted(tokenizer.eos_token_ids)
+    window = model.config.max_position_embeddings
+    encoded = {p: tokenizer.encode_chat(chat_messages(p)) for p in todo}
+    todo = [p for p in todo if len(encoded[p]) + 32 <= window]  # room for an answer in the model's window
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as sink:
+        for start in range(0, len(todo), batch_size):
+            if time.monotonic() > deadline:
+                break
+            batch = todo[start : start + batch_size]
+            ids = [encoded[p] for p in batch]
+            width = max(map(len, ids))
+            room = min(max_new_tokens, window - width)
+            inputs = torch.tensor([[0] * (width - len(x)) + x for x in ids])  # left padding
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+            with torch.inference_mode():
+                generated = model.generate(input_ids=inputs, attention_mask=mask, max_new_tokens=room,
+                                           do_sample=True, temperature=temperature, top_p=0.95, eos_token_id=eos, pad_token_id=eos[0])
+            for prompt, prompt_ids, row in zip(batch, ids, generated[:, width:].tolist()):
+                answer = []
+                for token in row:
+                    answer.append(token)
+                    if token in tokenizer.eos_token_ids:
+                        break
+                sink.write(json.dumps({"prompt": prompt, "ids": prompt_ids + answer, "answer_start": len(prompt_ids)}) + "\n")
+            sink.flush()
+            done.update(batch)
+            if progress:
+                progress(len(done), len(todo) - start - len(batch))
+    return len(done)
+
+
+def corpus_chunks(tokenizer, tokens: int, length: int, seed: int = 0) -> list[list[int]]:
+    """About ``tokens`` tokens of standard-library source (training files only) in chunks of ``length``."""
+    rng = random.Random(seed)
+    files = train_files()
+    rng.shuffle(files)
+    chunks: list[list[int]] = []
+    for path in files:
+        ids = tokenizer.encode_prompt(read_source(path))
+        chunks += [ids[i : i + length] for i in range(0, len(ids) - length + 1, length)]
+        if len(chunks) * length >= tokens:
+            break
+    return chunks

@@ -1,0 +1,282 @@
+"""``exactspec train-draft``: a feature-level draft (:mod:`exactspec.models.eagle`) for a Llama-family target.
+
+Phases, each resumable inside ``--out``:
+
+1. answers: the target answers the training chat prompts (:mod:`exactspec.training.draft_data`), sampled;
+2. teacher: the target (as it decodes: the same weights and dtype) reads every answer and some standard-library
+   source once; its features at the draft's layers and its ``TOP_K`` most likely next tokens per position are
+   stored in shards;
+3. train: the draft learns the target's next-token distributions (cross-entropy against the stored top-k
+   probabilities, restricted to the vocabulary subset S) from its training-time-test forward: step k > 1 runs on
+   its own step-(k-1) outputs, as decoding will;
+4. export: the draft's files, a model card (data, tokens seen, held-out acceptance by draft position, time).
+
+The wall-clock budget (``minutes``) is split between phases (``PHASE_SHARES``); the learning rate follows a cosine
+over the training phase's time. Run again with the same ``--out`` to resume: finished phases are skipped, missing
+answers and teacher shards are added, and training continues from its checkpoint for the new run's training time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig
+from exactspec.models.lean import LeanModel
+from exactspec.tokenizer import TextTokenizer
+from exactspec.training.draft_data import chat_prompts, corpus_chunks, generate_answers, read_answers
+
+__all__ = ["TrainDraftArgs", "train_draft", "held_out_acceptance"]
+
+TOP_K = 16  # target probabilities kept per position
+PHASE_SHARES = {"answers": 0.35, "teacher": 0.2, "train": 0.45}
+SHARD_SEQUENCES = 64
+
+
+@dataclass(frozen=True)
+class TrainDraftArgs:
+    target: Path
+    out: Path
+    minutes: float = 60.0
+    vocab_subset: int = 8192
+    steps: int = 3  # training-time-test depth
+    batch_size: int = 8
+    window: int = 256  # tokens per training sequence
+    max_sequence: int = 512
+    corpus_share: float = 0.25  # of the teacher's tokens, standard-library source
+    lr: float = 1e-3
+    seed: int = 0
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.minutes > 0 or self.vocab_subset < 16 or self.steps < 1 or self.batch_size < 1:
+            raise ValueError("--minutes must be > 0, the vocabulary subset >= 16 tokens, steps and batch size >= 1")
+
+
+def _log(message: str) -> None:
+    print(f"[train-draft {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---- phase 2: the teacher ----------------------------------------------------------------------
+
+def _sequences(args: TrainDraftArgs, tokenizer: TextTokenizer, answers: list[dict]) -> list[tuple[list[int], int]]:
+    """(token ids, first position whose next token the loss counts) for every training sequence."""
+    chat = [(row["ids"][: args.max_sequence], max(0, row["answer_start"] - 1)) for row in answers]
+    chat_tokens = sum(len(ids) for ids, _ in chat)
+    corpus_tokens = int(chat_tokens * args.corpus_share / max(1e-9, 1 - args.corpus_share))
+    corpus = [(ids, 0) for ids in corpus_chunks(tokenizer, corpus_tokens, args.window, args.seed)]
+    sequences = chat + corpus
+    random.Random(args.seed).shuffle(sequences)
+    return sequences
+
+
+def teacher_pass(model: LeanModel, layers: tuple[int, ...], sequences: list[tuple[list[int], int]], shards: Path,
+                 deadline: float) -> int:
+    """Store features and top-k next-token probabilities of ``sequences`` in shards; returns shards written."""
+    shards.mkdir(parents=True, exist_ok=True)
+    done = len(list(shards.glob("shard_*.pt")))
+    for index in range(done, math.ceil(len(sequences) / SHARD_SEQUENCES)):
+        if time.monotonic() > deadline:
+            break
+        rows = []
+        for ids, loss_from in sequences[index * SHARD_SEQUENCES : (index + 1) * SHARD_SEQUENCES]:
+            with torch.inference_mode():
+                logits, features = model.decoder.forward_train(torch.tensor([ids]), layers)
+            top = logits[0].float().softmax(-1).topk(TOP_K)
+            rows.append({"ids": torch.tensor(ids, dtype=torch.int32), "loss_from": loss_from,
+                         "features": features[0].to(torch.bfloat16), "top_probs": top.values.half(),
+                         "top_ids": top.indices.int()})
+        torch.save(rows, shards / f"shard_{index:04d}.pt")
+        done = index + 1
+        _log(f"teacher: shard {done} ({SHARD_SEQUENCES * done} sequences)")
+    return done
+
+
+def load_shards(shards: Path) -> list[dict]:
+    rows = []
+    for path in sorted(shards.glob("shard_*.pt")):
+        rows += torch.load(path)
+    return rows
+
+
+def vocabulary_subset(rows: list[dict], size: int, always: set[int]) -> tuple[torch.Tensor, float]:
+    """The ``size`` most frequent tokens of the data (plus ``always``), ascending, and the share of tokens they cover."""
+    counts = torch.bincount(torch.cat([r["ids"].long() for r in rows]))
+    order = counts.argsort(descending=True).tolist()
+    chosen = set(always)
+    for token in order:
+        if len(chosen) >= size:
+            break
+        chosen.add(token)
+    ids = torch.tensor(sorted(chosen))
+    return ids, float(counts[ids[ids < len(counts)]].sum() / counts.sum())
+
+
+# ---- phase 3: training ---------------------------------------------------------------------------
+
+def _batch(rows: list[dict], size: int, window: int, rng: random.Random):
+    """Random windows of ``size`` sequences, padded to one length: features (B, T, F), ids (B, T), probs and ids of
+    the top-k (B, T, K), and the positions the loss counts (B, T) bool."""
+    picked = [rows[rng.randrange(len(rows))] for _ in range(size)]
+    starts = [rng.randrange(0, max(1, len(r["ids"]) - window)) for r in picked]
+    length = min(window, max(len(r["ids"]) for r in picked))
+    def take(r, s, key, fill=0):
+        x = r[key][s : s + length]
+        pad = length - x.shape[0]
+        return torch.cat([x, torch.full((pad, *x.shape[1:]), fill, dtype=x.dtype)]) if pad else x
+    feats = torch.stack([take(r, s, "features") for r, s in zip(picked, starts)]).float()
+    ids = torch.stack([take(r, s, "ids") for r, s in zip(picked, starts)]).long()
+    probs = torch.stack([take(r, s, "top_probs") for r, s in zip(picked, starts)]).float()
+    top = torch.stack([take(r, s, "top_ids") for r, s in zip(picked, starts)]).long()
+    counted = torch.stack([(torch.arange(length) + s >= r["loss_from"]) & (torch.arange(length) + s < len(r["ids"]))
+                           for r, s in zip(picked, starts)])
+    return feats, ids, probs, top, counted
+
+
+def step_losses(draft: FeatureDraft, subset_index: torch.Tensor, feats, ids, probs, top, counted, steps: int) -> list[torch.Tensor]:
+    """Per TTT step, the mean over counted slots of -sum_{v in S} p(v) log q(v) for the token two places ahead."""
+    outputs = draft.forward_train(feats[:, :-1], ids[:, 1:], steps)  # slot j: f_j, x_{j+1} -> x_{j+2}
+    label_ids, label_probs = subset_index[top[:, 1:]], probs[:, 1:]  # (B, T-1, K): p at position j + 1
+    in_subset = label_ids >= 0
+    valid = counted[:, 1:]
+    losses = []
+    for k, g in enumerate(outputs, start=1):
+        log_q = draft.logits(g).float().log_softmax(-1)  # (B, T-1, |S|)
+        picked = log_q.gather(-1, label_ids.clamp(min=0)) * label_probs * in_subset
+        slots = valid.clone()
+        slots[:, : k - 1] = False  # step k needs k - 1 earlier slots in its chain
+        losses.append(-(picked.sum(-1) * slots).sum() / slots.sum().clamp(min=1))
+    return losses
+
+
+def held_out_acceptance(draft: FeatureDraft, rows: list[dict], steps: int, vocab_size: int) -> dict[str, list[float]]:
+    """Per draft position k (teacher-forced chains, as a fully accepted round sees them): the mean over held-out
+    answer positions of sum_v min(p(v), q(v)) (acceptance at T=1, p truncated to its top-k) and of
+    argmax q == argmax p (greedy)."""
+    subset_ids = draft.vocab_ids
+    sampled, greedy = [0.0] * steps, [0.0] * steps
+    counts = [0] * steps
+    with torch.inference_mode():
+        for r in rows:
+            ids = r["ids"].long().unsqueeze(0)
+            outputs = draft.forward_train(r["features"].float().unsqueeze(0)[:, :-1], ids[:, 1:], steps)
+            p_ids, p_probs = r["top_ids"].long()[1:], r["top_probs"].float()[1:]  # (T-1, K)
+            for k, g in enumerate(outputs):
+                q = draft.logits(g[0]).float().softmax(-1)  # (T-1, |S|)
+                full = torch.zeros(q.shape[0], vocab_size)
+                full[:, subset_ids] = q
+                overlap = torch.minimum(full.gather(-1, p_ids), p_probs).sum(-1)
+                match = (subset_ids[q.argmax(-1)] == p_ids[:, 0]).float()
+                slots = torch.arange(q.shape[0])
+                keep = (slots >= max(k, r["loss_from"])) & (slots + 1 < ids.shape[1])
+                sampled[k] += float(overlap[keep].sum())
+                greedy[k] += float(match[keep].sum())
+                counts[k] += int(keep.sum())
+    return {"sampled": [s / max(1, c) for s, c in zip(sampled, counts)], "greedy": [g / max(1, c) for g, c in zip(greedy, counts)]}
+
+
+def _train(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict], vocab_size: int, deadline: float) -> dict:
+    checkpoint = args.out / "train_checkpoint.pt"
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    state = {"step": 0, "seconds": 0.0, "tokens": 0, "budget": max(1.0, deadline - time.monotonic())}
+    if checkpoint.is_file():
+        saved = torch.load(checkpoint)
+        draft.load_state_dict(saved["draft"])
+        optimizer.load_state_dict(saved["optimizer"])
+        state = saved["state"]
+        state["budget"] = state["seconds"] + max(1.0, deadline - time.monotonic())  # this run's time comes on top
+        _log(f"train: resumed at step {state['step']}")
+    subset_index = torch.full((vocab_size,), -1, dtype=torch.long)
+    subset_index[draft.vocab_ids] = torch.arange(len(draft.vocab_ids))
+    rng = random.Random(args.seed + state["step"])
+    last_save = start = time.monotonic()
+    seconds0 = state["seconds"]
+    while state["seconds"] < state["budget"]:
+        progress = state["seconds"] / state["budget"]
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        feats, ids, probs, top, counted = _batch(rows, args.batch_size, args.window, rng)
+        losses = step_losses(draft, subset_index, feats, ids, probs, top, counted, args.steps)
+        total = sum(w * loss for w, loss in zip((1.0, 0.8, 0.6, 0.5, 0.4), losses))
+        optimizer.zero_grad()
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        state["step"] += 1
+        state["tokens"] += int(counted.sum())
+        state["seconds"] = seconds0 + time.monotonic() - start
+        if state["step"] % 20 == 0:
+            _log(f"train: step {state['step']}, {state['tokens']} tokens, losses {[round(float(l), 3) for l in losses]}, "
+                 f"{100 * progress:.0f}% of the time")
+        if time.monotonic() - last_save > 120 or state["seconds"] >= state["budget"]:
+            torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "state": state}, checkpoint)
+            last_save = time.monotonic()
+    return state
+
+
+# ---- the command ------------------------------------------------------------------------------------
+
+def train_draft(args: TrainDraftArgs) -> dict:
+    """Every phase in turn within ``args.minutes``; returns the model card (also written to ``args.out``)."""
+    started = time.monotonic()
+    budget = args.minutes * 60
+    deadline = lambda phase: started + budget * sum(  # noqa: E731
+        share for name, share in PHASE_SHARES.items() if list(PHASE_SHARES).index(name) <= list(PHASE_SHARES).index(phase))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tokenizer = TextTokenizer.from_path(args.target)
+    train_prompts, held_prompts = chat_prompts(args.seed)
+    answers_file = args.out / "answers.jsonl"
+    _log(f"answers: the target answers {len(held_prompts)} held-out and {len(train_prompts)} training prompts")
+    generate_answers(args.target, held_prompts + train_prompts, answers_file, deadline("answers"),
+                     progress=lambda done, left: _log(f"answers: {done} done, {left} left"))
+    answers = read_answers(answers_file)
+    held_set = set(held_prompts)
+    held = [r for r in answers if r["prompt"] in held_set]
+    train = [r for r in answers if r["prompt"] not in held_set]
+
+    model = LeanModel.from_pretrained(args.target, dtype=torch.bfloat16)  # the weights it decodes with
+    cfg = FeatureDraftConfig.for_target(model.cfg, args.vocab_subset)
+    args = replace(args, max_sequence=min(args.max_sequence, model.cfg.max_position_embeddings),
+                   window=min(args.window, model.cfg.max_position_embeddings))
+    teacher_pass(model, cfg.feature_layers, [(r["ids"][: args.max_sequence], max(0, r["answer_start"] - 1)) for r in held],
+                 args.out / "held_out", float("inf"))
+    teacher_pass(model, cfg.feature_layers, _sequences(args, tokenizer, train), args.out / "teacher", deadline("teacher"))
+    rows, held_rows = load_shards(args.out / "teacher"), load_shards(args.out / "held_out")
+    if not rows:
+        raise RuntimeError("no teacher data: give train-draft more --minutes")
+
+    subset, coverage = vocabulary_subset(rows, args.vocab_subset, set(tokenizer.eos_token_ids))
+    cfg = replace(cfg, vocab_subset_size=len(subset))
+    draft = FeatureDraft(cfg)
+    draft.vocab_ids.copy_(subset)
+    draft.attach(model.decoder)
+    draft.embed, draft.head = draft.embed.float(), draft.head.float()
+    state = _train(args, draft, rows, model.cfg.vocab_size, deadline("train"))
+    acceptance = held_out_acceptance(draft.eval(), held_rows, max(args.steps, 4), model.cfg.vocab_size)
+    card = {
+        "target": str(args.target), "out": str(args.out / "draft"), "architecture": asdict(cfg),
+        "data": {"chat_answers": len(train), "held_out_answers": len(held), "teacher_sequences": len(rows),
+                 "teacher_tokens": int(sum(len(r["ids"]) for r in rows)), "corpus_share": args.corpus_share,
+                 "vocabulary_subset_coverage": coverage},
+        "training": {"steps": state["step"], "tokens_seen": state["tokens"], "seconds": state["seconds"],
+                     "ttt_steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr},
+        "held_out_acceptance_by_position": acceptance,
+        "total_minutes": (time.monotonic() - started) / 60,
+    }
+    draft.save(args.out / "draft", card)
+    (args.out / "MODEL_CARD.json").write_text(json.dumps(card, indent=2))
+    _log(f"done: held-out acceptance by position, T=1 {[round(a, 3) for a in acceptance['sampled']]}, "
+         f"greedy {[round(a, 3) for a in acceptance['greedy']]}")
+    return card

@@ -1,0 +1,71 @@
+"""`exactspec train-draft` end to end on a tiny random Llama target: every phase runs within the budget, the
+model card is consistent, a rerun resumes, and the draft it writes drives `generate` exactly (greedy output equals
+plain greedy output)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from conftest import save_tiny_checkpoint, tiny_tokenizer_json
+from exactspec.cli import main
+from exactspec.models.eagle import FeatureDraft
+from exactspec.training.draft_data import chat_prompts, read_answers
+
+CHAT_TEMPLATE = "{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("train_draft") / "target", vocab_rows=300, layers=2, seed=0,
+                                tokenizer_json=tiny_tokenizer_json())
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return path
+
+
+def test_prompts_are_deterministic_and_held_out_apart():
+    train, held = chat_prompts(0)
+    assert (train, held) == chat_prompts(0) and not set(train) & set(held) and len(held) * 15 < len(train)
+
+
+def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.5", "--threads", "1",
+                 "--vocab-subset", "128", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    card = json.loads(captured.out)
+    assert card == json.loads((out / "MODEL_CARD.json").read_text())
+    assert card["training"]["steps"] > 0 and card["training"]["tokens_seen"] > 0
+    assert card["architecture"]["vocab_subset_size"] <= 128 and 0 < card["data"]["vocabulary_subset_coverage"] <= 1
+    for values in card["held_out_acceptance_by_position"].values():
+        assert len(values) == 4 and all(0 <= v <= 1 for v in values)
+    assert FeatureDraft.is_feature_draft(out / "draft")
+    answers = len(read_answers(out / "answers.jsonl"))
+    assert answers > 0
+
+    code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.5", "--threads", "1",
+                 "--vocab-subset", "128", "--json"])
+    again = json.loads(capsys.readouterr().out)
+    assert code == 0 and again["training"]["steps"] > card["training"]["steps"]  # resumed, not restarted
+    assert len(read_answers(out / "answers.jsonl")) >= answers
+
+    runs = []
+    for flags in (["--draft", str(out / "draft")], ["--no-speculation"]):
+        code = main(["generate", "def f(", "--target", str(target), *flags, "--temperature", "0", "--max-new-tokens", "24",
+                     "--ignore-eos", "--json", "--dtype", "float32"])
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["text"] == runs[1]["text"] and runs[0]["mode"].startswith("speculative (draft model)")
+
+
+def test_a_feature_draft_for_another_target_is_refused(target, tmp_path, capsys):
+    from exactspec.models.eagle import FeatureDraftConfig
+
+    draft = FeatureDraft(FeatureDraftConfig(64, (0, 1), 8, 4, 2, 96))
+    draft.save(tmp_path / "draft")
+    code = main(["generate", "x", "--target", str(target), "--draft", str(tmp_path / "draft")])
+    err = capsys.readouterr().err
+    assert code == 2 and "trained for another target" in err and err.count("\n") == 1
