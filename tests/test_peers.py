@@ -32,7 +32,7 @@ def test_medians_and_ratios_come_from_every_run(target, monkeypatch):
     """An arm's figure is the median over prompts of the median over repetitions; ratios are to llama.cpp plain."""
     rates = itertools.count(1.0)
     monkeypatch.setattr(peers, "_rate", lambda arm, prompt: next(rates))
-    config = peers.PeerBenchConfig(target, threads=1, num_prompts=2, repeats=3)
+    config = peers.PeerBenchConfig(target, threads=1, num_prompts=2, repeats=3)  # greedy only
     report = peers.run_peer_bench(config, progress=False)
     rows = {row["arm"]: row for row in report["results"]}
     assert list(rows) == ["exactspec plain", "exactspec prompt lookup (auto gamma)", "llama.cpp plain", "llama.cpp prompt lookup (2 tokens)"]
@@ -47,11 +47,12 @@ def test_medians_and_ratios_come_from_every_run(target, monkeypatch):
 def test_a_safetensors_target_runs_the_exactspec_arms_and_says_why_llama_cpp_did_not(target, tmp_path, capsys):
     out = tmp_path / "out"
     code, stdout, err = bench(capsys, "--target", str(target), "--prompts", "1", "--repeats", "2", "--max-new-tokens", "4",
-                              "--threads", "1", "--output-dir", str(out), "--json")
+                              "--threads", "1", "--output-dir", str(out), "--json", "--modes", "greedy,sample")
     assert code == 0, err
     report = json.loads(stdout)
     assert report["llama_cpp_skipped"] == "the target is not a .gguf file"
-    assert [row["arm"] for row in report["results"]] == ["exactspec plain", "exactspec prompt lookup (auto gamma)"]
+    assert [(row["mode"], row["arm"]) for row in report["results"]] == [
+        (mode, arm) for mode in ("greedy", "sample") for arm in ("exactspec plain", "exactspec prompt lookup (auto gamma)")]
     for row in report["results"]:
         (runs,) = row["per_prompt"]
         assert len(runs) == 2 and min(runs) > 0 and row["vs_llama_cpp_plain"] is None
@@ -78,12 +79,12 @@ def test_smollm2_against_llama_cpp(tmp_path, capsys, monkeypatch):
     if not available:
         monkeypatch.setattr(peers, "llama_cpp_available", lambda: False)
     code, stdout, err = bench(capsys, "--target", "smollm2", "--prompts", "1", "--repeats", "1", "--max-new-tokens", "8",
-                              "--threads", "1", "--output-dir", str(tmp_path / "out"), "--json")
+                              "--threads", "1", "--output-dir", str(tmp_path / "out"), "--json", "--modes", "sample")
     assert code == 0, err
     report = json.loads(stdout)
     rows = {row["arm"]: row for row in report["results"]}
     if available:
-        assert report["llama_cpp_skipped"] is None and len(rows) == 4
+        assert report["llama_cpp_skipped"] is None and len(rows) >= 4
         assert rows["llama.cpp plain"]["vs_llama_cpp_plain"] == 1.0 and rows["exactspec plain"]["vs_llama_cpp_plain"] > 0
     else:
-        assert "pip install llama-cpp-python" in report["llama_cpp_skipped"] and len(rows) == 2
+        assert "pip install llama-cpp-python" in report["llama_cpp_skipped"] and "llama.cpp plain" not in rows

@@ -413,8 +413,11 @@ def _bench(args: argparse.Namespace) -> dict:
     except ValueError as error:
         raise CliError(str(error)) from None
     _check_writable_directory(Path(args.output_dir), "--output-dir")
-    if _pair_dirs(args)[1] is None:
-        return _bench_against_peers(args)
+    from exactspec.models.eagle import FeatureDraft
+
+    draft_dir = _pair_dirs(args)[1]
+    if draft_dir is None or FeatureDraft.is_feature_draft(draft_dir):
+        return _bench_against_peers(args, draft_dir)
     pair = _load(args, with_draft=True)
     hf_models = None
     if config.hf:
@@ -433,8 +436,9 @@ def _bench(args: argparse.Namespace) -> dict:
     return report
 
 
-def _bench_against_peers(args: argparse.Namespace) -> dict:
-    """A target without a draft model: exactspec plain and prompt lookup against llama.cpp on the same GGUF file."""
+def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
+    """A target alone or with a trained feature-level draft: exactspec plain, prompt lookup (and the draft) against
+    llama.cpp plain and prompt lookup on the same GGUF file."""
     from exactspec.models.base import is_gguf
     from exactspec import peers
 
@@ -446,7 +450,8 @@ def _bench_against_peers(args: argparse.Namespace) -> dict:
              *(["--invariant"] if args.invariant else [])]
     try:
         config = peers.PeerBenchConfig(target, args.threads or torch.get_num_threads(), args.prompts, args.max_new_tokens,
-                                       args.repeats, args.llama_cpp_lookup, tuple(flags), llama_cpp=skipped is None)
+                                       args.repeats, args.llama_cpp_lookup, tuple(flags), llama_cpp=skipped is None,
+                                       draft=draft, modes=tuple(args.modes))
         report = peers.run_peer_bench(config, progress=not args.json)
     except (ValueError, RuntimeError) as error:
         raise CliError(str(error)) from None

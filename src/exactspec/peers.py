@@ -1,8 +1,9 @@
 """``exactspec bench`` for a target without a draft model: exactspec against llama.cpp on the same GGUF file.
 
-Arms: exactspec plain (``--no-speculation``), exactspec with prompt lookup (its default for a target alone),
-llama.cpp plain and llama.cpp with prompt lookup (llama-cpp-python's ``LlamaPromptLookupDecoding``). Same chat
-prompts, greedy, the same thread count, and exactly ``max_new_tokens`` new tokens in every arm (end-of-sequence
+Arms: exactspec plain (``--no-speculation``), exactspec with prompt lookup, exactspec with a trained draft (when
+one is given or shipped), llama.cpp plain and llama.cpp with prompt lookup (llama-cpp-python's
+``LlamaPromptLookupDecoding``). Same chat prompts, greedy (T=0) and/or sampled (T=1, no truncation: llama.cpp's
+default top-k, top-p and min-p are switched off), the same thread count, and exactly ``max_new_tokens`` new tokens in every arm (end-of-sequence
 tokens are never chosen: ``--ignore-eos`` here, a -inf logit bias in llama.cpp), so that no arm's rate is a
 different mix of prompt processing and decoding.
 
@@ -40,6 +41,7 @@ CHAT_PROMPTS = (
     "What is the difference between a list and a tuple in Python? Give examples.",
 )
 BASELINE = "llama.cpp plain"
+MODES = {"greedy": 0.0, "sample": 1.0}  # temperature
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,15 @@ class PeerBenchConfig:
     lookup_tokens: int = 2  # llama-cpp-python's num_pred_tokens; 2 is its advice for CPUs
     generate_flags: tuple[str, ...] = ()  # passed to every exactspec arm (--dtype, --weights, --invariant ...)
     llama_cpp: bool = True
+    draft: Path | None = None  # a trained draft: one more exactspec arm
+    modes: tuple[str, ...] = ("greedy",)  # greedy: T = 0; sample: T = 1, no truncation
 
     def __post_init__(self) -> None:
         for name in ("threads", "num_prompts", "max_new_tokens", "repeats", "lookup_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.modes or set(self.modes) - set(MODES):
+            raise ValueError(f"modes must be among {', '.join(MODES)}, got {self.modes}")
         if self.num_prompts > len(CHAT_PROMPTS):
             raise ValueError(f"--prompts: this benchmark has {len(CHAT_PROMPTS)} chat prompts, got {self.num_prompts}")
 
@@ -72,17 +78,20 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def _arms(config: PeerBenchConfig) -> list[PeerArm]:
+def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
+    temperature = str(MODES[mode])
     generate = [sys.executable, "-m", "exactspec", "generate", "--target", str(config.target), "--json", "--ignore-eos",
-                "--temperature", "0", "--max-new-tokens", str(config.max_new_tokens), "--threads", str(config.threads),
+                "--temperature", temperature, "--max-new-tokens", str(config.max_new_tokens), "--threads", str(config.threads),
                 *config.generate_flags]
     chat = TextTokenizer.from_path(config.target).chat_template is not None  # else the prompt is plain text
     prompt_flag = ["--user"] if chat else ["--"]
     arms = [PeerArm("exactspec plain", [*generate, "--no-speculation", *prompt_flag]),
-            PeerArm("exactspec prompt lookup (auto gamma)", [*generate, *prompt_flag])]
+            PeerArm("exactspec prompt lookup (auto gamma)", [*generate, "--draft", "lookup", *prompt_flag])]
+    if config.draft is not None:
+        arms.append(PeerArm("exactspec trained draft (auto gamma)", [*generate, "--draft", str(config.draft), *prompt_flag]))
     if config.llama_cpp:
         child = [sys.executable, "-m", "exactspec.peers", "--target", str(config.target), "--threads", str(config.threads),
-                 "--max-new-tokens", str(config.max_new_tokens), *(["--chat"] if chat else [])]
+                 "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature, *(["--chat"] if chat else [])]
         arms += [PeerArm(BASELINE, [*child, "--prompt"]),
                  PeerArm(f"llama.cpp prompt lookup ({config.lookup_tokens} tokens)", [*child, "--lookup-tokens", str(config.lookup_tokens), "--prompt"])]
     return arms
@@ -100,38 +109,38 @@ def _rate(arm: PeerArm, prompt: str) -> float:
 
 
 def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
-    """Run every arm on every prompt ``repeats`` times, interleaved; the report of :func:`format_peer_table`."""
-    arms = _arms(config)
+    """Run every arm on every prompt ``repeats`` times per mode, interleaved; the report of :func:`format_peer_table`."""
     prompts = CHAT_PROMPTS[: config.num_prompts]
-    for i, prompt in enumerate(prompts):
-        runs = {arm.name: [] for arm in arms}
-        for r in range(config.repeats):
+    results = []
+    for mode in config.modes:
+        arms = _arms(config, mode)
+        for i, prompt in enumerate(prompts):
+            runs = {arm.name: [] for arm in arms}
+            for r in range(config.repeats):
+                for arm in arms:
+                    if progress:
+                        print(f"\r[{mode}, prompt {i + 1}/{len(prompts)}, repetition {r + 1}/{config.repeats}] {arm.name:45s}", end="", file=sys.stderr, flush=True)
+                    runs[arm.name].append(_rate(arm, prompt))
             for arm in arms:
-                if progress:
-                    print(f"\r[prompt {i + 1}/{len(prompts)}, repetition {r + 1}/{config.repeats}] {arm.name:45s}", end="", file=sys.stderr, flush=True)
-                runs[arm.name].append(_rate(arm, prompt))
-        for arm in arms:
-            arm.per_prompt.append(runs[arm.name])
+                arm.per_prompt.append(runs[arm.name])
+        rates = {arm.name: statistics.median(statistics.median(v) for v in arm.per_prompt) for arm in arms}
+        baseline = rates.get(BASELINE)
+        results += [{"mode": mode, "arm": arm.name, "tokens_per_second": rates[arm.name],
+                     "vs_llama_cpp_plain": rates[arm.name] / baseline if baseline else None,
+                     "per_prompt": arm.per_prompt} for arm in arms]
     if progress:
         print(file=sys.stderr)
-    rates = {arm.name: statistics.median(statistics.median(v) for v in arm.per_prompt) for arm in arms}
-    baseline = rates.get(BASELINE)
-    return {
-        "config": {**asdict(config), "target": str(config.target)},
-        "results": [{"arm": arm.name, "tokens_per_second": rates[arm.name],
-                     "vs_llama_cpp_plain": rates[arm.name] / baseline if baseline else None,
-                     "per_prompt": arm.per_prompt} for arm in arms],
-    }
+    return {"config": {**asdict(config), "target": str(config.target), "draft": config.draft and str(config.draft)}, "results": results}
 
 
 def format_peer_table(report: dict) -> str:
     c = report["config"]
-    lines = [f"{Path(c['target']).name}: greedy, {c['max_new_tokens']} new tokens, {c['threads']} threads, "
-             f"{c['num_prompts']} chat prompts x {c['repeats']} repetitions (medians), each run its own process",
-             f"{'arm':45s} {'tokens/s':>9s} {'vs llama.cpp plain':>19s}"]
+    lines = [f"{Path(c['target']).name}: {c['max_new_tokens']} new tokens, {c['threads']} threads, "
+             f"{c['num_prompts']} chat prompts x {c['repeats']} repetitions (medians), each run its own process; greedy: T=0, sample: T=1",
+             f"{'mode':7s} {'arm':45s} {'tokens/s':>9s} {'vs llama.cpp plain':>19s}"]
     for row in report["results"]:
         ratio = f"{row['vs_llama_cpp_plain']:19.2f}" if row["vs_llama_cpp_plain"] else f"{'-':>19s}"
-        lines.append(f"{row['arm']:45s} {row['tokens_per_second']:9.1f} {ratio}")
+        lines.append(f"{row['mode']:7s} {row['arm']:45s} {row['tokens_per_second']:9.1f} {ratio}")
     return "\n".join(lines)
 
 
@@ -143,6 +152,7 @@ def _llama_cpp_run(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--lookup-tokens", type=int, default=0, help="0: plain decoding")
     parser.add_argument("--chat", action="store_true", help="the prompt is a user turn in the file's chat template")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else plain sampling at this temperature")
     parser.add_argument("--prompt", required=True)
     args = parser.parse_args(argv)
     from llama_cpp import Llama
@@ -154,7 +164,8 @@ def _llama_cpp_run(argv: list[str] | None = None) -> None:
     ids = tokenizer.encode_chat(chat_messages(args.prompt)) if args.chat else tokenizer.encode_prompt(args.prompt)
     never = {token: float("-inf") for token in tokenizer.eos_token_ids}  # every arm makes max_new_tokens tokens
     start = time.perf_counter()
-    out = model.create_completion(ids, max_tokens=args.max_new_tokens, temperature=0.0, top_k=1, logit_bias=never)
+    sampling = {"temperature": 0.0, "top_k": 1} if args.temperature == 0 else {"temperature": args.temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    out = model.create_completion(ids, max_tokens=args.max_new_tokens, logit_bias=never, **sampling)
     if out["usage"]["completion_tokens"] != args.max_new_tokens:
         raise SystemExit(f"llama.cpp stopped after {out['usage']['completion_tokens']} of {args.max_new_tokens} tokens")
     print(json.dumps({"tokens_per_second": out["usage"]["completion_tokens"] / (time.perf_counter() - start)}))

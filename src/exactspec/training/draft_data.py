@@ -101,7 +101,7 @@ def generate_answers(
     prompts: list[str],
     out: Path,
     deadline: float,  # time.monotonic() value
-    batch_size: int = 32,
+    batch_size: int = 64,
     max_new_tokens: int = 256,
     temperature: float = 0.7,
     progress: Callable[[int, int], None] | None = None,
@@ -109,7 +109,6 @@ def generate_answers(
     """Sample the target's answers to ``prompts`` (skipping those already in ``out``) until done or ``deadline``;
     returns how many answers ``out`` holds."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from exactspec.chat import chat_messages
     from exactspec.tokenizer import TextTokenizer
@@ -119,10 +118,7 @@ def generate_answers(
     if not todo or time.monotonic() > deadline:
         return len(done)
     tokenizer = TextTokenizer.from_path(target)
-    from exactspec.models.base import is_gguf
-
-    source = {"pretrained_model_name_or_path": str(target.parent), "gguf_file": target.name} if is_gguf(target) else {"pretrained_model_name_or_path": str(target)}
-    model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32).eval()  # GGUF: its quantized kernels compute in float32
+    model = _batched_model(target)
     eos = sorted(tokenizer.eos_token_ids)
     window = model.config.max_position_embeddings
     encoded = {p: tokenizer.encode_chat(chat_messages(p)) for p in todo}
@@ -140,7 +136,7 @@ def generate_answers(
             mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
             with torch.inference_mode():
                 generated = model.generate(input_ids=inputs, attention_mask=mask, max_new_tokens=room,
-                                           do_sample=True, temperature=temperature, top_p=0.95, eos_token_id=eos, pad_token_id=eos[0])
+                                           do_sample=True, temperature=temperature, eos_token_id=eos, pad_token_id=eos[0])
             for prompt, prompt_ids, row in zip(batch, ids, generated[:, width:].tolist()):
                 answer = []
                 for token in row:
@@ -153,6 +149,26 @@ def generate_answers(
             if progress:
                 progress(len(done), len(todo) - start - len(batch))
     return len(done)
+
+
+def _batched_model(target: Path):
+    """The target as a transformers model with dense bfloat16 weights (fast batched matmuls): a GGUF file's
+    weights dequantized by :mod:`exactspec.models.gguf` (transformers' own GGUF path keeps them packed and is several
+    times slower in batches), else the directory as transformers loads it."""
+    import torch
+    import transformers
+
+    from exactspec.models.base import is_gguf
+    from exactspec.models.gguf import hf_state_dict, llama_config, read_gguf
+
+    if not is_gguf(target):
+        return transformers.AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.bfloat16).eval()
+    gguf = read_gguf(target)
+    cfg = llama_config(gguf)
+    hf_config = {k: v for k, v in cfg.to_hf_dict("bfloat16").items() if k not in ("model_type", "architectures")}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config))
+    model.load_state_dict(hf_state_dict(gguf, cfg), strict=False)  # a tied head has no tensor of its own
+    return model.to(torch.bfloat16).eval()
 
 
 def corpus_chunks(tokenizer, tokens: int, length: int, seed: int = 0) -> list[list[int]]:
