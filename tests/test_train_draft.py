@@ -69,3 +69,11 @@ def test_a_feature_draft_for_another_target_is_refused(target, tmp_path, capsys)
     code = main(["generate", "x", "--target", str(target), "--draft", str(tmp_path / "draft")])
     err = capsys.readouterr().err
     assert code == 2 and "trained for another target" in err and err.count("\n") == 1
+
+
+def test_a_broken_feature_draft_is_a_one_line_error(target, tmp_path, capsys):
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "feature_draft.json").write_text('{"kind": "exactspec-feature-draft"}')
+    code = main(["generate", "x", "--target", str(target), "--draft", str(tmp_path / "draft")])
+    err = capsys.readouterr().err
+    assert code == 2 and "not a readable feature draft" in err and err.count("\n") == 1

@@ -136,13 +136,16 @@ class FeatureDraft(nn.Module):
         from safetensors.torch import load_file
 
         directory = Path(directory)
-        raw = json.loads((directory / CONFIG_FILE).read_text())
-        raw.pop("kind", None)
-        raw.pop("card", None)
-        raw["feature_layers"] = tuple(raw["feature_layers"])
-        model = cls(FeatureDraftConfig(**raw))
-        state = load_file(str(directory / WEIGHTS_FILE))
-        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        try:
+            raw = json.loads((directory / CONFIG_FILE).read_text())
+            raw.pop("kind", None)
+            raw.pop("card", None)
+            raw["feature_layers"] = tuple(raw["feature_layers"])
+            model = cls(FeatureDraftConfig(**raw))
+            state = load_file(str(directory / WEIGHTS_FILE))
+            model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        except (OSError, KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"{directory} is not a readable feature draft ({str(error).splitlines()[0]})") from None
         return model
 
     @staticmethod

@@ -3,9 +3,10 @@
 
 Prompts are generated from templates (general questions over a list of topics, coding tasks, and questions about
 stdlib code excerpts); every 20th is held out for the model card's acceptance figures. None of them is a
-benchmark prompt (:data:`exactspec.peers.CHAT_PROMPTS`). Answers are sampled from the target through transformers'
-batched ``generate`` (the lean backend decodes one sequence at a time), written one JSON line per prompt as soon as a
-batch finishes, so an interrupted run continues where it stopped.
+benchmark prompt (:data:`exactspec.peers.CHAT_PROMPTS`). Answers are sampled from the target (temperature 0.7)
+through transformers' batched ``generate`` on the target's dense bfloat16 weights (the lean backend decodes one
+sequence at a time), written one JSON line per prompt as soon as a batch finishes, so an interrupted run continues
+where it stopped.
 """
 
 from __future__ import annotations

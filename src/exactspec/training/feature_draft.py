@@ -163,6 +163,8 @@ def held_out_acceptance(draft: FeatureDraft, rows: list[dict], steps: int, vocab
     answer positions of sum_v min(p(v), q(v)) (acceptance at T=1, p truncated to its top-k) and of
     argmax q == argmax p (greedy)."""
     subset_ids = draft.vocab_ids
+    subset_index = torch.full((vocab_size,), -1, dtype=torch.long)
+    subset_index[subset_ids] = torch.arange(len(subset_ids))
     sampled, greedy = [0.0] * steps, [0.0] * steps
     counts = [0] * steps
     with torch.inference_mode():
@@ -172,9 +174,9 @@ def held_out_acceptance(draft: FeatureDraft, rows: list[dict], steps: int, vocab
             p_ids, p_probs = r["top_ids"].long()[1:], r["top_probs"].float()[1:]  # (T-1, K)
             for k, g in enumerate(outputs):
                 q = draft.logits(g[0]).float().softmax(-1)  # (T-1, |S|)
-                full = torch.zeros(q.shape[0], vocab_size)
-                full[:, subset_ids] = q
-                overlap = torch.minimum(full.gather(-1, p_ids), p_probs).sum(-1)
+                where = subset_index[p_ids]  # (T-1, K): the top-k tokens' places in S, -1 outside
+                q_at_p = q.gather(-1, where.clamp(min=0)) * (where >= 0)
+                overlap = torch.minimum(q_at_p, p_probs).sum(-1)
                 match = (subset_ids[q.argmax(-1)] == p_ids[:, 0]).float()
                 slots = torch.arange(q.shape[0])
                 keep = (slots >= max(k, r["loss_from"])) & (slots + 1 < ids.shape[1])
@@ -216,7 +218,7 @@ def _train(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict], vocab_si
         state["tokens"] += int(counted.sum())
         state["seconds"] = seconds0 + time.monotonic() - start
         if state["step"] % 20 == 0:
-            _log(f"train: step {state['step']}, {state['tokens']} tokens, losses {[round(float(l), 3) for l in losses]}, "
+            _log(f"train: step {state['step']}, {state['tokens']} tokens, losses {[round(float(l.detach()), 3) for l in losses]}, "
                  f"{100 * progress:.0f}% of the time")
         if time.monotonic() - last_save > 120 or state["seconds"] >= state["budget"]:
             torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "state": state}, checkpoint)
