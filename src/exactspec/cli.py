@@ -469,7 +469,9 @@ def _train_draft(args: argparse.Namespace) -> dict:
 
     _check_writable_directory(Path(args.out), "--out")
     try:
-        target = resolve_checkpoint(args.target)
+        from exactspec.models.base import check_local_checkpoint
+
+        target = check_local_checkpoint(resolve_checkpoint(args.target))
         config = TrainDraftArgs(target, Path(args.out), args.minutes, args.vocab_subset, args.ttt_steps,
                                 seed=args.seed, threads=args.threads)
         return train_draft(config)
