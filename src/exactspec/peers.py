@@ -30,17 +30,38 @@ from pathlib import Path
 from exactspec.chat import chat_messages
 from exactspec.tokenizer import TextTokenizer
 
-__all__ = ["CHAT_PROMPTS", "PeerBenchConfig", "run_peer_bench", "format_peer_table", "llama_cpp_available"]
+__all__ = ["PEER_WORKLOADS", "PeerBenchConfig", "run_peer_bench", "format_peer_table", "llama_cpp_available", "write_peer_outputs"]
 
-CHAT_PROMPTS = (
-    "Write a Python function that returns the squares of a list, with a docstring and an example.",
-    "Explain how a hash table works, step by step.",
-    "Rewrite this sentence three times in different styles: The quick brown fox jumps over the lazy dog.",
-    "Write a short story about a robot who learns to paint.",
-    "List five tips for writing clear emails, with one sentence each.",
-    "What is the difference between a list and a tuple in Python? Give examples.",
-)
+PEER_WORKLOADS = {  # user turns for an instruct model
+    "chat": (  # questions about code and general tasks
+        "Write a Python function that returns the squares of a list, with a docstring and an example.",
+        "Explain how a hash table works, step by step.",
+        "Rewrite this sentence three times in different styles: The quick brown fox jumps over the lazy dog.",
+        "Write a short story about a robot who learns to paint.",
+        "List five tips for writing clear emails, with one sentence each.",
+        "What is the difference between a list and a tuple in Python? Give examples.",
+    ),
+    "code": (  # code completion
+        "Complete this Python code:\n\ndef fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        "Complete this Python code:\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+        "Complete this Python code:\n\nimport json\n\ndef load_config(path):\n    \"\"\"Read a JSON file and return its content as a dict.\"\"\"\n",
+        "Complete this Python code:\n\ndef is_palindrome(text):\n    \"\"\"True if text reads the same backwards, ignoring case and spaces.\"\"\"\n",
+    ),
+    "grounded": (  # repeat a given text with a change
+        "Repeat this code, renaming the variable total to result:\n\ndef add_all(numbers):\n    total = 0\n"
+        "    for number in numbers:\n        total = total + number\n    print(total)\n    return total\n",
+        "Repeat this list, replacing every comma with a semicolon: apples, pears, plums, cherries, grapes, lemons, limes, "
+        "melons, figs, dates, oranges, kiwis, peaches, mangoes.",
+        "Copy this paragraph, changing the name Anna to Maria: Anna walked to the market in the morning. Anna bought "
+        "bread, cheese and tomatoes. On the way home Anna met a friend, and Anna told her about the new library.",
+        "Repeat this code with the function renamed from area to rectangle_area:\n\ndef area(width, height):\n"
+        "    \"\"\"Return the area of a rectangle.\"\"\"\n    return width * height\n\nprint(area(3, 4))\nprint(area(5, 6))\n",
+    ),
+}
 BASELINE = "llama.cpp plain"
+EXACTSPEC_PLAIN = "exactspec plain"
+HF_ASSISTED_SKIPPED = ("transformers' assisted generation takes a standalone draft model; exactspec's trained draft reads the "
+                       "target's hidden states, and no standalone model shares SmolLM2's tokenizer offline")
 MODES = {"greedy": 0.0, "sample": 1.0}  # temperature
 
 
@@ -56,6 +77,7 @@ class PeerBenchConfig:
     llama_cpp: bool = True
     draft: Path | None = None  # a trained draft: one more exactspec arm
     modes: tuple[str, ...] = ("greedy",)  # greedy: T = 0; sample: T = 1, no truncation
+    workloads: tuple[str, ...] = ("chat",)  # keys of PEER_WORKLOADS; num_prompts of each
 
     def __post_init__(self) -> None:
         for name in ("threads", "num_prompts", "max_new_tokens", "repeats", "lookup_tokens"):
@@ -63,8 +85,11 @@ class PeerBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.modes or set(self.modes) - set(MODES):
             raise ValueError(f"modes must be among {', '.join(MODES)}, got {self.modes}")
-        if self.num_prompts > len(CHAT_PROMPTS):
-            raise ValueError(f"--prompts: this benchmark has {len(CHAT_PROMPTS)} chat prompts, got {self.num_prompts}")
+        if not self.workloads or set(self.workloads) - set(PEER_WORKLOADS):
+            raise ValueError(f"--workloads: against llama.cpp the workloads are {', '.join(PEER_WORKLOADS)}, got {', '.join(self.workloads)}")
+        fewest = min(len(PEER_WORKLOADS[w]) for w in self.workloads)
+        if self.num_prompts > fewest:
+            raise ValueError(f"--prompts: these workloads have {fewest} prompts each at most, got {self.num_prompts}")
 
 
 @dataclass
@@ -72,6 +97,7 @@ class PeerArm:
     name: str
     command: list[str]  # without the prompt, which goes last
     per_prompt: list[list[float]] = field(default_factory=list)  # tokens/s, one list of repetitions per prompt
+    tokens_per_call: list[float] = field(default_factory=list)  # exactspec arms: new tokens per target call, every run
 
 
 def llama_cpp_available() -> bool:
@@ -85,10 +111,10 @@ def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
                 *config.generate_flags]
     chat = TextTokenizer.from_path(config.target).chat_template is not None  # else the prompt is plain text
     prompt_flag = ["--user"] if chat else ["--"]
-    arms = [PeerArm("exactspec plain", [*generate, "--no-speculation", *prompt_flag]),
+    arms = [PeerArm(EXACTSPEC_PLAIN, [*generate, "--no-speculation", *prompt_flag]),
             PeerArm("exactspec prompt lookup (auto gamma)", [*generate, "--draft", "lookup", *prompt_flag])]
     if config.draft is not None:
-        arms.append(PeerArm("exactspec trained draft (auto gamma)", [*generate, "--draft", str(config.draft), *prompt_flag]))
+        arms.append(PeerArm("exactspec trained draft + lookup (auto gamma)", [*generate, "--draft", str(config.draft), *prompt_flag]))
     if config.llama_cpp:
         child = [sys.executable, "-m", "exactspec.peers", "--target", str(config.target), "--threads", str(config.threads),
                  "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature, *(["--chat"] if chat else [])]
@@ -97,51 +123,108 @@ def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
     return arms
 
 
-def _rate(arm: PeerArm, prompt: str) -> float:
+def _run(arm: PeerArm, prompt: str) -> dict:
+    """One run of ``arm`` on ``prompt``: its JSON result (tokens_per_second, and tokens_per_round for exactspec)."""
     done = subprocess.run([*arm.command, prompt], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise RuntimeError(f"{arm.name} failed: {last}")
     try:
-        return float(json.loads(done.stdout[done.stdout.index("{"):])["tokens_per_second"])
+        result = json.loads(done.stdout[done.stdout.index("{"):])
+        float(result["tokens_per_second"])
+        return result
     except (ValueError, KeyError):
         raise RuntimeError(f"{arm.name} printed no tokens_per_second: {done.stdout.strip()[-200:]!r}") from None
 
 
+def llama_cpp_build() -> dict:
+    """llama-cpp-python's version and the CPU features its build uses."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info()
+    return {"version": llama_cpp.__version__, "system_info": (info.decode() if isinstance(info, bytes) else str(info)).strip()}
+
+
 def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
-    """Run every arm on every prompt ``repeats`` times per mode, interleaved; the report of :func:`format_peer_table`."""
-    prompts = CHAT_PROMPTS[: config.num_prompts]
+    """Run every arm on every prompt ``repeats`` times per mode and workload, interleaved; the report of
+    :func:`format_peer_table`. Per arm: the median over prompts of each prompt's median over repetitions, the
+    spread (lowest and highest prompt median), tokens per target call (exactspec) and ratios to llama.cpp plain
+    and to exactspec plain of the same run."""
     results = []
     for mode in config.modes:
-        arms = _arms(config, mode)
-        for i, prompt in enumerate(prompts):
-            runs = {arm.name: [] for arm in arms}
-            for r in range(config.repeats):
+        for workload in config.workloads:
+            arms = _arms(config, mode)
+            prompts = PEER_WORKLOADS[workload][: config.num_prompts]
+            for i, prompt in enumerate(prompts):
+                runs = {arm.name: [] for arm in arms}
+                for r in range(config.repeats):
+                    for arm in arms:
+                        if progress:
+                            print(f"\r[{mode}, {workload} {i + 1}/{len(prompts)}, repetition {r + 1}/{config.repeats}] {arm.name:48s}",
+                                  end="", file=sys.stderr, flush=True)
+                        result = _run(arm, prompt)
+                        runs[arm.name].append(float(result["tokens_per_second"]))
+                        if "tokens_per_round" in result:
+                            arm.tokens_per_call.append(float(result["tokens_per_round"]))
                 for arm in arms:
-                    if progress:
-                        print(f"\r[{mode}, prompt {i + 1}/{len(prompts)}, repetition {r + 1}/{config.repeats}] {arm.name:45s}", end="", file=sys.stderr, flush=True)
-                    runs[arm.name].append(_rate(arm, prompt))
-            for arm in arms:
-                arm.per_prompt.append(runs[arm.name])
-        rates = {arm.name: statistics.median(statistics.median(v) for v in arm.per_prompt) for arm in arms}
-        baseline = rates.get(BASELINE)
-        results += [{"mode": mode, "arm": arm.name, "tokens_per_second": rates[arm.name],
-                     "vs_llama_cpp_plain": rates[arm.name] / baseline if baseline else None,
-                     "per_prompt": arm.per_prompt} for arm in arms]
+                    arm.per_prompt.append(runs[arm.name])
+            medians = {arm.name: [statistics.median(v) for v in arm.per_prompt] for arm in arms}
+            rates = {name: statistics.median(v) for name, v in medians.items()}
+            results += [{"mode": mode, "workload": workload, "arm": arm.name, "tokens_per_second": rates[arm.name],
+                         "spread": [min(medians[arm.name]), max(medians[arm.name])],
+                         "tokens_per_call": statistics.mean(arm.tokens_per_call) if arm.tokens_per_call else None,
+                         "vs_llama_cpp_plain": rates[arm.name] / rates[BASELINE] if BASELINE in rates else None,
+                         "vs_exactspec_plain": rates[arm.name] / rates[EXACTSPEC_PLAIN],
+                         "per_prompt": arm.per_prompt} for arm in arms]
     if progress:
         print(file=sys.stderr)
-    return {"config": {**asdict(config), "target": str(config.target), "draft": config.draft and str(config.draft)}, "results": results}
+    build = llama_cpp_build() if config.llama_cpp else None
+    return {"config": {**asdict(config), "target": str(config.target), "draft": config.draft and str(config.draft)},
+            "llama_cpp": build, "hf_assisted": HF_ASSISTED_SKIPPED, "results": results}
 
 
 def format_peer_table(report: dict) -> str:
     c = report["config"]
-    lines = [f"{Path(c['target']).name}: {c['max_new_tokens']} new tokens, {c['threads']} threads, "
-             f"{c['num_prompts']} chat prompts x {c['repeats']} repetitions (medians), each run its own process; greedy: T=0, sample: T=1",
-             f"{'mode':7s} {'arm':45s} {'tokens/s':>9s} {'vs llama.cpp plain':>19s}"]
+    lines = [f"{Path(c['target']).name}: {c['max_new_tokens']} new tokens, {c['threads']} threads, {c['num_prompts']} prompts per "
+             f"workload x {c['repeats']} repetitions (medians; spread: lowest-highest prompt median), each run its own process; "
+             "greedy: T=0, sample: T=1"]
+    if report.get("llama_cpp"):
+        lines.append(f"llama-cpp-python {report['llama_cpp']['version']}: {report['llama_cpp']['system_info']}")
+    lines.append(f"HF assisted generation: not run ({report.get('hf_assisted', HF_ASSISTED_SKIPPED)})")
+    lines.append(f"{'mode':7s} {'workload':9s} {'arm':46s} {'tokens/s':>9s} {'spread':>11s} {'tok/call':>8s} {'vs plain':>8s} {'vs llama.cpp':>12s}")
     for row in report["results"]:
-        ratio = f"{row['vs_llama_cpp_plain']:19.2f}" if row["vs_llama_cpp_plain"] else f"{'-':>19s}"
-        lines.append(f"{row['mode']:7s} {row['arm']:45s} {row['tokens_per_second']:9.1f} {ratio}")
+        low, high = row["spread"]
+        per_call = f"{row['tokens_per_call']:8.2f}" if row["tokens_per_call"] else f"{'-':>8s}"
+        ratio = f"{row['vs_llama_cpp_plain']:12.2f}" if row["vs_llama_cpp_plain"] else f"{'-':>12s}"
+        lines.append(f"{row['mode']:7s} {row['workload']:9s} {row['arm']:46s} {row['tokens_per_second']:9.1f} {low:5.0f}-{high:<5.0f} "
+                     f"{per_call} {row['vs_exactspec_plain']:8.2f} {ratio}")
     return "\n".join(lines)
+
+
+def write_peer_outputs(report: dict, directory: str | Path) -> list[Path]:
+    """peers.json, peers.txt and peers.png (tokens/s of every arm, with its spread, per mode and workload)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "peers.json").write_text(json.dumps(report, indent=2))
+    (directory / "peers.txt").write_text(format_peer_table(report) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r["mode"], r["workload"]) for r in report["results"]))
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4.2), squeeze=False)
+    for axis, (mode, workload) in zip(axes[0], panels):
+        rows = [r for r in report["results"] if (r["mode"], r["workload"]) == (mode, workload)]
+        rates = [r["tokens_per_second"] for r in rows]
+        errors = [[rate - r["spread"][0] for rate, r in zip(rates, rows)], [r["spread"][1] - rate for rate, r in zip(rates, rows)]]
+        axis.bar(range(len(rows)), rates, yerr=errors, capsize=3, color=["tab:blue" if r["arm"].startswith("exactspec") else "tab:orange" for r in rows])
+        axis.set_xticks(range(len(rows)), [r["arm"].replace(" (", "\n(") for r in rows], rotation=60, ha="right", fontsize=7)
+        axis.set(title=f"{workload} / {mode}", ylabel="tokens/s (median; bars: prompt spread)")
+    figure.tight_layout()
+    figure.savefig(directory / "peers.png", dpi=110)
+    plt.close("all")
+    return [directory / "peers.json", directory / "peers.txt", directory / "peers.png"]
 
 
 def _llama_cpp_run(argv: list[str] | None = None) -> None:

@@ -44,7 +44,7 @@ from typing import Mapping, Protocol
 
 from exactspec.stats import RoundRecord
 
-__all__ = ["AdaptiveConfig", "AdaptiveGamma", "GammaPolicy", "PolicyPriors", "RunningMean"]
+__all__ = ["AdaptiveConfig", "AdaptiveGamma", "GammaPolicy", "PolicyPriors", "RoutedPolicy", "RunningMean"]
 
 
 class GammaPolicy(Protocol):
@@ -231,3 +231,28 @@ class AdaptiveGamma:
         elif self.plain_rounds >= self.probe_wait:
             return self.config.probe_gamma
         return best
+
+
+@dataclass
+class RoutedPolicy:
+    """One policy per proposal source (:class:`exactspec.proposers.LookupOrDraft`): before each round the engine
+    selects the source the context routes to, and that source's policy chooses gamma and learns from the round."""
+
+    policies: dict[str, GammaPolicy]
+    selected: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.policies:
+            raise ValueError("RoutedPolicy needs at least one source's policy")
+        self.selected = self.selected or next(iter(self.policies))
+
+    def select(self, source: str) -> None:
+        if source not in self.policies:
+            raise ValueError(f"no policy for proposal source {source!r}; have {', '.join(self.policies)}")
+        self.selected = source
+
+    def next_gamma(self) -> int:
+        return self.policies[self.selected].next_gamma()
+
+    def observe(self, record: RoundRecord) -> None:
+        self.policies[self.selected].observe(record)

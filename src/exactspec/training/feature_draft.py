@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig
 from exactspec.models.lean import LeanModel
+from exactspec.priors import write_shipped_prior
 from exactspec.tokenizer import TextTokenizer
 from exactspec.training.draft_data import chat_prompts, corpus_chunks, generate_answers, read_answers
 
@@ -278,6 +279,7 @@ def train_draft(args: TrainDraftArgs) -> dict:
         "total_minutes": (time.monotonic() - started) / 60,
     }
     draft.save(args.out / "draft", card)
+    write_shipped_prior(args.out / "draft", args.target, acceptance, "held-out chat answers, training-time-test forward")
     (args.out / "MODEL_CARD.json").write_text(json.dumps(card, indent=2))
     _log(f"done: held-out acceptance by position, T=1 {[round(a, 3) for a in acceptance['sampled']]}, "
          f"greedy {[round(a, 3) for a in acceptance['greedy']]}")

@@ -1,0 +1,52 @@
+"""Prompt lookup where the context repeats itself at length, a trained draft everywhere else.
+
+Each round takes one source, chosen from the committed context alone (never from the round's random numbers):
+``lookup`` when the last ``min_match`` or more tokens occurred earlier and something followed them, else
+``draft``. A lookup proposal is a point mass (verified with the point-mass rule), a draft's proposal carries its
+q (verified with min(1, p/q)), so every round is an exact speculative step whichever source it took.
+
+:meth:`LookupOrDraft.route` names the source a context will take, so that a
+:class:`exactspec.policy.RoutedPolicy` can keep one gamma policy per source: the two have very different
+acceptance and step costs. A draft that reads the target's features keeps receiving them during lookup rounds,
+and catches up on its next proposal.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from exactspec.proposers.base import Draft, Proposer
+from exactspec.proposers.prompt_lookup import find_continuation
+
+__all__ = ["LookupOrDraft"]
+
+
+class LookupOrDraft:
+    SOURCES = ("lookup", "draft")
+
+    def __init__(self, draft: Proposer, min_match: int = 3, max_ngram: int = 8) -> None:
+        if not 1 <= min_match <= max_ngram:
+            raise ValueError(f"need 1 <= min_match <= max_ngram, got {min_match} and {max_ngram}")
+        self.draft = draft
+        self.min_match = min_match
+        self.max_ngram = max_ngram
+        self.reads_target_features = getattr(draft, "reads_target_features", False)
+        self.feature_layers = getattr(draft, "feature_layers", ())
+
+    def route(self, context: Sequence[int]) -> str:
+        """``lookup`` if a suffix of at least ``min_match`` tokens has an earlier continuation, else ``draft``."""
+        return "lookup" if find_continuation(context, 1, self.min_match, self.max_ngram) else "draft"
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self.draft.reset(prompt)
+
+    def observe_target(self, features: torch.Tensor) -> None:  # (n, F)
+        self.draft.observe_target(features)
+
+    def propose(self, context: Sequence[int], gamma: int, generator: torch.Generator) -> Draft:
+        if gamma <= 0:
+            return Draft([], None)
+        tokens = find_continuation(context, gamma, self.min_match, self.max_ngram)
+        return Draft(tokens, None) if tokens else self.draft.propose(context, gamma, generator)

@@ -1,0 +1,132 @@
+"""Prompt lookup combined with a trained feature draft (exactspec.proposers.combined) and one gamma policy per source
+(exactspec.policy.RoutedPolicy).
+
+Statistical tests as in test_exactness.py (G-test, N = 8000, ALPHA = 1e-3 each, fixed seeds), on the tiny Llama
+target and feature draft of test_feature_draft.py. With min_match = 1 over 4 tokens most rounds after the first
+few take the lookup source, so both sources and both verification rules are in play in one generation. Power: a
+mutant that verifies lookup tokens as if the draft had sampled them from a uniform q is rejected at the same N.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
+from exactspec.models.eagle import FeatureDraftRunner
+from exactspec.models.lean import LeanModel
+from exactspec.policy import AdaptiveConfig, AdaptiveGamma, RoutedPolicy
+from exactspec.proposers import Draft, LookupOrDraft
+from exactspec.proposers.feature_draft import FeatureDraftProposer
+from exactspec.stats import RoundRecord
+from test_exactness import ALPHA, N, g_test_p_value
+from test_feature_draft import GAMMA, NEW_TOKENS, PROMPT, VOCAB, exact_law, tiny_draft, tiny_target
+
+
+class Recorder:
+    """A proposer that remembers what it was asked."""
+
+    reads_target_features = False
+
+    def __init__(self, token: int = 7) -> None:
+        self.calls, self.token = 0, token
+        self.on_call = lambda: None
+
+    def reset(self, prompt) -> None:
+        pass
+
+    def propose(self, context, gamma, generator) -> Draft:
+        self.calls += 1
+        self.on_call()
+        return Draft([self.token] * gamma, None)
+
+
+def test_routes_to_lookup_only_on_a_long_enough_repeat():
+    proposer = LookupOrDraft(Recorder(), min_match=3, max_ngram=4)
+    assert proposer.route([1, 2, 3, 4, 1, 2]) == "draft"  # a 2-token repeat is not enough
+    assert proposer.route([1, 2, 3, 4, 1, 2, 3]) == "lookup"
+    generator = torch.Generator()
+    assert proposer.propose([1, 2, 3, 4, 1, 2, 3], 2, generator).tokens == [4, 1]
+    assert proposer.draft.calls == 0
+    assert proposer.propose([1, 2, 3, 4, 1, 2], 2, generator).tokens == [7, 7]
+    assert proposer.draft.calls == 1
+    with pytest.raises(ValueError, match="min_match"):
+        LookupOrDraft(Recorder(), min_match=0)
+
+
+def test_routed_policy_gives_each_source_its_own_estimates():
+    config = AdaptiveConfig(max_gamma=4, initial_gamma=2)
+    policy = RoutedPolicy({"lookup": AdaptiveGamma(config), "draft": AdaptiveGamma(config)})
+    policy.select("draft")
+    for _ in range(20):  # the draft is useless: every drafted token rejected
+        policy.observe(RoundRecord(2, 0, 1, 0.002, 0.010, 0.0))
+    policy.select("lookup")
+    for _ in range(20):  # lookup is free and always right
+        policy.observe(RoundRecord(4, 4, 5, 0.0, 0.011, 0.0))
+    assert policy.next_gamma() == 4
+    policy.select("draft")
+    assert policy.next_gamma() == 0
+    with pytest.raises(ValueError, match="no policy for proposal source 'tree'"):
+        policy.select("tree")
+
+
+def test_engine_selects_the_routed_policy_per_round():
+    """The engine asks the policy of the source each context routes to, and that policy learns from the round."""
+    seen = {"lookup": 0, "draft": 0}
+
+    class Counting(AdaptiveGamma):
+        def __init__(self, name):
+            super().__init__(AdaptiveConfig(max_gamma=2, initial_gamma=2))
+            self.name = name
+
+        def observe(self, record):
+            seen[self.name] += 1
+            super().observe(record)
+
+    policy = RoutedPolicy({"lookup": Counting("lookup"), "draft": Counting("draft")})
+    recorder = Recorder(token=3)
+    recorder.on_call = lambda: seen.__setitem__("draft_calls_under_lookup", seen.get("draft_calls_under_lookup", 0) + (policy.selected != "draft"))
+    decoder = SpeculativeDecoder(LeanModel(tiny_target()), LookupOrDraft(recorder, min_match=2, max_ngram=3),
+                                 SamplingParams(temperature=0.0), policy=policy)
+    decoder.generate([1, 2, 1, 2, 1], GenerationConfig(max_new_tokens=12))
+    assert seen["lookup"] >= 1 and seen["draft"] >= 1
+    assert recorder.calls >= 1 and seen["draft_calls_under_lookup"] == 0
+
+
+class LookupAsSampled(LookupOrDraft):
+    """Bug: lookup tokens are handed to the verifier as if sampled from a uniform q (checked with min(1, p/q))."""
+
+    def propose(self, context, gamma, generator):
+        draft = super().propose(context, gamma, generator)
+        if draft.probs is None and draft.tokens:
+            return Draft(draft.tokens, torch.full((len(draft.tokens), VOCAB), 1.0 / VOCAB, dtype=torch.float64))
+        return draft
+
+
+def combined_counts(params: SamplingParams, proposer_class=LookupOrDraft):
+    target = tiny_target()
+    feature = FeatureDraftProposer(FeatureDraftRunner(tiny_draft(target), 32), VOCAB, params)
+    proposer = proposer_class(feature, min_match=1, max_ngram=2)
+    routes = {"lookup": 0, "draft": 0}
+    route = proposer.route
+    proposer.route = lambda context: routes.__setitem__(r := route(context), routes[r] + 1) or r
+    config = AdaptiveConfig(max_gamma=GAMMA, initial_gamma=GAMMA)
+    policy = RoutedPolicy({"lookup": AdaptiveGamma(config), "draft": AdaptiveGamma(config)})
+    decoder = SpeculativeDecoder(LeanModel(target), proposer, params, policy=policy)
+    counts: dict[tuple[int, ...], int] = {}
+    for seed in range(N):
+        tokens = tuple(decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, seed=seed)).tokens)
+        counts[tokens] = counts.get(tokens, 0) + 1
+    return counts, exact_law(LeanModel(tiny_target()), params), routes
+
+
+def test_lookup_combined_with_the_feature_draft_follows_the_target_law():
+    params = SamplingParams(temperature=0.8)
+    counts, law, routes = combined_counts(params)
+    assert routes["lookup"] > N and routes["draft"] > N // 10  # both sources serve many rounds
+    assert g_test_p_value(counts, law) > ALPHA
+
+
+def test_the_same_test_rejects_lookup_verified_as_sampled():
+    counts, law, _ = combined_counts(SamplingParams(temperature=0.8), LookupAsSampled)
+    assert g_test_p_value(counts, law) < ALPHA
