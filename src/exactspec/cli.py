@@ -474,6 +474,37 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
     return report
 
 
+def _serve(args: argparse.Namespace) -> dict:
+    try:
+        from exactspec.serving.api import ServerSettings, create_app
+        from exactspec.serving.batching import EngineConfig
+        from exactspec.serving.server import build_engine, run_server
+    except ImportError as error:
+        raise CliError(f"serve needs the server extras ({error.name} is missing): pip install 'exactspec[serve]'") from None
+    from exactspec.models.eagle import FeatureDraft
+
+    if args.backend != "lean":
+        raise CliError("serve runs the lean backend (Llama-family checkpoints); --backend hf is for generate and bench")
+    draft_dir = _pair_dirs(args)[1]
+    if draft_dir is not None and FeatureDraft.is_feature_draft(draft_dir):
+        if args.draft is not None:
+            raise CliError("serve does not batch feature-level drafts yet: give a draft model, or --draft lookup")
+        print("[serve: the target's trained feature draft is not batched yet; speculation uses prompt lookup]", file=sys.stderr)
+        args.draft = LOOKUP
+    api_key = args.api_key or os.environ.get("EXACTSPEC_API_KEY")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        raise CliError(f"--host {args.host} exposes the server beyond this machine: give it an --api-key")
+    pair = _load(args, with_draft=True)
+    try:
+        engine = build_engine(pair, args.max_batch, args.max_model_len, EngineConfig(gamma=args.gamma))
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    name = args.model_name or (args.target or "exactspec-default")
+    settings = ServerSettings(name, api_key, args.max_request_bytes, args.max_tokens, args.max_n, args.max_sequences)
+    run_server(create_app(engine, pair.tokenizer, settings), args.host, args.port)
+    return {}
+
+
 def _train_draft(args: argparse.Namespace) -> dict:
     from exactspec.training.feature_draft import TrainDraftArgs, train_draft
 
@@ -598,6 +629,21 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--clear", action="store_true", help="remove every entry")
     cache.add_argument("--json", action="store_true", help="print JSON")
     cache.set_defaults(run=_cache, show=_print_cache)
+    serve = add("serve", help="an OpenAI-compatible HTTP server with continuous batching (default: the shipped pair, on 127.0.0.1:8000)")
+    _add_model_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (anything but loopback needs --api-key)")
+    serve.add_argument("--port", type=_integer(1, 65535), default=8000, help="port to bind")
+    serve.add_argument("--api-key", help="require Authorization: Bearer KEY on every request but /health (default: $EXACTSPEC_API_KEY)")
+    serve.add_argument("--model-name", help="the model id clients send (default: --target, or exactspec-default)")
+    serve.add_argument("--max-batch", type=_integer(1, 256), default=16, help="sequences decoded together")
+    serve.add_argument("--max-model-len", type=_integer(16), default=2048, help="prompt + completion tokens per sequence")
+    serve.add_argument("--max-tokens", type=_integer(1), default=1024, help="largest max_tokens a request may ask for")
+    serve.add_argument("--max-n", type=_integer(1), default=8, help="largest n (choices per request)")
+    serve.add_argument("--max-sequences", type=_integer(1), default=64, help="sequences queued or running at once; more get HTTP 429")
+    serve.add_argument("--max-request-bytes", type=_integer(1), default=1 << 20, help="largest request body")
+    serve.add_argument("--gamma", type=_integer(1), default=4, help="draft tokens per round of draft and lookup requests (and seeded auto ones)")
+    serve.set_defaults(run=_serve, show=lambda result: None, json=False)
+
     train = add("train-draft", help="train a feature-level (EAGLE-style) draft for a Llama-family target on the CPU, within a time budget; rerun to resume")
     train.add_argument("--target", required=True, help="the target: a .gguf file, a Llama directory or a packaged model's name")
     train.add_argument("--out", required=True, help="the run's directory (data, checkpoints; the draft lands in OUT/draft)")

@@ -34,7 +34,7 @@ from exactspec.sampling import SamplingParams, block_probs
 from exactspec.stats import GenerationStats, RoundRecord
 from exactspec.verify import VerifyResult, verify_greedy, verify_point_mass, verify_stochastic
 
-__all__ = ["GenerationConfig", "Generation", "SpeculativeDecoder"]
+__all__ = ["GenerationConfig", "Generation", "SpeculativeDecoder", "verify_block"]
 
 
 @dataclass(frozen=True)
@@ -175,15 +175,20 @@ class SpeculativeDecoder:
             self.policy.observe(record)
         return result.committed()
 
-    def _verify(
-        self,
-        draft_tokens: torch.Tensor,  # (1, g) int64
-        draft_probs: torch.Tensor | None,  # (1, g, V) or None for point-mass proposals
-        target_probs: torch.Tensor,  # (1, g + 1, V)
-        generator: torch.Generator,
-    ) -> VerifyResult:
-        if self.params.greedy:
-            return verify_greedy(draft_tokens, target_probs)
-        if draft_probs is None:
-            return verify_point_mass(draft_tokens, target_probs, generator)
-        return verify_stochastic(draft_tokens, draft_probs, target_probs, generator)
+    def _verify(self, draft_tokens, draft_probs, target_probs, generator) -> VerifyResult:
+        return verify_block(self.params, draft_tokens, draft_probs, target_probs, generator)
+
+
+def verify_block(
+    params: SamplingParams,
+    draft_tokens: torch.Tensor,  # (1, g) int64
+    draft_probs: torch.Tensor | None,  # (1, g, V) or None for point-mass proposals
+    target_probs: torch.Tensor,  # (1, g + 1, V)
+    generator: torch.Generator,
+) -> VerifyResult:
+    """The rule that fits the proposal: greedy, point mass (deterministic drafts) or min(1, p/q) (sampled ones)."""
+    if params.greedy:
+        return verify_greedy(draft_tokens, target_probs)
+    if draft_probs is None:
+        return verify_point_mass(draft_tokens, target_probs, generator)
+    return verify_stochastic(draft_tokens, draft_probs, target_probs, generator)

@@ -118,7 +118,7 @@ class Block(nn.Module):
         qkv = self.wqkv(self._norm(x, self.attn_norm))  # (B, T, (nh + 2 nkv) hd)
         qk, v = qkv.split([(self.n_head + self.n_kv) * self.hd, self.n_kv * self.hd], dim=-1)
         qk = qk.view(b, t, self.n_head + self.n_kv, self.hd)  # queries and keys rotate together: fewer small ops
-        qk = qk * cos.unsqueeze(1) + rotate_half(qk) * sin.unsqueeze(1)
+        qk = qk * cos.unsqueeze(-2) + rotate_half(qk) * sin.unsqueeze(-2)  # cos (T, hd) or (B, T, hd)
         q, k = qk.transpose(1, 2).split([self.n_head, self.n_kv], dim=1)  # (B, nh, T, hd), (B, nkv, T, hd)
         v = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         return q, k, v

@@ -1,0 +1,109 @@
+"""Several sequences in one KV cache, each with its own length: the lean backend for continuous batching.
+
+:class:`BatchedLean` holds ``slots`` sequences of up to ``max_len`` positions for one :class:`LlamaDecoder`. One
+:meth:`BatchedLean.forward` feeds each of several sequences its own tokens (1 for a plain step, gamma + 1 for a
+speculative block, a whole prompt for a prefill): the rows are right-padded to the longest, every row reads its
+own positions' rotary angles and attends to its own cache only, through a causal mask that stops at each query's
+position. Padding rows compute garbage that is never returned; their keys land in the row's own slot past its
+length, where no query of that sequence looks before a real token overwrites them. Each sequence rolls back on
+its own (:meth:`BatchedLean.rollback`).
+
+Numerics: a sequence's logits in a batch are computed by the same operations as alone, but the matrix kernels
+see more rows, so low-order bits may differ from a solo call (as between block sizes in
+:class:`exactspec.models.lean.LeanModel`'s default mode). Speculative output still follows the law of the
+logits each call returns.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .base import check_rollback_length, check_token_ids
+from .lean import LeanModel, LlamaDecoder, cache_dtype
+from .llama_config import rope_tables
+
+__all__ = ["BatchedLean", "MAX_BLOCK", "ragged_causal_mask"]
+
+MAX_BLOCK = 64  # spare positions per slot, so that padding rows of a full sequence still have somewhere to go
+
+
+def ragged_causal_mask(positions: torch.Tensor, end: int) -> torch.Tensor:  # (B, T) -> (B, 1, T, end) bool
+    """Query (b, i) at position ``positions[b, i]`` sees its own sequence's keys at positions up to its own."""
+    return (torch.arange(end, device=positions.device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+
+
+class BatchedLean:
+    def __init__(self, decoder: LlamaDecoder, slots: int, max_len: int, device: torch.device | str = "cpu",
+                 vocab_size: int | None = None) -> None:
+        if slots < 1 or max_len < 1:
+            raise ValueError(f"need slots >= 1 and max_len >= 1, got {slots} and {max_len}")
+        cfg = decoder.cfg
+        self.decoder, self.cfg = decoder, cfg
+        self.vocab_size = vocab_size or cfg.vocab_size  # logits beyond it (padding rows of the embedding) are cut
+        self.device = torch.device(device)
+        self.dtype = decoder.norm.dtype
+        self.slots, self.max_len = slots, max_len
+        cos, sin = rope_tables(cfg, max_len + MAX_BLOCK)
+        self._cos = cos.to(self.device, self.dtype)  # (max_len + MAX_BLOCK, hd)
+        self._sin = sin.to(self.device, self.dtype)
+        shape = (cfg.num_hidden_layers, slots, max_len + MAX_BLOCK, cfg.num_key_value_heads, cfg.head_size)
+        kv_dtype = cache_dtype(self.dtype, self.device)
+        self._k = torch.zeros(shape, dtype=kv_dtype, device=self.device)  # (L, S, len, nkv, hd)
+        self._v = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.lengths = [0] * slots
+
+    @classmethod
+    def like(cls, model: LeanModel, slots: int, max_len: int | None = None, vocab_size: int | None = None) -> "BatchedLean":
+        """A batched cache over ``model``'s decoder (weights shared, not copied)."""
+        return cls(model.decoder, slots, min(max_len or model.max_len, model.max_len), model.device, vocab_size)
+
+    def rollback(self, slot: int, length: int) -> None:
+        check_rollback_length(length, self.lengths[slot])
+        self.lengths[slot] = length
+
+    def forward(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+        """``rows``: (slot, tokens to append) per sequence, slots distinct. Returns each row's logits ``(t_i, V)``
+        (float32, CPU) and advances each slot's length by ``t_i``."""
+        slots = [slot for slot, _ in rows]
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
+            raise ValueError(f"rows need distinct slots in [0, {self.slots}), got {slots}")
+        ids = [check_token_ids(tokens, self.vocab_size) for _, tokens in rows]
+        lengths = [len(t) for t in ids]
+        for slot, t in zip(slots, lengths):
+            if self.lengths[slot] + t > self.max_len:
+                raise ValueError(f"sequence too long: {self.lengths[slot]} cached + {t} new tokens exceeds {self.max_len} positions")
+        width = max(lengths)
+        if width > MAX_BLOCK and len(rows) > 1:
+            raise ValueError(f"a batched call feeds at most {MAX_BLOCK} tokens per row; prefill long prompts alone")
+        with torch.inference_mode():
+            logits = self._forward(slots, ids, width)
+        for slot, t in zip(slots, lengths):
+            self.lengths[slot] += t
+        return [logits[b, :t, : self.vocab_size].float().cpu() for b, t in enumerate(lengths)]
+
+    def _forward(self, slots: list[int], ids: list[list[int]], width: int) -> torch.Tensor:  # (B, T, V)
+        device = self.device
+        batch = torch.tensor([t + [0] * (width - len(t)) for t in ids], device=device)  # (B, T)
+        start = torch.tensor([self.lengths[s] for s in slots], device=device)  # (B,)
+        positions = start[:, None] + torch.arange(width, device=device)  # (B, T)
+        end = int(positions.max()) + 1
+        index = torch.tensor(slots, device=device)
+        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        mask = ragged_causal_mask(positions, end)
+        cos, sin = self._cos[positions], self._sin[positions]  # (B, T, hd)
+        x = self.decoder.embed(batch)  # (B, T, C)
+        for i, layer in enumerate(self.decoder.layers):
+            q, k, v = layer._qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
+            self._k[i][index[:, None], positions] = k.transpose(1, 2).to(self._k.dtype)
+            self._v[i][index[:, None], positions] = v.transpose(1, 2).to(self._v.dtype)
+            if contiguous:  # a view, no copy
+                keys, values = self._k[i, slots[0] : slots[0] + len(slots), :end], self._v[i, slots[0] : slots[0] + len(slots), :end]
+            else:
+                keys, values = self._k[i, index, :end], self._v[i, index, :end]
+            y = F.scaled_dot_product_attention(q.to(keys.dtype), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                                               enable_gqa=layer.n_kv != layer.n_head)  # (B, nh, T, hd)
+            x = layer._finish(x, y.to(x.dtype))
+        return self.decoder.lm_head(self.decoder.final_norm(x))  # (B, T, V)

@@ -1,0 +1,378 @@
+"""``exactspec serve``: an OpenAI-compatible HTTP server over the continuous-batching engine.
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (the tokenizer's chat template), ``/v1/models``,
+``/health`` and ``/metrics`` (Prometheus text). Streaming uses server-sent events, as OpenAI's. Every response
+carries the usual ``usage`` and, per choice, exactspec's speculation figures (``speculation``).
+
+Limits (:class:`ServerSettings`): request body bytes, ``max_tokens``, ``n``, and sequences in flight (queued or
+running); past them a request gets a 4xx with an OpenAI-style error body and nothing runs. With an API key every
+request but ``/health`` needs ``Authorization: Bearer KEY``.
+
+The engine runs in one background thread (:meth:`exactspec.serving.batching.BatchEngine.run`); request handlers
+hand it sequences and receive tokens through asyncio queues. A client that disconnects mid-stream cancels its
+sequences: they leave the batch at the next step and their slots are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+
+from exactspec.sampling import SamplingParams
+from exactspec.serving.batching import BatchEngine, SequenceHandle, SequenceRequest, TokenEvent
+from exactspec.serving.protocol import ChatRequest, CompletionRequest
+from exactspec.tokenizer import TextTokenizer
+
+__all__ = ["ServerSettings", "create_app"]
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_request_bytes: int = 1 << 20
+    max_tokens: int = 1024  # largest max_tokens a request may ask for
+    max_n: int = 8
+    max_sequences: int = 64  # queued + running sequences; more: 429
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+class _Choice:
+    """One sequence of a request: its tokens arrive on an asyncio queue; stop strings are applied to its text."""
+
+    def __init__(self, index: int, tokenizer: TextTokenizer, stops: list[str], loop: asyncio.AbstractEventLoop) -> None:
+        self.index, self.tokenizer, self.stops, self.loop = index, tokenizer, stops, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tokens: list[int] = []
+        self.events: list[TokenEvent] = []
+        self.sent = 0  # characters of text already handed out
+        self.finish_reason: str | None = None
+        self.handle: SequenceHandle | None = None
+
+    # called from the engine thread
+    def on_tokens(self, events: list[TokenEvent]) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("tokens", events))
+
+    def on_finish(self, handle: SequenceHandle) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("finish", handle))
+
+    def add(self, events: list[TokenEvent], stop_ids: frozenset[int]) -> str:
+        """Take new tokens; returns the text that is now safe to hand out (a stop string ends it)."""
+        self.events += events
+        self.tokens += [e.token for e in events]
+        text = self.tokenizer.decode([t for t in self.tokens if t not in stop_ids])
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0:
+                self.finish_reason = "stop"
+                self.handle.cancel()
+                piece, self.sent = text[self.sent : at], at
+                return piece
+        if text.endswith("\ufffd"):
+            return ""  # a character cut between tokens
+        hold = max((len(s) - 1 for s in self.stops), default=0)  # a stop string may be starting
+        safe = max(self.sent, len(text) - hold)
+        piece, self.sent = text[self.sent : safe], safe
+        return piece
+
+    def rest(self, stop_ids: frozenset[int]) -> str:
+        if self.finish_reason == "stop" and self.stops:
+            return ""
+        text = self.tokenizer.decode([t for t in self.tokens if t not in stop_ids])
+        piece, self.sent = text[self.sent :], len(text)
+        return piece
+
+    def logprobs(self, chat: bool) -> dict | None:
+        if not self.events or self.events[0].logprob is None:
+            return None
+        text = self.tokenizer.token_text
+        if chat:
+            return {"content": [{"token": text(e.token), "logprob": e.logprob,
+                                 "top_logprobs": [{"token": text(t), "logprob": lp} for t, lp in e.top]} for e in self.events]}
+        return {"tokens": [text(e.token) for e in self.events], "token_logprobs": [e.logprob for e in self.events],
+                "top_logprobs": [{text(t): lp for t, lp in e.top} for e in self.events]}
+
+
+def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSettings) -> FastAPI:
+    stop_engine = threading.Event()
+    state = {"sequences": 0, "requests": 0, "errors": 0}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        thread = threading.Thread(target=engine.run, args=(stop_engine,), name="exactspec-engine", daemon=True)
+        thread.start()
+        yield
+        stop_engine.set()  # in-flight sequences are cancelled and their streams closed
+        thread.join(timeout=10)
+
+    app = FastAPI(title="exactspec", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, error: ApiError):
+        return _error_response(error)
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        if settings.api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+                return _error_response(ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", "authentication_error", code="invalid_api_key"))
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_request_bytes:
+            return _error_response(ApiError(413, f"request body of {length} bytes exceeds {settings.max_request_bytes}"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0, "owned_by": "exactspec",
+                                            "max_model_len": engine.target.max_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(_prometheus(engine, state), media_type="text/plain; version=0.0.4")
+
+    async def parse(request: Request, model_class):
+        body = await request.body()
+        if len(body) > settings.max_request_bytes:
+            raise ApiError(413, f"request body of {len(body)} bytes exceeds {settings.max_request_bytes}")
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ApiError(400, f"the body is not valid JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        try:
+            parsed = model_class.model_validate(data)
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or None
+            raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
+        if parsed.model != settings.model_name:
+            raise ApiError(404, f"the model `{parsed.model}` does not exist; this server has `{settings.model_name}`", param="model", code="model_not_found")
+        return parsed
+
+    def sequences(body, prompt: list[int], default_max: int) -> list[SequenceRequest]:
+        window = engine.target.max_len
+        if len(prompt) >= window:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context window is {window}", param="prompt")
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or min(default_max, window - len(prompt))
+        if max_tokens > settings.max_tokens:
+            raise ApiError(400, f"max_tokens {max_tokens} exceeds this server's limit of {settings.max_tokens}", param="max_tokens")
+        if len(prompt) + max_tokens > window:
+            raise ApiError(400, f"prompt ({len(prompt)} tokens) + max_tokens {max_tokens} exceeds the context window of {window}", param="max_tokens")
+        if body.n > settings.max_n:
+            raise ApiError(400, f"n {body.n} exceeds this server's limit of {settings.max_n}", param="n")
+        vocab = engine.target.vocab_size
+        try:
+            bias = {int(t): b for t, b in (body.logit_bias or {}).items()}
+            bad = [t for t in [*bias, *(body.stop_token_ids or [])] if t >= vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary of {vocab}")
+            params = SamplingParams(temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p, min_p=body.min_p,
+                                    repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                                    frequency_penalty=body.frequency_penalty, logit_bias=bias)
+        except ValueError as error:
+            raise ApiError(400, str(error)) from None
+        stops = frozenset(body.stop_token_ids or []) | tokenizer.eos_token_ids
+        return [SequenceRequest(tuple(prompt), params, max_tokens, stops, None if body.seed is None else body.seed + i,
+                                body.speculation, body.top_logprobs_count()) for i in range(body.n)]
+
+    def start(requests: list[SequenceRequest], stops: list[str]) -> list[_Choice]:
+        if state["sequences"] + len(requests) > settings.max_sequences:
+            raise ApiError(429, f"the server is busy ({state['sequences']} sequences in flight, limit {settings.max_sequences}); retry later",
+                           "rate_limit_error")
+        loop = asyncio.get_running_loop()
+        choices = [_Choice(i, tokenizer, stops, loop) for i in range(len(requests))]
+        for choice, sequence in zip(choices, requests):
+            choice.handle = engine.submit(sequence, choice.on_tokens, choice.on_finish)
+        state["sequences"] += len(requests)
+        state["requests"] += 1
+        return choices
+
+    async def handle(request: Request, chat: bool):
+        body = await parse(request, ChatRequest if chat else CompletionRequest)
+        if chat:
+            try:
+                prompt = tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in body.messages])
+            except ValueError as error:
+                raise ApiError(400, str(error), param="messages") from None
+        elif isinstance(body.prompt, str):
+            prompt = tokenizer.encode_prompt(body.prompt)
+        else:
+            prompt = list(body.prompt)
+            if any(not 0 <= t < engine.target.vocab_size for t in prompt):
+                raise ApiError(400, f"prompt token ids must be in [0, {engine.target.vocab_size})", param="prompt")
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        requests = sequences(body, prompt, 16 if not chat else settings.max_tokens)
+        choices = start(requests, body.stops())
+        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", "created": int(time.time()), "model": settings.model_name}
+        stop_ids = requests[0].stop_token_ids
+        if body.stream:
+            return StreamingResponse(_stream(choices, meta, chat, len(prompt), stop_ids, body.include_usage(), state),
+                                     media_type="text/event-stream")
+        try:
+            texts = await asyncio.gather(*(_collect(c, stop_ids) for c in choices))
+        finally:
+            _release(choices, state)
+        failed = [c for c in choices if c.finish_reason == "error"]
+        if failed:
+            state["errors"] += 1
+            raise ApiError(500, f"generation failed: {failed[0].handle.error}", "server_error")
+        return _response(choices, texts, meta, chat, len(prompt))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app
+
+
+def _release(choices: list[_Choice], state: dict) -> None:
+    """Cancel what still runs (a disconnected client) and give the sequences back to the in-flight count."""
+    for choice in choices:
+        choice.handle.cancel()
+    state["sequences"] -= len(choices)
+
+
+async def _collect(choice: _Choice, stop_ids: frozenset[int]) -> str:
+    pieces = []
+    while True:
+        kind, value = await choice.queue.get()
+        if kind == "tokens":
+            pieces.append(choice.add(value, stop_ids))
+            continue
+        choice.finish_reason = choice.finish_reason or _reason(value)
+        pieces.append(choice.rest(stop_ids))
+        return "".join(pieces)
+
+
+def _reason(handle: SequenceHandle) -> str:
+    return {"stop": "stop", "length": "length"}.get(handle.finish_reason, handle.finish_reason or "stop")
+
+
+def _usage(choices: list[_Choice], prompt_tokens: int) -> dict:
+    completion = sum(len(c.tokens) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def _response(choices: list[_Choice], texts: list[str], meta: dict, chat: bool, prompt_tokens: int) -> dict:
+    out = []
+    for choice, text in zip(choices, texts):
+        row = {"index": choice.index, "finish_reason": choice.finish_reason, "logprobs": choice.logprobs(chat),
+               "speculation": choice.handle.figures()}
+        row.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        out.append(row)
+    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": out, "usage": _usage(choices, prompt_tokens)}
+
+
+async def _stream(choices: list[_Choice], meta: dict, chat: bool, prompt_tokens: int, stop_ids: frozenset[int],
+                  include_usage: bool, state: dict) -> AsyncIterator[str]:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice: _Choice, text: str, finish: str | None, extra: dict | None = None) -> str:
+        row = {"index": choice.index, "finish_reason": finish, "logprobs": None, **(extra or {})}
+        row.update({"delta": {"content": text} if text or finish is None else {}} if chat else {"text": text})
+        return f"data: {json.dumps({**meta, 'object': kind, 'choices': [row]})}\n\n"
+
+    pending: dict = {}
+    try:
+        if chat:
+            for choice in choices:
+                yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [{'index': choice.index, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None}]})}\n\n"
+        pending = {asyncio.ensure_future(c.queue.get()): c for c in choices}
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                choice = pending.pop(future)
+                what, value = future.result()
+                if what == "tokens":
+                    piece = choice.add(value, stop_ids)
+                    if piece:
+                        yield chunk(choice, piece, None)
+                    pending[asyncio.ensure_future(choice.queue.get())] = choice
+                    continue
+                if value.finish_reason == "error":
+                    state["errors"] += 1
+                    yield f"data: {json.dumps(ApiError(500, f'generation failed: {value.error}', 'server_error').body())}\n\n"
+                    continue
+                choice.finish_reason = choice.finish_reason or _reason(value)
+                yield chunk(choice, choice.rest(stop_ids), choice.finish_reason, {"speculation": value.figures()})
+        if include_usage:
+            yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [], 'usage': _usage(choices, prompt_tokens)})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # also when the client went away: its sequences leave the batch
+        for future in pending:
+            future.cancel()
+        _release(choices, state)
+
+
+def _prometheus(engine: BatchEngine, state: dict) -> str:
+    m = engine.metrics
+    elapsed = max(1e-9, time.monotonic() - m.started)
+    lines = []
+
+    def metric(name: str, kind: str, help_text: str, value: float, labels: str = "") -> None:
+        if not any(line.startswith(f"# TYPE {name} ") for line in lines):
+            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
+        lines.append(f"{name}{labels} {value}")
+
+    metric("exactspec_generated_tokens_total", "counter", "tokens committed", m.tokens)
+    metric("exactspec_tokens_per_second", "gauge", "tokens committed per second since start", m.tokens / elapsed)
+    metric("exactspec_drafted_tokens_total", "counter", "draft tokens proposed", m.drafted)
+    metric("exactspec_accepted_tokens_total", "counter", "draft tokens accepted", m.accepted)
+    metric("exactspec_acceptance_rate", "gauge", "accepted over drafted tokens", m.accepted / m.drafted if m.drafted else 0.0)
+    metric("exactspec_target_calls_total", "counter", "batched target calls", m.target_calls)
+    metric("exactspec_mean_accepted_length", "gauge", "tokens committed per sequence and target call",
+           m.tokens / max(1, m.sequence_rounds))
+    metric("exactspec_queue_depth", "gauge", "sequences waiting for a slot", engine.queue_depth)
+    metric("exactspec_batch_size", "gauge", "sequences in the running batch", engine.batch_size)
+    metric("exactspec_speculation_decisions_total", "counter", "steps whose auto sequences speculated (on) or not (off)", m.speculation_on, '{decision="on"}')
+    metric("exactspec_speculation_decisions_total", "counter", "", m.speculation_off, '{decision="off"}')
+    for reason, count in sorted(m.finished.items()):
+        metric("exactspec_finished_sequences_total", "counter", "sequences by finish reason", count, f'{{reason="{reason}"}}')
+    memory = _resident_bytes()
+    if memory is not None:
+        metric("exactspec_resident_memory_bytes", "gauge", "resident memory of the server process", memory)
+    metric("exactspec_requests_total", "counter", "requests accepted", state["requests"])
+    metric("exactspec_request_errors_total", "counter", "requests that failed inside the model", state["errors"])
+    return "\n".join(lines) + "\n"
+
+
+def _resident_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None  # not Linux

@@ -1,0 +1,399 @@
+"""Continuous batching with ragged speculative verification.
+
+Sequences join a running batch as slots free up and leave when they finish or are cancelled. One
+:meth:`BatchEngine.step`:
+
+1. admits waiting sequences: each prompt is prefilled into its own slot and its first token drawn;
+2. chooses each sequence's gamma (its speculation mode; ``auto`` from the batch policy, :mod:`.policy`);
+3. drafts: prompt lookup per sequence, and the draft model for all drafting sequences together, one batched
+   draft call per draft position (the first also catches each draft slot up with its context);
+4. verifies every sequence's block in one batched target call (:class:`exactspec.models.batched.BatchedLean`);
+5. per sequence: the rule that fits its proposal (:func:`exactspec.engine.verify_block`), its own accepted
+   length, its own cache rollback, its tokens handed to its listener.
+
+Per sequence this is exactly the round of :class:`exactspec.engine.SpeculativeDecoder`, with the same order of
+random draws from the sequence's own generator (the first token: one uniform; per round the draft's, then the
+verifier's), so a sequence's law does not depend on its neighbours, and a seeded sequence whose gamma does not
+depend on the batch (speculation off, draft or lookup at the fixed gamma) draws the same tokens alone as among
+any others, up to the low-order bits of batched matrix kernels (:mod:`exactspec.models.batched`).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from exactspec.engine import verify_block
+from exactspec.models.batched import MAX_BLOCK, BatchedLean
+from exactspec.proposers.prompt_lookup import find_continuation
+from exactspec.sampling import SamplingParams, block_probs
+from exactspec.serving.policy import BatchPolicy
+from exactspec.verify import greedy_token, sample_from
+
+__all__ = ["BatchEngine", "EngineConfig", "SequenceRequest", "SequenceHandle", "SPECULATION_MODES", "TokenEvent"]
+
+SPECULATION_MODES = ("off", "draft", "lookup", "auto")
+IMPOSSIBLE_LOGPROB = -9999.0
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    seed: int | None = None  # None: a random seed; given: the sequence's gamma never depends on the batch
+    speculation: str = "auto"
+    top_logprobs: int | None = None  # None: no log-probabilities; k >= 0: the token's and the k most likely
+
+    def __post_init__(self) -> None:
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
+        if self.max_tokens < 1 or not self.prompt:
+            raise ValueError("a sequence needs a non-empty prompt and max_tokens >= 1")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+    logprob: float | None = None  # log p of the token under the target's processed distribution
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there and their log p
+
+
+@dataclass
+class SequenceHandle:
+    """What a caller holds: its request, a cancel switch, and (when done) the finish reason and figures."""
+
+    request: SequenceRequest
+    on_tokens: Callable[[list[TokenEvent]], None]
+    on_finish: Callable[["SequenceHandle"], None]
+    finish_reason: str | None = None  # "stop" (a stop token), "length", "cancelled" or "error"
+    error: str | None = None
+    drafted: int = 0
+    accepted: int = 0
+    target_calls: int = 0
+    generated: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def figures(self) -> dict:
+        return {"drafted_tokens": self.drafted, "accepted_tokens": self.accepted, "target_calls": self.target_calls,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "tokens_per_target_call": self.generated / self.target_calls if self.target_calls else 0.0}
+
+
+@dataclass
+class _Sequence:
+    handle: SequenceHandle
+    slot: int
+    context: list[int]
+    generator: torch.Generator
+    source: str  # "off", "draft" or "lookup": where its drafts come from
+    fixed_gamma: bool  # True: the configured gamma; False: the batch policy's
+    draft_fed: list[int] = field(default_factory=list)  # the tokens in its draft slot
+
+    @property
+    def request(self) -> SequenceRequest:
+        return self.handle.request
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    gamma: int = 4  # fixed gamma of draft and lookup modes (and of seeded auto requests)
+    max_gamma: int = 8  # the batch policy's largest gamma
+    lookup_ngram: tuple[int, int] = (1, 4)
+
+
+@dataclass
+class EngineMetrics:
+    steps: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_calls: int = 0
+    sequence_rounds: int = 0  # target calls summed over sequences (a batched call counts once per sequence)
+    speculation_on: int = 0  # steps whose auto sequences drafted
+    speculation_off: int = 0
+    finished: collections.Counter = field(default_factory=collections.Counter)
+    last_batch: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class BatchEngine:
+    def __init__(self, target: BatchedLean, draft: BatchedLean | None = None, config: EngineConfig = EngineConfig(),
+                 policy: BatchPolicy | None = None) -> None:
+        if draft is not None and draft.slots < target.slots:
+            raise ValueError("the draft needs a slot for every target slot")
+        self.target, self.draft, self.config = target, draft, config
+        self.policy = policy or BatchPolicy(max_gamma=config.max_gamma)
+        self.metrics = EngineMetrics()
+        self._waiting: collections.deque[SequenceHandle] = collections.deque()
+        self._active: list[_Sequence] = []
+        self._free = list(range(target.slots))
+        self._lock = threading.Condition()
+
+    # -- the caller's side (any thread) ---------------------------------------------------
+    def submit(self, request: SequenceRequest, on_tokens, on_finish) -> SequenceHandle:
+        limit = self.target.max_len
+        if len(request.prompt) + request.max_tokens > limit:
+            raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens {request.max_tokens} exceeds the {limit}-position window")
+        handle = SequenceHandle(request, on_tokens, on_finish)
+        with self._lock:
+            self._waiting.append(handle)
+            self._lock.notify()
+        return handle
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._active)
+
+    def run(self, stop: threading.Event) -> None:
+        """Step while there is work, sleep while there is none, until ``stop`` is set; then cancel what is left."""
+        while not stop.is_set():
+            with self._lock:
+                if not self._waiting and not self._active:
+                    self._lock.wait(timeout=0.05)
+                    continue
+            self.step()
+        for sequence in list(self._active):
+            self._finish(sequence, "cancelled")
+        while self._waiting:
+            handle = self._waiting.popleft()
+            handle.finish_reason = "cancelled"
+            handle.on_finish(handle)
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> None:
+        for sequence in [s for s in self._active if s.handle.cancelled.is_set()]:
+            self._finish(sequence, "cancelled")
+        self._admit()
+        if not self._active:
+            return
+        self.metrics.steps += 1
+        self.metrics.last_batch = len(self._active)
+        gammas = self._gammas()
+        drafts = self._draft(gammas)
+        self._verify(drafts)
+
+    def _admit(self) -> None:
+        """Take waiting sequences into free slots and prefill them: short prompts together in one call."""
+        admitted = []
+        while self._free:
+            with self._lock:
+                if not self._waiting:
+                    break
+                handle = self._waiting.popleft()
+            if handle.cancelled.is_set():
+                handle.finish_reason = "cancelled"
+                handle.on_finish(handle)
+                continue
+            request = handle.request
+            seed = request.seed if request.seed is not None else int(torch.randint(0, 2**62, (1,)))
+            source = request.speculation
+            if source == "auto":
+                source = "draft" if self.draft is not None else "lookup"
+            if source == "draft" and self.draft is None:
+                source = "lookup"  # a target without a draft model: lookup is the draft it has
+            sequence = _Sequence(handle, self._free.pop(0), list(request.prompt), torch.Generator().manual_seed(seed),
+                                 source, fixed_gamma=request.speculation != "auto" or request.seed is not None)
+            self._active.append(sequence)
+            admitted.append(sequence)
+        short = [s for s in admitted if len(s.context) <= MAX_BLOCK]
+        for group in [short] * bool(short) + [[s] for s in admitted if s not in short]:
+            for s in group:
+                self.target.rollback(s.slot, 0)
+            logits = self._guarded(group, self.target.forward, [(s.slot, s.context) for s in group])
+            for s, rows in zip(group, logits or []):
+                self._guarded([s], self._first_token, s, rows[-1:])
+
+    def _first_token(self, sequence: _Sequence, logits: torch.Tensor) -> None:  # logits (1, V) after the prompt
+        prompt = sequence.context
+        p = block_probs(logits, prompt, [], len(prompt), sequence.request.params).unsqueeze(0)  # (1, 1, V)
+        result = verify_block(sequence.request.params, torch.empty((1, 0), dtype=torch.int64), None, p, sequence.generator)
+        self._commit(sequence, result.committed(), p[0], accepted=0, drafted=0)
+
+    def _gammas(self) -> dict[int, int]:
+        """slot -> gamma of this step, never past a sequence's budget."""
+        auto = [s for s in self._active if not s.fixed_gamma and s.source != "off"]
+        fixed = [(s.source, 0 if s.source == "off" else self.config.gamma) for s in self._active if s not in auto]
+        fixed_rows = sum(1 + gamma for _, gamma in fixed)
+        fixed_tokens = sum(self.policy.expected_tokens(source, gamma) for source, gamma in fixed)
+        auto_gamma = self.policy.choose([s.source for s in auto], fixed_rows, fixed_tokens) if auto else 0
+        if auto:
+            self.metrics.speculation_on += auto_gamma > 0
+            self.metrics.speculation_off += auto_gamma == 0
+        gammas = {}
+        for s in self._active:
+            gamma = 0 if s.source == "off" else (self.config.gamma if s.fixed_gamma else auto_gamma)
+            gammas[s.slot] = max(0, min(gamma, s.request.max_tokens - s.handle.generated - 1))
+        return gammas
+
+    def _draft(self, gammas: dict[int, int]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
+        """slot -> (draft tokens, their q rows (g, V) or None for point masses)."""
+        drafts = {s.slot: ([], None) for s in self._active}
+        lo, hi = self.config.lookup_ngram
+        for s in self._active:
+            if s.source == "lookup" and gammas[s.slot] > 0:
+                drafts[s.slot] = (find_continuation(s.context, gammas[s.slot], lo, hi), None)
+        drafting = [s for s in self._active if s.source == "draft" and gammas[s.slot] > 0]
+        if drafting:
+            self._guarded(drafting, self._draft_model, drafting, gammas, drafts)
+        return drafts
+
+    def _draft_model(self, drafting: list[_Sequence], gammas: dict[int, int], drafts: dict) -> None:
+        started = time.perf_counter()
+        feeds = {s.slot: self._catch_up(s) for s in drafting}
+        prefixes = {s.slot: list(s.context) for s in drafting}
+        tokens = {s.slot: [] for s in drafting}
+        rows = {s.slot: [] for s in drafting}
+        for step in range(max(gammas[s.slot] for s in drafting)):
+            live = [s for s in drafting if gammas[s.slot] > step]
+            logits = self._draft_call([(s.slot, feeds[s.slot]) for s in live])
+            for s, row in zip(live, logits):
+                params = s.request.params
+                q = block_probs(row[-1:], prefixes[s.slot], [], len(s.request.prompt), params)[0]  # (V,)
+                if params.greedy:
+                    token = int(greedy_token(q))
+                else:
+                    token = int(sample_from(q.unsqueeze(0), torch.rand((1,), dtype=torch.float64, generator=s.generator))[0])
+                tokens[s.slot].append(token)
+                rows[s.slot].append(q)
+                prefixes[s.slot].append(token)
+                feeds[s.slot] = [token]
+                if step < gammas[s.slot] - 1:  # fed to the draft at the next step
+                    s.draft_fed.append(token)
+        for s in drafting:
+            drafts[s.slot] = (tokens[s.slot], None if s.request.params.greedy else torch.stack(rows[s.slot]))
+        self.policy.observe_draft(len(drafting), (time.perf_counter() - started) / max(gammas[s.slot] for s in drafting))
+
+    def _catch_up(self, s: _Sequence) -> list[int]:
+        """Roll the draft slot back to what it shares with the context; the tokens it still has to read."""
+        keep = 0
+        limit = min(len(s.draft_fed), len(s.context) - 1)  # feed at least the newest token
+        while keep < limit and s.draft_fed[keep] == s.context[keep]:
+            keep += 1
+        self.draft.rollback(s.slot, keep)
+        s.draft_fed = list(s.context)
+        return s.context[keep:]
+
+    def _draft_call(self, rows: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """One batched draft call; a catch-up longer than a batched row allows (a prompt) is fed alone first."""
+        for slot, feed in rows:
+            if len(feed) > MAX_BLOCK:
+                self.draft.forward([(slot, feed[:-1])])
+        return self.draft.forward([(slot, feed[-1:] if len(feed) > MAX_BLOCK else feed) for slot, feed in rows])
+
+    def _verify(self, drafts: dict[int, tuple[list[int], torch.Tensor | None]]) -> None:
+        sequences = list(self._active)
+        rows = [(s.slot, [s.context[-1], *drafts[s.slot][0]]) for s in sequences]
+        started = time.perf_counter()
+        logits = self._guarded(sequences, self.target.forward, rows)
+        if logits is None:
+            return
+        self.policy.observe_target(sum(len(r[1]) for r in rows), time.perf_counter() - started)
+        self.metrics.target_calls += 1
+        for s, row in zip(sequences, logits):
+            self._guarded([s], self._round_end, s, row, *drafts[s.slot])
+
+    def _round_end(self, s: _Sequence, logits: torch.Tensor, tokens: list[int], probs: torch.Tensor | None) -> None:
+        params = s.request.params
+        p = block_probs(logits, s.context, tokens, len(s.request.prompt), params)  # (g + 1, V)
+        draft_tokens = torch.tensor([tokens], dtype=torch.int64).reshape(1, -1)
+        result = verify_block(params, draft_tokens, None if probs is None else probs.unsqueeze(0), p.unsqueeze(0), s.generator)
+        accepted = int(result.num_accepted[0])
+        self.target.rollback(s.slot, len(s.context) + accepted)
+        if tokens:
+            self.policy.observe_round(s.source, len(tokens), accepted)
+        self._commit(s, result.committed(), p, accepted, len(tokens))
+
+    def _commit(self, s: _Sequence, committed: list[int], p: torch.Tensor, accepted: int, drafted: int) -> None:
+        """Hand ``committed`` (with log-probabilities from the rows of ``p`` (n, V)) to the listener, stopping at
+        a stop token or the budget."""
+        handle = s.handle
+        handle.drafted += drafted
+        handle.accepted += accepted
+        handle.target_calls += 1
+        self.metrics.drafted += drafted
+        self.metrics.accepted += accepted
+        self.metrics.sequence_rounds += 1
+        events, reason = [], None
+        for i, token in enumerate(committed):
+            events.append(self._event(token, p[i], s.request.top_logprobs))
+            s.context.append(token)
+            handle.generated += 1
+            if token in s.request.stop_token_ids:
+                reason = "stop"
+                break
+            if handle.generated >= s.request.max_tokens:
+                reason = "length"
+                break
+        self.metrics.tokens += len(events)
+        handle.on_tokens(events)
+        if reason:
+            self._finish(s, reason)
+
+    @staticmethod
+    def _event(token: int, probs: torch.Tensor, top: int | None) -> TokenEvent:  # probs (V,)
+        if top is None:
+            return TokenEvent(token)
+        logp = torch.where(probs > 0, probs.log(), torch.full_like(probs, IMPOSSIBLE_LOGPROB))  # OpenAI's -9999 for p = 0
+        best = torch.topk(logp, min(top, logp.shape[0])) if top else None
+        alternatives = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+        return TokenEvent(token, float(logp[token]), alternatives)
+
+    def _finish(self, s: _Sequence, reason: str, error: str | None = None) -> None:
+        if s not in self._active:
+            return
+        self._active.remove(s)
+        self._free.append(s.slot)
+        self._free.sort()
+        s.handle.finish_reason, s.handle.error = reason, error
+        self.metrics.finished[reason] += 1
+        s.handle.on_finish(s.handle)
+
+    def _guarded(self, sequences: list[_Sequence], work, *args):
+        """Run ``work``; if it raises, the sequences it served end with an error and the engine goes on."""
+        try:
+            return work(*args)
+        except Exception as error:  # noqa: BLE001 - one request's failure must not stop the others
+            message = f"{type(error).__name__}: {error}"
+            for s in sequences:
+                self._finish(s, "error", message)
+            return None
+
+
+def calibrate(engine: BatchEngine, repeats: int = 2) -> None:
+    """Give the batch policy call costs before the first request: target calls of 1 and ``max_gamma + 1`` tokens
+    per row for one sequence and for a full batch, and draft steps for one and for a full batch (each after an
+    untimed warm-up). Leaves every slot empty."""
+    def timed(model: BatchedLean, rows: list[tuple[int, list[int]]]) -> float:
+        times = []
+        for call in range(repeats + 1):
+            for slot, _ in rows:
+                model.lengths[slot] = 8  # a short history, as in a running batch
+            began = time.perf_counter()
+            model.forward(rows)
+            if call:
+                times.append(time.perf_counter() - began)
+        return sorted(times)[len(times) // 2]
+
+    full = engine.target.slots
+    for batch in sorted({1, full}):
+        for tokens in (1, engine.config.max_gamma + 1):
+            engine.policy.observe_target(batch * tokens, timed(engine.target, [(s, [0] * tokens) for s in range(batch)]))
+        if engine.draft is not None:
+            engine.policy.observe_draft(batch, timed(engine.draft, [(s, [0]) for s in range(batch)]))
+    for model in (engine.target, engine.draft):
+        if model is not None:
+            model.lengths = [0] * model.slots

@@ -1,0 +1,76 @@
+"""BatchedLean (exactspec.models.batched): ragged rows in one call give each sequence the logits it gets alone,
+roll back on their own, and never see another row's keys or their own padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exactspec.models.batched import BatchedLean, ragged_causal_mask
+from exactspec.models.lean import LeanModel, LlamaConfig, LlamaDecoder
+
+
+def small_model() -> LeanModel:
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    decoder = LlamaDecoder(cfg)
+    decoder.init_weights(torch.Generator().manual_seed(0), std=0.3)
+    return LeanModel(decoder.eval())
+
+
+def alone(model: LeanModel, history: list[int], new: list[int]) -> torch.Tensor:
+    model.prefill(history)
+    return model.forward(new)
+
+
+def test_ragged_rows_equal_each_sequence_alone():
+    model = small_model()
+    batched = BatchedLean.like(model, slots=4, max_len=96)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8], [9, 10, 11], [12, 13]]
+    out = batched.forward(list(enumerate(prompts)))
+    for slot, prompt in enumerate(prompts):
+        assert torch.allclose(out[slot], model.prefill(prompt), atol=1e-5)
+    # continuation: slots out of order and not contiguous, one token for one, a block for the other
+    out = batched.forward([(3, [20, 21, 22, 23]), (1, [24])])
+    assert torch.allclose(out[0], alone(model, prompts[3], [20, 21, 22, 23]), atol=1e-5)
+    assert torch.allclose(out[1], alone(model, prompts[1], [24]), atol=1e-5)
+    assert batched.lengths == [7, 2, 3, 6]
+
+
+def test_rollback_is_per_sequence_and_stale_keys_are_never_read():
+    model = small_model()
+    batched = BatchedLean.like(model, slots=2, max_len=96)
+    batched.forward([(0, [1, 2, 3]), (1, [4, 5, 6, 7, 8, 9])])
+    batched.forward([(0, [30, 31, 32, 33, 34]), (1, [40])])  # slot 0 drafts 5 tokens, slot 1 one
+    batched.rollback(0, 4)  # keeps [1, 2, 3, 30]: 31..34 are stale keys past the length
+    out = batched.forward([(0, [44]), (1, [41, 42, 43])])  # slot 0 is the short row now: padding after it
+    assert torch.allclose(out[0], alone(model, [1, 2, 3, 30], [44]), atol=1e-5)
+    assert torch.allclose(out[1], alone(model, [4, 5, 6, 7, 8, 9, 40], [41, 42, 43]), atol=1e-5)
+    with pytest.raises(ValueError, match="rollback|length"):
+        batched.rollback(1, 99)
+
+
+def test_a_mask_that_ignores_each_rows_position_is_caught(monkeypatch):
+    """Power of the test above: letting every query see keys up to the batch's last position reads stale keys."""
+    import exactspec.models.batched as module
+
+    monkeypatch.setattr(module, "ragged_causal_mask", lambda positions, end: torch.ones(positions.shape[0], 1, positions.shape[1], end, dtype=torch.bool))
+    with pytest.raises(AssertionError):
+        test_rollback_is_per_sequence_and_stale_keys_are_never_read()
+
+
+def test_mask_rows_stop_at_their_own_position():
+    mask = ragged_causal_mask(torch.tensor([[3, 4], [0, 1]]), 5)
+    assert mask.shape == (2, 1, 2, 5)
+    assert mask[0, 0, 0].tolist() == [True, True, True, True, False]
+    assert mask[1, 0, 1].tolist() == [True, True, False, False, False]
+
+
+def test_bad_calls_are_refused():
+    batched = BatchedLean.like(small_model(), slots=2, max_len=8)
+    with pytest.raises(ValueError, match="distinct slots"):
+        batched.forward([(0, [1]), (0, [2])])
+    with pytest.raises(ValueError, match="exceeds 8 positions"):
+        batched.forward([(1, list(range(9)))])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        batched.forward([(1, [50])])

@@ -1,0 +1,154 @@
+"""Continuous batching with ragged speculative verification (exactspec.serving.batching).
+
+* Greedy: every sequence of a mixed batch (speculation off, draft, lookup, auto; different prompts, lengths and
+  budgets, joining as slots free up) equals plain decoding of the same prompt alone (shipped pair, float32).
+* Seeds: a seeded sampled sequence draws the same tokens alone, among 7 others, and as SpeculativeDecoder with
+  the same seed and gamma (the same order of draws from its own generator).
+* Law (G-test, N = 8000, ALPHA = 1e-3, fixed seeds): a sequence's output in batches whose neighbours have other
+  prompts, modes and temperatures follows the target's law, on a tiny Llama target over 4 tokens. Power: the same
+  test rejects an engine that hands each sequence its neighbour's target row.
+* Faults: a sequence that raises ends with an error while the others finish; a cancelled one leaves and frees
+  its slot.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from exactspec import GREEDY, GenerationConfig, SamplingParams, SpeculativeDecoder
+from exactspec.loading import default_pair_dirs, load_pair
+from exactspec.models.batched import BatchedLean
+from exactspec.models.lean import LeanModel
+from exactspec.serving.batching import BatchEngine, EngineConfig, SequenceRequest
+from exactspec.serving.server import build_engine
+from exactspec.workloads import workload_prompts
+from test_exactness import ALPHA, N, g_test_p_value
+from test_feature_draft import exact_law, tiny_target
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_pair(*default_pair_dirs(), backend="lean", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    return [pair.tokenizer.encode_prompt(text)[-120:] for text in workload_prompts("heldout", 6, lines=8)]
+
+
+def run(engine: BatchEngine, requests: list[SequenceRequest]) -> list[dict]:
+    """Submit every request, step until all are done; each one's tokens and handle."""
+    results = [{"tokens": []} for _ in requests]
+    for result, request in zip(results, requests):
+        result["handle"] = engine.submit(request, lambda events, r=result: r["tokens"].extend(e.token for e in events), lambda h: None)
+    while any(r["handle"].finish_reason is None for r in results):
+        engine.step()
+    return results
+
+
+def test_greedy_in_a_mixed_batch_equals_plain_decoding_alone(pair, prompts):
+    engine = build_engine(pair, slots=4, max_len=256, calibrated=True)
+    modes = ["off", "draft", "lookup", "auto", "draft", "auto"]
+    requests = [SequenceRequest(tuple(p), GREEDY, 20 + 3 * i, speculation=m) for i, (p, m) in enumerate(zip(prompts, modes))]
+    results = run(engine, requests)  # 6 sequences, 4 slots: two join as others leave
+    for request, result in zip(requests, results):
+        plain = SpeculativeDecoder(pair.target, None, GREEDY).generate(list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens))
+        assert result["tokens"] == plain.tokens and result["handle"].finish_reason == "length"
+    assert sum(r["handle"].accepted for r in results) > 0 and engine.metrics.target_calls < sum(len(r["tokens"]) for r in results)
+    assert engine.batch_size == 0 and sorted(engine._free) == [0, 1, 2, 3]
+
+
+def test_a_seeded_sequence_is_the_same_alone_among_others_and_as_the_decoder(pair, prompts):
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    mine = SequenceRequest(tuple(prompts[0]), params, 24, seed=1234, speculation="draft")
+    alone = run(build_engine(pair, slots=8, max_len=256, calibrated=False), [mine])[0]["tokens"]
+    others = [SequenceRequest(tuple(p), SamplingParams(temperature=1.0), 30, seed=s, speculation=m)
+              for s, (p, m) in enumerate(zip(prompts[1:] * 2, ["auto", "lookup", "off", "draft", "auto", "draft", "lookup"]))]
+    crowded = run(build_engine(pair, slots=8, max_len=256, calibrated=False), others[:3] + [mine] + others[3:])[3]["tokens"]
+    decoder = SpeculativeDecoder(pair.target, pair.draft, params).generate(prompts[0], GenerationConfig(max_new_tokens=24, gamma=4, seed=1234))
+    assert alone == crowded == decoder.tokens
+
+
+def test_a_failing_sequence_ends_with_an_error_and_the_others_finish(pair, prompts, monkeypatch):
+    import exactspec.serving.batching as module
+
+    real = module.block_probs
+
+    def failing(logits, prefix, block, prompt_length, params):
+        if params.top_k == 7:
+            raise RuntimeError("injected fault")
+        return real(logits, prefix, block, prompt_length, params)
+
+    monkeypatch.setattr(module, "block_probs", failing)
+    engine = build_engine(pair, slots=3, max_len=256, calibrated=False)
+    requests = [SequenceRequest(tuple(prompts[0]), GREEDY, 12), SequenceRequest(tuple(prompts[1]), SamplingParams(top_k=7), 12),
+                SequenceRequest(tuple(prompts[2]), GREEDY, 12, speculation="lookup")]
+    results = run(engine, requests)
+    assert [r["handle"].finish_reason for r in results] == ["length", "error", "length"]
+    assert "injected fault" in results[1]["handle"].error and len(results[0]["tokens"]) == 12
+
+
+def test_a_cancelled_sequence_leaves_and_frees_its_slot(pair, prompts):
+    engine = build_engine(pair, slots=2, max_len=256, calibrated=False)
+    got = []
+    first = engine.submit(SequenceRequest(tuple(prompts[0]), GREEDY, 100), lambda events: got.extend(events), lambda h: None)
+    engine.submit(SequenceRequest(tuple(prompts[1]), GREEDY, 100), lambda events: None, lambda h: None)
+    engine.step()
+    engine.step()
+    first.cancel()
+    engine.step()
+    assert first.finish_reason == "cancelled" and engine.batch_size == 1 and len(engine._free) == 1
+    with pytest.raises(ValueError, match="exceeds the 256-position window"):
+        engine.submit(SequenceRequest(tuple(prompts[0]), GREEDY, 250), lambda e: None, lambda h: None)
+
+
+# ---------------------------------------------------------------- the law in a batch
+
+PROMPT, NEW_TOKENS, VOCAB = (1, 2), 5, 4
+NEIGHBOURS = [((3, 0, 1), "lookup", 0.5), ((2,), "off", 1.0), ((0, 0, 3, 2), "draft", 1.5)]
+
+
+def tiny_engine(slots: int = 4) -> BatchEngine:
+    target, draft = LeanModel(tiny_target(3)), LeanModel(tiny_target(11))
+    return BatchEngine(BatchedLean.like(target, slots, 32), BatchedLean.like(draft, slots, 32), EngineConfig(gamma=3))
+
+
+def law_counts(engine: BatchEngine) -> dict[tuple[int, ...], int]:
+    """N sequences of PROMPT (draft mode, T=1), interleaved with neighbours of other prompts, modes, temperatures."""
+    requests, mine = [], []
+    for seed in range(N):
+        prompt, mode, temperature = NEIGHBOURS[seed % len(NEIGHBOURS)]
+        mine.append(len(requests))
+        requests.append(SequenceRequest(PROMPT, SamplingParams(), NEW_TOKENS, seed=seed, speculation="draft"))
+        requests.append(SequenceRequest(prompt, SamplingParams(temperature=temperature), 1 + seed % 6, seed=N + seed, speculation=mode))
+    results = run(engine, requests)
+    counts: dict[tuple[int, ...], int] = {}
+    for i in mine:
+        key = tuple(results[i]["tokens"])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_a_sequences_law_is_unchanged_by_its_neighbours():
+    counts = law_counts(tiny_engine())
+    assert g_test_p_value(counts, exact_law(LeanModel(tiny_target(3)), SamplingParams())) > ALPHA
+
+
+def test_the_same_test_rejects_an_engine_that_mixes_up_rows():
+    engine = tiny_engine()
+    forward = engine.target.forward
+
+    def rotated(rows):
+        out = forward(rows)
+        if len(out) < 2:
+            return out
+        widths = [len(t) for _, t in rows]  # the neighbour's row, cut or padded to this row's length
+        shifted = out[1:] + out[:1]
+        return [torch.cat([s, s[-1:].expand(max(0, w - len(s)), -1)])[:w] for s, w in zip(shifted, widths)]
+
+    engine.target.forward = rotated
+    counts = law_counts(engine)
+    assert g_test_p_value(counts, exact_law(LeanModel(tiny_target(3)), SamplingParams())) < ALPHA
