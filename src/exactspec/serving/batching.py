@@ -21,6 +21,7 @@ any others, up to the low-order bits of batched matrix kernels (:mod:`exactspec.
 from __future__ import annotations
 
 import collections
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -252,14 +253,17 @@ class BatchEngine:
         return drafts
 
     def _draft_model(self, drafting: list[_Sequence], gammas: dict[int, int], drafts: dict) -> None:
-        started = time.perf_counter()
         feeds = {s.slot: self._catch_up(s) for s in drafting}
+        step_seconds = []  # of steps that feed each row 1 or 2 tokens: a catch-up after plain steps is setup
         prefixes = {s.slot: list(s.context) for s in drafting}
         tokens = {s.slot: [] for s in drafting}
         rows = {s.slot: [] for s in drafting}
         for step in range(max(gammas[s.slot] for s in drafting)):
             live = [s for s in drafting if gammas[s.slot] > step]
+            began = time.perf_counter()
             logits = self._draft_call([(s.slot, feeds[s.slot]) for s in live])
+            if max(len(feeds[s.slot]) for s in live) <= 2:
+                step_seconds.append(time.perf_counter() - began)
             for s, row in zip(live, logits):
                 params = s.request.params
                 q = block_probs(row[-1:], prefixes[s.slot], [], len(s.request.prompt), params)[0]  # (V,)
@@ -275,7 +279,8 @@ class BatchEngine:
                     s.draft_fed.append(token)
         for s in drafting:
             drafts[s.slot] = (tokens[s.slot], None if s.request.params.greedy else torch.stack(rows[s.slot]))
-        self.policy.observe_draft(len(drafting), (time.perf_counter() - started) / max(gammas[s.slot] for s in drafting))
+        if step_seconds:
+            self.policy.observe_draft(len(drafting), statistics.median(step_seconds))
 
     def _catch_up(self, s: _Sequence) -> list[int]:
         """Roll the draft slot back to what it shares with the context; the tokens it still has to read."""
