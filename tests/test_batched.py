@@ -74,3 +74,17 @@ def test_bad_calls_are_refused():
         batched.forward([(1, list(range(9)))])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         batched.forward([(1, [50])])
+
+
+def test_invariant_mode_gives_each_row_the_bits_it_gets_alone():
+    decoder = small_model().decoder.to(torch.bfloat16)
+    solo = LeanModel(decoder, invariant=True)
+    batched = BatchedLean.like(solo, slots=3, max_len=96)
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    batched.forward(list(enumerate(prompts)))
+    out = batched.forward([(0, [11, 12, 13]), (2, [14])])
+    batched.rollback(0, 6)
+    again = batched.forward([(0, [15, 16]), (1, [17, 18, 19, 20])])
+    for got, history, new in ((out[0], prompts[0], [11, 12, 13]), (out[1], prompts[2], [14]),
+                              (again[0], prompts[0] + [11], [15, 16]), (again[1], prompts[1], [17, 18, 19, 20])):
+        assert torch.equal(got, alone(solo, history, new))

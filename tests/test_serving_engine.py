@@ -22,6 +22,7 @@ from exactspec import GREEDY, GenerationConfig, SamplingParams, SpeculativeDecod
 from exactspec.loading import default_pair_dirs, load_pair
 from exactspec.models.batched import BatchedLean
 from exactspec.models.lean import LeanModel
+from exactspec.proposers import PromptLookupProposer
 from exactspec.serving.batching import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.serving.server import build_engine
 from exactspec.workloads import workload_prompts
@@ -152,3 +153,47 @@ def test_the_same_test_rejects_an_engine_that_mixes_up_rows():
     engine.target.forward = rotated
     counts = law_counts(engine)
     assert g_test_p_value(counts, exact_law(LeanModel(tiny_target(3)), SamplingParams())) < ALPHA
+
+
+def test_in_invariant_mode_batched_sequences_are_bit_identical_to_solo_runs(prompts):
+    """--invariant: greedy in a batch equals plain greedy alone, and seeded sampled sequences equal the
+    single-sequence decoder with the same seed and gamma, with no numerical caveat (bfloat16)."""
+    invariant = load_pair(*default_pair_dirs(), backend="lean", dtype=torch.bfloat16, invariant=True)
+    engine = build_engine(invariant, slots=4, max_len=256, calibrated=False)
+    params = SamplingParams(temperature=1.0)
+    requests = [SequenceRequest(tuple(p), GREEDY if i % 2 else params, 24, seed=i, speculation=m)
+                for i, (p, m) in enumerate(zip(prompts, ["draft", "lookup", "draft", "off", "draft", "auto"]))]
+    for request, result in zip(requests, run(engine, requests)):
+        draft = invariant.draft if request.speculation in ("draft", "auto") else None
+        proposer = PromptLookupProposer() if request.speculation == "lookup" else draft
+        reference = SpeculativeDecoder(invariant.target, proposer, request.params).generate(
+            list(request.prompt), GenerationConfig(max_new_tokens=24, gamma=0 if proposer is None else 4, seed=request.seed))
+        assert result["tokens"] == reference.tokens
+
+
+def test_a_feature_draft_in_a_batch_draws_what_it_draws_alone():
+    """A trained feature-level draft per sequence, fed the target's features from the batched calls: each seeded
+    sequence equals the single-sequence decoder with the same draft, seed and gamma (invariant mode, so bit for
+    bit); with that decoder's law G-tested in test_feature_draft.py, the batch keeps the law."""
+    from exactspec.models.eagle import FeatureDraftRunner
+    from exactspec.proposers.feature_draft import FeatureDraftProposer
+    from test_feature_draft import tiny_draft
+
+    decoder = tiny_target(3)
+    draft = tiny_draft(decoder)
+    target = LeanModel(decoder, invariant=True)
+    batched = BatchedLean.like(target, 3, 32)
+    batched.capture_features(draft.cfg.feature_layers)
+    runners = [FeatureDraftRunner(draft, 32) for _ in range(3)]
+    engine = BatchEngine(batched, None, EngineConfig(gamma=3),
+                         feature_proposer=lambda slot, params: FeatureDraftProposer(runners[slot], VOCAB, params))
+    requests = [SequenceRequest(prompt, SamplingParams(temperature=t), 8, seed=seed, speculation="draft")
+                for seed, (prompt, t) in enumerate([((1, 2), 1.0), ((3, 0, 1), 0.7), ((2,), 1.0), ((0, 1), 1.3), ((1, 1, 2), 1.0)])]
+    results = run(engine, requests)
+    assert sum(r["handle"].drafted for r in results) > 0
+    for request, result in zip(requests, results):
+        solo = FeatureDraftProposer(FeatureDraftRunner(draft, 32), VOCAB, request.params)
+        target.capture_features(draft.cfg.feature_layers)
+        reference = SpeculativeDecoder(target, solo, request.params).generate(
+            list(request.prompt), GenerationConfig(max_new_tokens=8, gamma=3, seed=request.seed))
+        assert result["tokens"] == reference.tokens

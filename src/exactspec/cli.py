@@ -481,16 +481,8 @@ def _serve(args: argparse.Namespace) -> dict:
         from exactspec.serving.server import build_engine, run_server
     except ImportError as error:
         raise CliError(f"serve needs the server extras ({error.name} is missing): pip install 'exactspec[serve]'") from None
-    from exactspec.models.eagle import FeatureDraft
-
     if args.backend != "lean":
         raise CliError("serve runs the lean backend (Llama-family checkpoints); --backend hf is for generate and bench")
-    draft_dir = _pair_dirs(args)[1]
-    if draft_dir is not None and FeatureDraft.is_feature_draft(draft_dir):
-        if args.draft is not None:
-            raise CliError("serve does not batch feature-level drafts yet: give a draft model, or --draft lookup")
-        print("[serve: the target's trained feature draft is not batched yet; speculation uses prompt lookup]", file=sys.stderr)
-        args.draft = LOOKUP
     api_key = args.api_key or os.environ.get("EXACTSPEC_API_KEY")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         raise CliError(f"--host {args.host} exposes the server beyond this machine: give it an --api-key")

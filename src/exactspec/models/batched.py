@@ -37,7 +37,7 @@ def ragged_causal_mask(positions: torch.Tensor, end: int) -> torch.Tensor:  # (B
 
 class BatchedLean:
     def __init__(self, decoder: LlamaDecoder, slots: int, max_len: int, device: torch.device | str = "cpu",
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, invariant: bool = False) -> None:
         if slots < 1 or max_len < 1:
             raise ValueError(f"need slots >= 1 and max_len >= 1, got {slots} and {max_len}")
         cfg = decoder.cfg
@@ -49,16 +49,29 @@ class BatchedLean:
         cos, sin = rope_tables(cfg, max_len + MAX_BLOCK)
         self._cos = cos.to(self.device, self.dtype)  # (max_len + MAX_BLOCK, hd)
         self._sin = sin.to(self.device, self.dtype)
-        shape = (cfg.num_hidden_layers, slots, max_len + MAX_BLOCK, cfg.num_key_value_heads, cfg.head_size)
+        shape = (cfg.num_hidden_layers, 0 if invariant else slots, max_len + MAX_BLOCK, cfg.num_key_value_heads, cfg.head_size)
         kv_dtype = cache_dtype(self.dtype, self.device)
         self._k = torch.zeros(shape, dtype=kv_dtype, device=self.device)  # (L, S, len, nkv, hd)
         self._v = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         self.lengths = [0] * slots
+        self.feature_layers: tuple[int, ...] = ()
+        self.last_features: list[torch.Tensor] = []  # per row of the last call, (t_i, F), when capture_features asked
+        self.invariant = invariant
+        # Invariant numerics: each row runs alone through LeanModel's fixed-shape path, on its own cache, so its
+        # logits are the bits it gets alone whatever the batch; the batch shares the schedule, not the matmuls.
+        self._solo = [LeanModel(decoder, max_len, device, invariant=True) for _ in range(slots)] if invariant else None
 
     @classmethod
     def like(cls, model: LeanModel, slots: int, max_len: int | None = None, vocab_size: int | None = None) -> "BatchedLean":
-        """A batched cache over ``model``'s decoder (weights shared, not copied)."""
-        return cls(model.decoder, slots, min(max_len or model.max_len, model.max_len), model.device, vocab_size)
+        """A batched cache over ``model``'s decoder (weights shared, not copied), in ``model``'s numerics mode."""
+        return cls(model.decoder, slots, min(max_len or model.max_len, model.max_len), model.device, vocab_size, model.invariant)
+
+    def capture_features(self, layers: Sequence[int]) -> None:
+        """Keep the outputs of ``layers`` for every row of each call (``last_features``): what a feature-level
+        draft reads (:mod:`exactspec.models.eagle`)."""
+        self.feature_layers = tuple(layers)
+        for model in self._solo or []:
+            model.capture_features(layers)
 
     def rollback(self, slot: int, length: int) -> None:
         check_rollback_length(length, self.lengths[slot])
@@ -78,13 +91,26 @@ class BatchedLean:
         width = max(lengths)
         if width > MAX_BLOCK and len(rows) > 1:
             raise ValueError(f"a batched call feeds at most {MAX_BLOCK} tokens per row; prefill long prompts alone")
+        if self._solo is not None:
+            out = [self._forward_alone(slot, tokens) for slot, tokens in zip(slots, ids)]
+            self.last_features = [self._solo[slot].last_features for slot in slots] if self.feature_layers else []
+            return out
         with torch.inference_mode():
-            logits = self._forward(slots, ids, width)
+            logits, features = self._forward(slots, ids, width)
+        self.last_features = [features[b, :t] for b, t in enumerate(lengths)] if features is not None else []
         for slot, t in zip(slots, lengths):
             self.lengths[slot] += t
         return [logits[b, :t, : self.vocab_size].float().cpu() for b, t in enumerate(lengths)]
 
-    def _forward(self, slots: list[int], ids: list[list[int]], width: int) -> torch.Tensor:  # (B, T, V)
+    def _forward_alone(self, slot: int, tokens: list[int]) -> torch.Tensor:  # (t, V)
+        model = self._solo[slot]
+        model.rollback(self.lengths[slot])  # never above the model's own length: slots only roll back
+        logits = model.forward(tokens)
+        self.lengths[slot] = model.length
+        return logits[:, : self.vocab_size]
+
+    def _forward(self, slots: list[int], ids: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``(B, T, V)`` and the captured layers' outputs ``(B, T, F)`` (None when none are asked for)."""
         device = self.device
         batch = torch.tensor([t + [0] * (width - len(t)) for t in ids], device=device)  # (B, T)
         start = torch.tensor([self.lengths[s] for s in slots], device=device)  # (B,)
@@ -95,6 +121,7 @@ class BatchedLean:
         mask = ragged_causal_mask(positions, end)
         cos, sin = self._cos[positions], self._sin[positions]  # (B, T, hd)
         x = self.decoder.embed(batch)  # (B, T, C)
+        features = []
         for i, layer in enumerate(self.decoder.layers):
             q, k, v = layer._qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
             self._k[i][index[:, None], positions] = k.transpose(1, 2).to(self._k.dtype)
@@ -106,4 +133,7 @@ class BatchedLean:
             y = F.scaled_dot_product_attention(q.to(keys.dtype), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
                                                enable_gqa=layer.n_kv != layer.n_head)  # (B, nh, T, hd)
             x = layer._finish(x, y.to(x.dtype))
-        return self.decoder.lm_head(self.decoder.final_norm(x))  # (B, T, V)
+            if i in self.feature_layers:
+                features.append(x)
+        logits = self.decoder.lm_head(self.decoder.final_norm(x))  # (B, T, V)
+        return logits, torch.cat(features, dim=-1) if features else None

@@ -99,6 +99,7 @@ class _Sequence:
     source: str  # "off", "draft" or "lookup": where its drafts come from
     fixed_gamma: bool  # True: the configured gamma; False: the batch policy's
     draft_fed: list[int] = field(default_factory=list)  # the tokens in its draft slot
+    proposer: object | None = None  # a feature-reading proposer of its own (a trained feature-level draft)
 
     @property
     def request(self) -> SequenceRequest:
@@ -129,10 +130,16 @@ class EngineMetrics:
 
 class BatchEngine:
     def __init__(self, target: BatchedLean, draft: BatchedLean | None = None, config: EngineConfig = EngineConfig(),
-                 policy: BatchPolicy | None = None) -> None:
+                 policy: BatchPolicy | None = None, feature_proposer: Callable[[int, SamplingParams], object] | None = None) -> None:
+        """``draft``: a draft model, batched like the target. ``feature_proposer(slot, params)``: instead, a proposer
+        per sequence that reads the target's features (``target.capture_features`` must be on); it drafts one
+        sequence at a time, while verification stays batched."""
         if draft is not None and draft.slots < target.slots:
             raise ValueError("the draft needs a slot for every target slot")
+        if feature_proposer is not None and not target.feature_layers:
+            raise ValueError("a feature-reading proposer needs the target to capture its features")
         self.target, self.draft, self.config = target, draft, config
+        self.feature_proposer = feature_proposer
         self.policy = policy or BatchPolicy(max_gamma=config.max_gamma)
         self.metrics = EngineMetrics()
         self._waiting: collections.deque[SequenceHandle] = collections.deque()
@@ -204,10 +211,13 @@ class BatchEngine:
             source = request.speculation
             if source == "auto":
                 source = "draft" if self.draft is not None else "lookup"
-            if source == "draft" and self.draft is None:
-                source = "lookup"  # a target without a draft model: lookup is the draft it has
+            if source == "draft" and self.draft is None and self.feature_proposer is None:
+                source = "lookup"  # a target without a draft: lookup is the draft it has
             sequence = _Sequence(handle, self._free.pop(0), list(request.prompt), torch.Generator().manual_seed(seed),
                                  source, fixed_gamma=request.speculation != "auto" or request.seed is not None)
+            if source == "draft" and self.feature_proposer is not None:
+                sequence.proposer = self.feature_proposer(sequence.slot, request.params)
+                sequence.proposer.reset(sequence.context)
             self._active.append(sequence)
             admitted.append(sequence)
         short = [s for s in admitted if len(s.context) <= MAX_BLOCK]
@@ -215,8 +225,14 @@ class BatchEngine:
             for s in group:
                 self.target.rollback(s.slot, 0)
             logits = self._guarded(group, self.target.forward, [(s.slot, s.context) for s in group])
-            for s, rows in zip(group, logits or []):
+            for i, (s, rows) in enumerate(zip(group, logits or [])):
+                self._share_features(s, i, len(s.context))
                 self._guarded([s], self._first_token, s, rows[-1:])
+
+    def _share_features(self, s: _Sequence, row: int, positions: int) -> None:
+        """Hand a feature-reading proposer the target's features of the first ``positions`` of its row."""
+        if s.proposer is not None:
+            s.proposer.observe_target(self.target.last_features[row][:positions])
 
     def _first_token(self, sequence: _Sequence, logits: torch.Tensor) -> None:  # logits (1, V) after the prompt
         prompt = sequence.context
@@ -247,7 +263,11 @@ class BatchEngine:
         for s in self._active:
             if s.source == "lookup" and gammas[s.slot] > 0:
                 drafts[s.slot] = (find_continuation(s.context, gammas[s.slot], lo, hi), None)
-        drafting = [s for s in self._active if s.source == "draft" and gammas[s.slot] > 0]
+        for s in self._active:
+            if s.proposer is not None and gammas[s.slot] > 0:
+                draft = self._guarded([s], s.proposer.propose, s.context, gammas[s.slot], s.generator)
+                drafts[s.slot] = (draft.tokens, draft.probs) if draft is not None else ([], None)
+        drafting = [s for s in self._active if s.source == "draft" and s.proposer is None and gammas[s.slot] > 0]
         if drafting:
             self._guarded(drafting, self._draft_model, drafting, gammas, drafts)
         return drafts
@@ -308,16 +328,17 @@ class BatchEngine:
             return
         self.policy.observe_target(sum(len(r[1]) for r in rows), time.perf_counter() - started)
         self.metrics.target_calls += 1
-        for s, row in zip(sequences, logits):
-            self._guarded([s], self._round_end, s, row, *drafts[s.slot])
+        for i, (s, row) in enumerate(zip(sequences, logits)):
+            self._guarded([s], self._round_end, s, i, row, *drafts[s.slot])
 
-    def _round_end(self, s: _Sequence, logits: torch.Tensor, tokens: list[int], probs: torch.Tensor | None) -> None:
+    def _round_end(self, s: _Sequence, row: int, logits: torch.Tensor, tokens: list[int], probs: torch.Tensor | None) -> None:
         params = s.request.params
         p = block_probs(logits, s.context, tokens, len(s.request.prompt), params)  # (g + 1, V)
         draft_tokens = torch.tensor([tokens], dtype=torch.int64).reshape(1, -1)
         result = verify_block(params, draft_tokens, None if probs is None else probs.unsqueeze(0), p.unsqueeze(0), s.generator)
         accepted = int(result.num_accepted[0])
         self.target.rollback(s.slot, len(s.context) + accepted)
+        self._share_features(s, row, accepted + 1)
         if tokens:
             self.policy.observe_round(s.source, len(tokens), accepted)
         self._commit(s, result.committed(), p, accepted, len(tokens))
@@ -383,15 +404,18 @@ def calibrate(engine: BatchEngine, repeats: int = 2) -> None:
     per row for one sequence and for a full batch, and draft steps for one and for a full batch (each after an
     untimed warm-up). Leaves every slot empty."""
     def timed(model: BatchedLean, rows: list[tuple[int, list[int]]]) -> float:
+        for slot, _ in rows:
+            model.rollback(slot, 0)
+        model.forward([(slot, [0] * 8) for slot, _ in rows])  # a short history, as in a running batch
         times = []
         for call in range(repeats + 1):
-            for slot, _ in rows:
-                model.lengths[slot] = 8  # a short history, as in a running batch
             began = time.perf_counter()
             model.forward(rows)
             if call:
                 times.append(time.perf_counter() - began)
-        return sorted(times)[len(times) // 2]
+            for slot, _ in rows:
+                model.rollback(slot, 8)
+        return statistics.median(times)
 
     full = engine.target.slots
     for batch in sorted({1, full}):
@@ -400,5 +424,5 @@ def calibrate(engine: BatchEngine, repeats: int = 2) -> None:
         if engine.draft is not None:
             engine.policy.observe_draft(batch, timed(engine.draft, [(s, [0]) for s in range(batch)]))
     for model in (engine.target, engine.draft):
-        if model is not None:
-            model.lengths = [0] * model.slots
+        for slot in range(model.slots if model is not None else 0):
+            model.rollback(slot, 0)

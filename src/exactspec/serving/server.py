@@ -13,21 +13,23 @@ __all__ = ["build_engine", "run_server"]
 
 
 def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfig = EngineConfig(), calibrated: bool = True) -> BatchEngine:
-    """A batch engine over the pair's lean models (a feature-level draft is not batched yet: its requests use
-    prompt lookup), with ``slots`` sequences of up to ``max_len`` positions."""
+    """A batch engine over the pair's lean models, with ``slots`` sequences of up to ``max_len`` positions. A draft
+    model is batched like the target; a feature-level draft gets one runner (its own cache) per slot."""
+    from exactspec.models.eagle import FeatureDraft, FeatureDraftRunner
+    from exactspec.proposers.feature_draft import FeatureDraftProposer
+
     target = _unwrapped(pair.target)
     if not isinstance(target, LeanModel):
         raise ValueError("serve runs the lean backend (Llama-family checkpoints); --backend hf is for generate and bench")
-    if target.invariant:
-        raise ValueError("serve does not batch in --invariant mode (its fixed-shape calls are per sequence)")
-    draft = _unwrapped(pair.draft) if pair.draft is not None else None
-    if not isinstance(draft, LeanModel):
-        draft = None  # none, or a feature-level draft
-    engine = BatchEngine(
-        BatchedLean.like(target, slots, max_len, pair.target.vocab_size),
-        BatchedLean.like(draft, slots, max_len, pair.draft.vocab_size) if draft is not None else None,
-        config,
-    )
+    batched = BatchedLean.like(target, slots, max_len, pair.target.vocab_size)
+    draft, feature_proposer = None, None
+    if isinstance(pair.draft, FeatureDraft):
+        batched.capture_features(pair.draft.cfg.feature_layers)
+        runners = [FeatureDraftRunner(pair.draft, batched.max_len, target.device, target.dtype) for _ in range(slots)]
+        feature_proposer = lambda slot, params: FeatureDraftProposer(runners[slot], pair.target.vocab_size, params)  # noqa: E731
+    elif pair.draft is not None:
+        draft = BatchedLean.like(_unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size)
+    engine = BatchEngine(batched, draft, config, feature_proposer=feature_proposer)
     if calibrated:
         calibrate(engine)
     return engine
