@@ -24,7 +24,7 @@ import collections
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -64,6 +64,8 @@ class TokenEvent:
     token: int
     logprob: float | None = None  # log p of the token under the target's processed distribution
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there and their log p
+    round_position: int = 0  # its index among the tokens its round committed
+    drafted: bool = False  # an accepted draft token (else the round's replacement or bonus token)
 
 
 @dataclass
@@ -286,13 +288,13 @@ class BatchEngine:
                 step_seconds.append(time.perf_counter() - began)
             for s, row in zip(live, logits):
                 params = s.request.params
-                q = block_probs(row[-1:], prefixes[s.slot], [], len(s.request.prompt), params)[0]  # (V,)
+                q, reported = self._draft_probs(row[-1:], prefixes[s.slot], len(s.request.prompt), params)
                 if params.greedy:
                     token = int(greedy_token(q))
                 else:
                     token = int(sample_from(q.unsqueeze(0), torch.rand((1,), dtype=torch.float64, generator=s.generator))[0])
                 tokens[s.slot].append(token)
-                rows[s.slot].append(q)
+                rows[s.slot].append(reported)
                 prefixes[s.slot].append(token)
                 feeds[s.slot] = [token]
                 if step < gammas[s.slot] - 1:  # fed to the draft at the next step
@@ -301,6 +303,21 @@ class BatchEngine:
             drafts[s.slot] = (tokens[s.slot], None if s.request.params.greedy else torch.stack(rows[s.slot]))
         if step_seconds:
             self.policy.observe_draft(len(drafting), statistics.median(step_seconds))
+
+    # The three rules of a round, as methods so that the certification's self-check can swap in known-wrong ones
+    # (exactspec.certification.mutants); nothing else overrides them.
+    def _draft_probs(self, logits: torch.Tensor, prefix: list[int], prompt_length: int, params: SamplingParams):
+        """``(q to draw the draft token from, q reported to the verifier)`` ``(V,)`` each: the same distribution,
+        from the same pipeline as the target's p."""
+        q = block_probs(logits, prefix, [], prompt_length, params)[0]
+        return q, q
+
+    def _target_probs(self, logits: torch.Tensor, context: list[int], block: list[int], prompt_length: int,
+                      params: SamplingParams) -> torch.Tensor:  # (g + 1, V)
+        return block_probs(logits, context, block, prompt_length, params)
+
+    def _verify_rule(self, params, draft_tokens, draft_probs, target_probs, generator):
+        return verify_block(params, draft_tokens, draft_probs, target_probs, generator)
 
     def _catch_up(self, s: _Sequence) -> list[int]:
         """Roll the draft slot back to what it shares with the context; the tokens it still has to read."""
@@ -333,9 +350,9 @@ class BatchEngine:
 
     def _round_end(self, s: _Sequence, row: int, logits: torch.Tensor, tokens: list[int], probs: torch.Tensor | None) -> None:
         params = s.request.params
-        p = block_probs(logits, s.context, tokens, len(s.request.prompt), params)  # (g + 1, V)
+        p = self._target_probs(logits, s.context, tokens, len(s.request.prompt), params)  # (g + 1, V)
         draft_tokens = torch.tensor([tokens], dtype=torch.int64).reshape(1, -1)
-        result = verify_block(params, draft_tokens, None if probs is None else probs.unsqueeze(0), p.unsqueeze(0), s.generator)
+        result = self._verify_rule(params, draft_tokens, None if probs is None else probs.unsqueeze(0), p.unsqueeze(0), s.generator)
         accepted = int(result.num_accepted[0])
         self.target.rollback(s.slot, len(s.context) + accepted)
         self._share_features(s, row, accepted + 1)
@@ -355,7 +372,7 @@ class BatchEngine:
         self.metrics.sequence_rounds += 1
         events, reason = [], None
         for i, token in enumerate(committed):
-            events.append(self._event(token, p[i], s.request.top_logprobs))
+            events.append(replace(self._event(token, p[i], s.request.top_logprobs), round_position=i, drafted=i < accepted))
             s.context.append(token)
             handle.generated += 1
             if token in s.request.stop_token_ids:

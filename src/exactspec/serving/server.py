@@ -12,7 +12,8 @@ from exactspec.serving.batching import BatchEngine, EngineConfig, calibrate
 __all__ = ["build_engine", "run_server"]
 
 
-def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfig = EngineConfig(), calibrated: bool = True) -> BatchEngine:
+def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfig = EngineConfig(), calibrated: bool = True,
+                 engine_class: type[BatchEngine] = BatchEngine) -> BatchEngine:
     """A batch engine over the pair's lean models, with ``slots`` sequences of up to ``max_len`` positions. A draft
     model is batched like the target; a feature-level draft gets one runner (its own cache) per slot."""
     from exactspec.models.eagle import FeatureDraft, FeatureDraftRunner
@@ -29,7 +30,7 @@ def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfi
         feature_proposer = lambda slot, params: FeatureDraftProposer(runners[slot], pair.target.vocab_size, params)  # noqa: E731
     elif pair.draft is not None:
         draft = BatchedLean.like(_unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size)
-    engine = BatchEngine(batched, draft, config, feature_proposer=feature_proposer)
+    engine = engine_class(batched, draft, config, feature_proposer=feature_proposer)
     if calibrated:
         calibrate(engine)
     return engine

@@ -1,0 +1,200 @@
+"""``exactspec certify``: a statistical test that a model pair's speculative output follows the target's law.
+
+Per sampling configuration:
+
+1. sample: ``sequences`` continuations of ``max_tokens`` tokens with the draft at a fixed gamma, through the
+   server's batch engine (:mod:`exactspec.serving.batching`), each sequence seeded; every token is tagged with its
+   position in its round and whether it was an accepted draft token or the round's replacement/bonus token;
+2. score: one plain target forward of each whole sequence gives the target's processed distribution at every
+   generated position (:func:`exactspec.sampling.block_probs` on the prefix of that position), and each token's
+   randomized PIT value (:mod:`.pit`);
+3. test: uniformity (Kolmogorov-Smirnov) of all PIT values, of those at each position in the round, of accepted
+   drafts and of replacement/bonus tokens separately, and a goodness of fit of the first token against p per
+   prompt; Holm over every test of every configuration, so the family-wise false-positive rate is ``alpha``.
+
+Greedy decoding is checked apart: speculative greedy output must equal plain greedy output. Numerics are
+measured beside the verdict: the largest logit difference between a position computed alone and inside a block
+of gamma + 1 tokens, in the mode the pair runs in (the scoring forward is another call shape, so a mode whose
+logits move with the call shape by more than the test's resolution would show up as a rejection; float32, the
+default here, moves them by about 1e-5). ``self_check`` reruns the sampling with each known-wrong engine
+(:mod:`.mutants`) and reports whether the same tests reject it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from exactspec.certification.mutants import MUTANTS
+from exactspec.certification.pit import TestResult, holm, ks_critical_value, ks_uniform, pit_values, token_goodness_of_fit
+from exactspec.engine import GenerationConfig, SpeculativeDecoder
+from exactspec.loading import LoadedPair
+from exactspec.sampling import GREEDY, SamplingParams, block_probs
+from exactspec.serving.batching import BatchEngine, EngineConfig, SequenceRequest
+from exactspec.serving.server import build_engine
+
+__all__ = ["CONFIGS", "CertifyConfig", "certify"]
+
+CONFIGS = {
+    "T=1": SamplingParams(),
+    "T=0.8,top_k=50": SamplingParams(temperature=0.8, top_k=50),
+    "top_p=0.9": SamplingParams(top_p=0.9),
+    "T=1.2,min_p=0.05": SamplingParams(temperature=1.2, min_p=0.05),
+    "penalties": SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+}
+#: Which configuration each known-wrong engine is run with in the self-check (where its bug shows).
+MUTANT_CONFIG = {"penalties_once_per_round": "penalties", "precision_mismatch": "T=1"}
+
+
+@dataclass(frozen=True)
+class CertifyConfig:
+    configs: tuple[str, ...] = tuple(CONFIGS)
+    sequences: int = 400  # per configuration
+    max_tokens: int = 48
+    gamma: int = 4
+    alpha: float = 1e-3  # family-wise false-positive rate
+    seed: int = 0
+    slots: int = 16
+    self_check: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.configs) - set(CONFIGS)
+        if unknown or not self.configs:
+            raise ValueError(f"configs must be among {', '.join(CONFIGS)}, got {', '.join(self.configs)}")
+        if self.sequences < 1 or self.max_tokens < 1 or self.gamma < 1 or self.slots < 1:
+            raise ValueError("sequences, max_tokens, gamma and slots must be >= 1")
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
+
+
+def _sample(engine: BatchEngine, prompts: list[list[int]], params: SamplingParams, config: CertifyConfig, seed: int,
+            progress: tqdm) -> list[dict]:
+    """Seeded speculative continuations with each token's round position and kind."""
+    runs = [{"prompt": prompts[i % len(prompts)], "events": []} for i in range(config.sequences)]
+    handles = []
+    for i, run in enumerate(runs):
+        request = SequenceRequest(tuple(run["prompt"]), params, config.max_tokens, seed=seed + i, speculation="draft")
+        handles.append(engine.submit(request, lambda events, run=run: (run["events"].extend(events), progress.update(len(events))), lambda h: None))
+    while any(h.finish_reason is None for h in handles):
+        engine.step()
+    failed = [h.error for h in handles if h.finish_reason == "error"]
+    if failed:
+        raise RuntimeError(f"sampling failed: {failed[0]}")
+    return runs
+
+
+def _score(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed: int) -> dict[str, np.ndarray]:
+    """PIT values of every generated token under the target's processed distribution given its own prefix."""
+    generator = torch.Generator().manual_seed(seed)
+    values, positions, drafted, first = [], [], [], []
+    for run in runs:
+        prompt, tokens = run["prompt"], [e.token for e in run["events"]]
+        logits = pair.target.prefill(prompt + tokens[:-1])[len(prompt) - 1 :]  # (n, V): position j predicts tokens[j]
+        probs = block_probs(logits, prompt, tokens, len(prompt), params)
+        uniforms = torch.rand((len(tokens),), dtype=torch.float64, generator=generator)
+        values.append(pit_values(probs, torch.tensor(tokens), uniforms).numpy())
+        positions.append([e.round_position for e in run["events"]])
+        drafted.append([e.drafted for e in run["events"]])
+        first.append((tuple(prompt), tokens[0], probs[0]))
+    return {"pit": np.concatenate(values), "position": np.concatenate(positions), "drafted": np.concatenate(drafted),
+            "first": first}
+
+
+def _tests(name: str, scored: dict, gamma: int) -> list[TestResult]:
+    pit, position, drafted = scored["pit"], scored["position"], scored["drafted"]
+    tests = [ks_uniform(f"{name}: all tokens", pit), ks_uniform(f"{name}: accepted drafts", pit[drafted]),
+             ks_uniform(f"{name}: replacement or bonus tokens", pit[~drafted])]
+    tests += [ks_uniform(f"{name}: round position {k}", pit[position == k]) for k in range(gamma + 1) if (position == k).sum() >= 20]
+    by_prompt: dict[tuple, tuple[dict, torch.Tensor]] = {}
+    for prompt, token, probs in scored["first"]:
+        counts, _ = by_prompt.setdefault(prompt, ({}, probs))
+        counts[token] = counts.get(token, 0) + 1
+    tests += [token_goodness_of_fit(f"{name}: first token, prompt {i}", counts, probs) for i, (counts, probs) in enumerate(by_prompt.values())]
+    return [t for t in tests if t.n > 0]
+
+
+def _greedy_check(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig) -> dict:
+    """Speculative greedy against plain greedy, token for token."""
+    plain, speculative = SpeculativeDecoder(pair.target, None, GREEDY), SpeculativeDecoder(pair.target, pair.proposer(GREEDY), GREEDY)
+    generation = GenerationConfig(max_new_tokens=config.max_tokens, gamma=config.gamma)
+    equal = sum(plain.generate(p, generation).tokens == speculative.generate(p, generation).tokens for p in prompts)
+    return {"prompts": len(prompts), "equal": equal}
+
+
+def _numerics(pair: LoadedPair, prompts: list[list[int]], gamma: int) -> float:
+    """Largest |logit| difference between a position computed alone (one token per call) and inside a block."""
+    worst = 0.0
+    for prompt in prompts:
+        context, block = prompt[: -gamma - 1], prompt[-gamma - 1 :]
+        if not context:
+            continue
+        pair.target.prefill(context)
+        together = pair.target.forward(block)
+        pair.target.prefill(context)
+        alone = torch.cat([pair.target.forward([token]) for token in block])
+        worst = max(worst, float((together - alone).abs().max()))
+    return worst
+
+
+def certify(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, progress: bool = True) -> dict:
+    started = time.perf_counter()
+    total = config.sequences * config.max_tokens * (len(config.configs) + (len(MUTANTS) if config.self_check else 0))
+    bar = tqdm(total=total, desc="certify", unit="tok", disable=not progress)
+    engine = build_engine(pair, config.slots, 1024, EngineConfig(gamma=config.gamma), calibrated=False)
+    tests, per_config = [], {}
+    for index, name in enumerate(config.configs):
+        params = CONFIGS[name]
+        runs = _sample(engine, prompts, params, config, config.seed + 10**6 * index, bar)
+        scored = _score(pair, runs, params, config.seed + index)
+        tests += _tests(name, scored, config.gamma)
+        per_config[name] = {"tokens": int(len(scored["pit"])), "pit": scored["pit"].tolist(),
+                            "acceptance_by_position": _acceptance(scored, config.gamma)}
+    tests = holm(tests, config.alpha)
+    sampled_tokens = sum(c["tokens"] for c in per_config.values())
+    report = {
+        "config": asdict(config), "tokens": sampled_tokens,
+        "passed": not any(t.rejected for t in tests),
+        "tests": [asdict(t) for t in tests],
+        "detectable_tv": ks_critical_value(min(c["tokens"] for c in per_config.values()), config.alpha / len(tests)),
+        "greedy": _greedy_check(pair, prompts[:4], config),
+        "numerics_max_logit_difference": _numerics(pair, prompts[:4], config.gamma),
+        "per_config": per_config,
+    }
+    if config.self_check:
+        report["self_check"] = _self_check(pair, prompts, config, bar)
+    bar.close()
+    report["seconds"] = time.perf_counter() - started
+    return report
+
+
+def _acceptance(scored: dict, gamma: int) -> list[float]:
+    """P(draft position k accepted | reached), from the tokens' round positions and kinds."""
+    position, drafted = scored["position"], scored["drafted"]
+    rates = []
+    for k in range(gamma):
+        reached = int((position == k).sum())
+        rates.append(float((drafted & (position == k)).sum()) / reached if reached else 0.0)
+    return rates
+
+
+def _self_check(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, bar: tqdm) -> dict:
+    """Each known-wrong engine on its configuration, tested as above (Holm within its own family)."""
+    out = {}
+    for index, (name, engine_class) in enumerate(MUTANTS.items()):
+        config_name = MUTANT_CONFIG.get(name, "T=0.8,top_k=50" if "T=0.8,top_k=50" in config.configs else config.configs[0])
+        params = CONFIGS[config_name]
+        engine = build_engine(pair, config.slots, 1024, EngineConfig(gamma=config.gamma), calibrated=False, engine_class=engine_class)
+        try:
+            runs = _sample(engine, prompts, params, config, config.seed + 10**7 * (index + 1), bar)
+        except RuntimeError as error:  # a verifier guard caught it before any statistics (a token q says is impossible)
+            out[name] = {"config": config_name, "rejected": True, "smallest_adjusted_p": 0.0, "by": str(error), "largest_ks_distance": None}
+            continue
+        tests = holm(_tests(config_name, _score(pair, runs, params, config.seed), config.gamma), config.alpha)
+        worst = min(tests, key=lambda t: t.adjusted_p)
+        out[name] = {"config": config_name, "rejected": any(t.rejected for t in tests), "smallest_adjusted_p": worst.adjusted_p,
+                     "by": worst.name, "largest_ks_distance": max(t.statistic for t in tests if "first token" not in t.name)}
+    return out
