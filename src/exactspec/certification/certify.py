@@ -8,9 +8,10 @@ Per sampling configuration:
 2. score: one plain target forward of each whole sequence gives the target's processed distribution at every
    generated position (:func:`exactspec.sampling.block_probs` on the prefix of that position), and each token's
    randomized PIT value (:mod:`.pit`);
-3. test: uniformity (Kolmogorov-Smirnov) of all PIT values, of those at each position in the round, of accepted
-   drafts and of replacement/bonus tokens separately, and a goodness of fit of the first token against p per
-   prompt; Holm over every test of every configuration, so the family-wise false-positive rate is ``alpha``.
+3. test: uniformity (Kolmogorov-Smirnov) of all PIT values and of those at each position in the round, and a
+   chi-square goodness of fit of the next token after every prefix seen often enough, per prefix depth
+   (:mod:`.pit` says which subsets are valid); Holm over every test of every configuration, so the family-wise
+   false-positive rate is ``alpha``.
 
 Greedy decoding is checked apart: speculative greedy output must equal plain greedy output. Numerics are
 measured beside the verdict: the largest logit difference between a position computed alone and inside a block
@@ -32,7 +33,7 @@ from tqdm import tqdm
 from exactspec.certification.mutants import MUTANTS
 from exactspec.certification.pit import TestResult, holm, ks_critical_value, ks_uniform, pit_values, token_goodness_of_fit
 from exactspec.engine import GenerationConfig, SpeculativeDecoder
-from exactspec.loading import LoadedPair
+from exactspec.loading import LoadedPair, _unwrapped
 from exactspec.sampling import GREEDY, SamplingParams, block_probs
 from exactspec.serving.batching import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.serving.server import build_engine
@@ -46,6 +47,8 @@ CONFIGS = {
     "T=1.2,min_p=0.05": SamplingParams(temperature=1.2, min_p=0.05),
     "penalties": SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
 }
+PREFIX_DEPTH = 6  # deepest prefix whose next-token counts are tested
+MIN_PREFIX_COUNT = 30  # a prefix seen fewer times is left to the PIT tests
 #: Which configuration each known-wrong engine is run with in the self-check (where its bug shows).
 MUTANT_CONFIG = {"penalties_once_per_round": "penalties", "precision_mismatch": "T=1"}
 
@@ -87,34 +90,47 @@ def _sample(engine: BatchEngine, prompts: list[list[int]], params: SamplingParam
     return runs
 
 
-def _score(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed: int) -> dict[str, np.ndarray]:
-    """PIT values of every generated token under the target's processed distribution given its own prefix."""
+def _score(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed: int, batch: int = 32) -> dict[str, np.ndarray]:
+    """PIT values of every generated token under the target's processed distribution given its own prefix, from one
+    plain cache-free forward of each whole sequence (sequences right-padded into batches: causal, so padding
+    never reaches an earlier position)."""
     generator = torch.Generator().manual_seed(seed)
-    values, positions, drafted, first = [], [], [], []
-    for run in runs:
-        prompt, tokens = run["prompt"], [e.token for e in run["events"]]
-        logits = pair.target.prefill(prompt + tokens[:-1])[len(prompt) - 1 :]  # (n, V): position j predicts tokens[j]
-        probs = block_probs(logits, prompt, tokens, len(prompt), params)
-        uniforms = torch.rand((len(tokens),), dtype=torch.float64, generator=generator)
-        values.append(pit_values(probs, torch.tensor(tokens), uniforms).numpy())
-        positions.append([e.round_position for e in run["events"]])
-        drafted.append([e.drafted for e in run["events"]])
-        first.append((tuple(prompt), tokens[0], probs[0]))
-    return {"pit": np.concatenate(values), "position": np.concatenate(positions), "drafted": np.concatenate(drafted),
-            "first": first}
+    decoder, vocab = _unwrapped(pair.target).decoder, pair.target.vocab_size
+    values, positions, kinds, heads = [], [], [], []
+    for start in range(0, len(runs), batch):
+        chunk = runs[start : start + batch]
+        sequences = [run["prompt"] + [e.token for e in run["events"]][:-1] for run in chunk]
+        width = max(len(q) for q in sequences)
+        idx = torch.tensor([q + [0] * (width - len(q)) for q in sequences], device=_unwrapped(pair.target).device)
+        with torch.inference_mode():
+            logits = decoder.forward_train(idx)[..., :vocab].float().cpu()  # (B, T, V)
+        for row, run in zip(logits, chunk):
+            prompt, tokens = run["prompt"], [e.token for e in run["events"]]
+            probs = block_probs(row[len(prompt) - 1 : len(prompt) - 1 + len(tokens)], prompt, tokens, len(prompt), params)
+            uniforms = torch.rand((len(tokens),), dtype=torch.float64, generator=generator)
+            values.append(pit_values(probs, torch.tensor(tokens), uniforms).numpy())
+            positions.append([e.round_position for e in run["events"]])
+            kinds.append([e.kind for e in run["events"]])
+            heads.append((tuple(prompt), tuple(tokens[:PREFIX_DEPTH + 1]), probs[: PREFIX_DEPTH + 1]))
+    return {"pit": np.concatenate(values), "position": np.concatenate(positions), "kind": np.concatenate(kinds), "heads": heads}
 
 
 def _tests(name: str, scored: dict, gamma: int) -> list[TestResult]:
-    pit, position, drafted = scored["pit"], scored["position"], scored["drafted"]
-    tests = [ks_uniform(f"{name}: all tokens", pit), ks_uniform(f"{name}: accepted drafts", pit[drafted]),
-             ks_uniform(f"{name}: replacement or bonus tokens", pit[~drafted])]
+    """PIT uniformity of all tokens and per round position, and next-token goodness of fit after repeated
+    prefixes, one test per prefix depth (depth 0: the first token, from the prefill; deeper: speculative rounds)."""
+    pit, position = scored["pit"], scored["position"]
+    tests = [ks_uniform(f"{name}: all tokens", pit)]
     tests += [ks_uniform(f"{name}: round position {k}", pit[position == k]) for k in range(gamma + 1) if (position == k).sum() >= 20]
-    by_prompt: dict[tuple, tuple[dict, torch.Tensor]] = {}
-    for prompt, token, probs in scored["first"]:
-        counts, _ = by_prompt.setdefault(prompt, ({}, probs))
-        counts[token] = counts.get(token, 0) + 1
-    tests += [token_goodness_of_fit(f"{name}: first token, prompt {i}", counts, probs) for i, (counts, probs) in enumerate(by_prompt.values())]
-    return [t for t in tests if t.n > 0]
+    for depth in range(PREFIX_DEPTH + 1):
+        groups: dict[tuple, tuple[dict, torch.Tensor]] = {}
+        for prompt, tokens, probs in scored["heads"]:
+            if len(tokens) > depth:
+                counts, _ = groups.setdefault((prompt, tokens[:depth]), ({}, probs[depth]))
+                counts[tokens[depth]] = counts.get(tokens[depth], 0) + 1
+        repeated = [group for group in groups.values() if sum(group[0].values()) >= MIN_PREFIX_COUNT]
+        if repeated:
+            tests.append(token_goodness_of_fit(f"{name}: next token after a repeated {depth}-token prefix ({len(repeated)} prefixes)", repeated))
+    return tests
 
 
 def _greedy_check(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig) -> dict:
@@ -173,10 +189,10 @@ def certify(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, p
 
 def _acceptance(scored: dict, gamma: int) -> list[float]:
     """P(draft position k accepted | reached), from the tokens' round positions and kinds."""
-    position, drafted = scored["position"], scored["drafted"]
+    position, drafted = scored["position"], scored["kind"] == "draft"
     rates = []
     for k in range(gamma):
-        reached = int((position == k).sum())
+        reached = int(((position == k) & (scored["kind"] != "plain")).sum())
         rates.append(float((drafted & (position == k)).sum()) / reached if reached else 0.0)
     return rates
 
@@ -196,5 +212,5 @@ def _self_check(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfi
         tests = holm(_tests(config_name, _score(pair, runs, params, config.seed), config.gamma), config.alpha)
         worst = min(tests, key=lambda t: t.adjusted_p)
         out[name] = {"config": config_name, "rejected": any(t.rejected for t in tests), "smallest_adjusted_p": worst.adjusted_p,
-                     "by": worst.name, "largest_ks_distance": max(t.statistic for t in tests if "first token" not in t.name)}
+                     "by": worst.name, "largest_ks_distance": max(t.statistic for t in tests if "prefix" not in t.name)}
     return out

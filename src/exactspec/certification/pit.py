@@ -10,6 +10,14 @@ distribution given that token's own prefix, the u of one sequence are i.i.d. uni
 sequences on a real vocabulary without enumerating it. A wrong law with per-token total-variation distance delta
 moves the u's distribution function by up to delta, so a Kolmogorov-Smirnov test on n values detects shifts down
 to about its critical value sqrt(ln(2 / alpha) / (2 n)).
+
+Which subsets may be tested apart: any chosen by what happened before a token (its position in its round is
+fixed by the earlier acceptances), never by what happened to the token itself. Accepted draft tokens alone
+follow min(p, q) and replacements the residual, not p, so a test on them would reject a correct sampler.
+
+Where prefixes repeat (code, low temperature), the next token after a prefix seen m times is a sample of m
+draws from that prefix's p: a chi-square goodness of fit on exactly the real vocabulary, much stronger than the
+PIT test against errors that concentrate on a few tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-__all__ = ["TestResult", "holm", "ks_critical_value", "ks_uniform", "pit_values", "token_goodness_of_fit"]
+__all__ = ["TestResult", "chi_square_parts", "holm", "ks_critical_value", "ks_uniform", "pit_values", "token_goodness_of_fit"]
 
 
 def pit_values(
@@ -50,12 +58,13 @@ def ks_uniform(name: str, values: np.ndarray) -> TestResult:
     return TestResult(name, len(values), float(result.statistic), float(result.pvalue))
 
 
-def token_goodness_of_fit(name: str, counts: dict[int, int], probs: torch.Tensor) -> TestResult:
-    """Chi-square test of observed token counts against ``probs`` ``(V,)``; categories expected fewer than 5 times
-    are merged into one tail category (and a token of probability 0 that occurs rejects outright)."""
+def chi_square_parts(counts: dict[int, int], probs: torch.Tensor) -> tuple[float, int]:
+    """``(statistic, degrees of freedom)`` of Pearson's chi-square of token counts against ``probs`` ``(V,)``;
+    categories expected fewer than 5 times are merged into one tail category. A token of probability 0 that
+    occurs gives an infinite statistic."""
     n = sum(counts.values())
     if any(probs[token] == 0 for token in counts):
-        return TestResult(name, n, math.inf, 0.0)
+        return math.inf, 1
     expected = probs.numpy() * n
     big = expected >= 5
     observed = np.zeros_like(expected)
@@ -65,10 +74,18 @@ def token_goodness_of_fit(name: str, counts: dict[int, int], probs: torch.Tensor
     exp = list(expected[big]) + [expected[~big].sum()]
     if exp[-1] < 1e-12:
         obs, exp = obs[:-1], exp[:-1]
-    if len(obs) < 2:
+    return float(sum((o - e) ** 2 / e for o, e in zip(obs, exp))), len(obs) - 1
+
+
+def token_goodness_of_fit(name: str, groups: list[tuple[dict[int, int], torch.Tensor]]) -> TestResult:
+    """One chi-square test over several groups of next-token counts, each against its own distribution (the
+    statistics and degrees of freedom add up across independent groups)."""
+    parts = [chi_square_parts(counts, probs) for counts, probs in groups]
+    statistic, dof = sum(p for p, _ in parts), sum(d for _, d in parts)
+    n = sum(sum(counts.values()) for counts, _ in groups)
+    if dof == 0:
         return TestResult(name, n, 0.0, 1.0)
-    statistic = float(sum((o - e) ** 2 / e for o, e in zip(obs, exp)))
-    return TestResult(name, n, statistic, float(stats.chi2.sf(statistic, len(obs) - 1)))
+    return TestResult(name, n, statistic, 0.0 if math.isinf(statistic) else float(stats.chi2.sf(statistic, dof)))
 
 
 def holm(results: list[TestResult], alpha: float) -> list[TestResult]:

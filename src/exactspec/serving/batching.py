@@ -65,7 +65,7 @@ class TokenEvent:
     logprob: float | None = None  # log p of the token under the target's processed distribution
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there and their log p
     round_position: int = 0  # its index among the tokens its round committed
-    drafted: bool = False  # an accepted draft token (else the round's replacement or bonus token)
+    kind: str = "plain"  # "draft" (an accepted draft token), "replacement", "bonus" or "plain" (a round without draft)
 
 
 @dataclass
@@ -372,7 +372,8 @@ class BatchEngine:
         self.metrics.sequence_rounds += 1
         events, reason = [], None
         for i, token in enumerate(committed):
-            events.append(replace(self._event(token, p[i], s.request.top_logprobs), round_position=i, drafted=i < accepted))
+            kind = "draft" if i < accepted else "plain" if drafted == 0 else "bonus" if accepted == drafted else "replacement"
+            events.append(replace(self._event(token, p[i], s.request.top_logprobs), round_position=i, kind=kind))
             s.context.append(token)
             handle.generated += 1
             if token in s.request.stop_token_ids:
