@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import socket
-import statistics
 import subprocess
 import sys
 import time
