@@ -120,7 +120,7 @@ class SpeculativeDecoder:
         logits = self.target.prefill(prompt)[-1:]  # (1, V)
         self._share_features(len(prompt))
         p = block_probs(logits, prompt, [], len(prompt), self.params).unsqueeze(0)  # (1, 1, V)
-        committed = self._verify(torch.empty((1, 0), dtype=torch.int64), None, p, generator).committed()
+        committed = verify_block(self.params, torch.empty((1, 0), dtype=torch.int64), None, p, generator).committed()
         generation.stats.observe(RoundRecord(0, 0, 1, 0.0, time.perf_counter() - start, 0.0))
         context = prompt + committed
         produced = 0
@@ -164,7 +164,7 @@ class SpeculativeDecoder:
         p = block_probs(logits, context, draft.tokens, prompt_length, self.params)
         draft_tokens = torch.tensor([draft.tokens], dtype=torch.int64).reshape(1, -1)  # (1, g)
         draft_probs = None if draft.probs is None else draft.probs.unsqueeze(0)
-        result = self._verify(draft_tokens, draft_probs, p.unsqueeze(0), generator)
+        result = verify_block(self.params, draft_tokens, draft_probs, p.unsqueeze(0), generator)
         accepted = int(result.num_accepted[0])
         self.target.rollback(len(context) + accepted)  # keeps context and the accepted drafts
         self._share_features(accepted + 1)
@@ -174,9 +174,6 @@ class SpeculativeDecoder:
         if self.policy is not None:
             self.policy.observe(record)
         return result.committed()
-
-    def _verify(self, draft_tokens, draft_probs, target_probs, generator) -> VerifyResult:
-        return verify_block(self.params, draft_tokens, draft_probs, target_probs, generator)
 
 
 def verify_block(

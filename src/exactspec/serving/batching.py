@@ -126,7 +126,6 @@ class EngineMetrics:
     speculation_on: int = 0  # steps whose auto sequences drafted
     speculation_off: int = 0
     finished: collections.Counter = field(default_factory=collections.Counter)
-    last_batch: int = 0
     started: float = field(default_factory=time.monotonic)
 
 
@@ -191,7 +190,6 @@ class BatchEngine:
         if not self._active:
             return
         self.metrics.steps += 1
-        self.metrics.last_batch = len(self._active)
         gammas = self._gammas()
         drafts = self._draft(gammas)
         self._verify(drafts)
