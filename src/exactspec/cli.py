@@ -518,6 +518,44 @@ def _print_train_draft(card: dict) -> None:
           f"{', '.join(f'{a:.2f}' for a in acceptance['sampled'])}; greedy {', '.join(f'{a:.2f}' for a in acceptance['greedy'])}")
 
 
+def _certify(args: argparse.Namespace) -> dict:
+    from exactspec.certification.certify import CertifyConfig, certify, default_prompts
+    from exactspec.certification.report import write_certify_outputs
+
+    _check_writable_directory(Path(args.output_dir), "--output-dir")
+    try:
+        config = CertifyConfig(configs=args.configs, sequences=args.sequences, max_tokens=args.max_tokens, gamma=args.gamma,
+                               alpha=args.alpha, seed=args.seed, slots=args.slots, self_check=args.self_check)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    pair = _load(args, with_draft=True)
+    if args.prompts_file:
+        try:
+            lines = [line for line in Path(args.prompts_file).read_text(encoding="utf-8").splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as error:
+            raise CliError(f"--prompts-file {args.prompts_file}: {error}") from None
+        if not lines:
+            raise CliError(f"--prompts-file {args.prompts_file} has no prompt (one per line)")
+        prompts = [pair.tokenizer.encode_prompt(line.replace("\\n", "\n")) for line in lines]
+    else:
+        prompts = default_prompts(pair.tokenizer)
+    try:
+        report = certify(pair, prompts, config, progress=not args.json)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    report["outputs"] = [str(p) for p in write_certify_outputs(report, args.output_dir)]
+    for c in report["per_config"].values():
+        c.pop("pit")
+    return report
+
+
+def _print_certify(report: dict) -> None:
+    from exactspec.certification.report import format_certify_table
+
+    print(format_certify_table(report))
+    print(f"outputs: {', '.join(report['outputs'])}")
+
+
 def _check_writable_directory(directory: Path, flag: str) -> None:
     """Before a long run: the directory exists and is writable, or can be created where it should be."""
     existing = directory
@@ -636,6 +674,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--gamma", type=_integer(1), default=4, help="draft tokens per round of draft and lookup requests (and seeded auto ones)")
     serve.set_defaults(run=_serve, show=lambda result: None, json=False)
 
+    certify = add("certify", help="a statistical test that the pair's speculative output follows the target's sampling law, on its real vocabulary")
+    _add_model_arguments(certify)
+    from exactspec.certification.certify import CONFIGS, CertifyConfig
+
+    defaults = CertifyConfig()
+    certify.add_argument("--configs", type=_list_of(_one_of(tuple(CONFIGS)), f"names from {', '.join(CONFIGS)}"), default=defaults.configs,
+                         help=f"comma-separated sampling configurations (default: all: {', '.join(CONFIGS)}); greedy is always checked apart")
+    certify.add_argument("--sequences", type=_integer(1), default=defaults.sequences, help="continuations per configuration (prompts are cycled)")
+    certify.add_argument("--max-tokens", type=_integer(1), default=defaults.max_tokens, help="tokens per continuation")
+    certify.add_argument("--gamma", type=_integer(1), default=defaults.gamma, help="draft tokens per round")
+    certify.add_argument("--alpha", type=float, default=defaults.alpha, help="family-wise false-positive rate (Holm over every test)")
+    certify.add_argument("--seed", type=_integer(0), default=defaults.seed, help="seed of the first sequence")
+    certify.add_argument("--slots", type=_integer(1, 256), default=defaults.slots, help="sequences sampled together")
+    certify.add_argument("--self-check", action="store_true", help="also run the known-wrong samplers and report whether each is rejected (the tests' power)")
+    certify.add_argument("--prompts-file", help="prompts, one per line (\\n for a newline inside one); default: chat questions in the model's template, or code openings")
+    certify.add_argument("--output-dir", default="certify_out", help="where certify.json, certify.txt and certify.png go")
+    certify.add_argument("--json", action="store_true", help="print the report as JSON")
+    certify.set_defaults(run=_certify, show=_print_certify, dtype="float32")
+
     train = add("train-draft", help="train a feature-level (EAGLE-style) draft for a Llama-family target on the CPU, within a time budget; rerun to resume")
     train.add_argument("--target", required=True, help="the target: a .gguf file, a Llama directory or a packaged model's name")
     train.add_argument("--out", required=True, help="the run's directory (data, checkpoints; the draft lands in OUT/draft)")
@@ -668,4 +725,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 141
     interrupted = result.get("stop_reason") == "interrupted" or result.get("interrupted")
-    return 130 if interrupted else 0
+    return 130 if interrupted else 1 if result.get("passed") is False else 0

@@ -31,26 +31,32 @@ import torch
 from tqdm import tqdm
 
 from exactspec.certification.mutants import MUTANTS
-from exactspec.certification.pit import TestResult, holm, ks_critical_value, ks_uniform, pit_values, token_goodness_of_fit
+from exactspec.certification.pit import TestResult, binned_uniform, holm, keyed_pit_values, ks_critical_value, ks_uniform, token_goodness_of_fit
+from exactspec.chat import chat_messages
 from exactspec.engine import GenerationConfig, SpeculativeDecoder
 from exactspec.loading import LoadedPair, _unwrapped
 from exactspec.sampling import GREEDY, SamplingParams, block_probs
 from exactspec.serving.batching import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.serving.server import build_engine
+from exactspec.peers import PEER_WORKLOADS
+from exactspec.tokenizer import TextTokenizer
+from exactspec.workloads import workload_prompts
 
-__all__ = ["CONFIGS", "CertifyConfig", "certify"]
+__all__ = ["CONFIGS", "CertifyConfig", "certify", "default_prompts", "precision_mode"]
 
 CONFIGS = {
     "T=1": SamplingParams(),
-    "T=0.8,top_k=50": SamplingParams(temperature=0.8, top_k=50),
+    "T=0.8 top_k=50": SamplingParams(temperature=0.8, top_k=50),
     "top_p=0.9": SamplingParams(top_p=0.9),
-    "T=1.2,min_p=0.05": SamplingParams(temperature=1.2, min_p=0.05),
+    "T=1.2 min_p=0.05": SamplingParams(temperature=1.2, min_p=0.05),
     "penalties": SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
 }
 PREFIX_DEPTH = 6  # deepest prefix whose next-token counts are tested
 MIN_PREFIX_COUNT = 30  # a prefix seen fewer times is left to the PIT tests
-#: Which configuration each known-wrong engine is run with in the self-check (where its bug shows).
-MUTANT_CONFIG = {"penalties_once_per_round": "penalties", "precision_mismatch": "T=1"}
+#: The configuration each known-wrong engine is run with in the self-check: one where its bug changes the law
+#: (an unprocessed q is the processed one at T=1 without truncation).
+MUTANT_CONFIG = {"residual_from_p": "T=1", "unprocessed_q": "T=0.8 top_k=50", "penalties_once_per_round": "penalties",
+                 "argmax_draft_sampled_ratio": "T=1", "precision_mismatch": "T=1"}
 
 
 @dataclass(frozen=True)
@@ -74,29 +80,80 @@ class CertifyConfig:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
 
 
+ORDERS = ("token id", "p", "recency", "q/p")  # orders of the vocabulary the PIT is taken in (see .pit)
+TOP_Q = 64  # the draft's most likely tokens kept per drafted position for the q/p order (the rest count as q = 0)
+
+
+class _RecordsDraftProbs:
+    """Mixed into the sampling engine: keeps, per sequence and position, the most likely tokens of the q each drafted
+    position was verified with (known before the position's token is drawn, so a valid order for its PIT)."""
+
+    recorded_q: dict
+
+    def _round_end(self, s, row, logits, tokens, probs):
+        if probs is not None:
+            top = probs.topk(min(TOP_Q, probs.shape[-1]), dim=-1)
+            for k in range(len(tokens)):
+                self.recorded_q[(s.request.seed, len(s.context) + k)] = (top.indices[k], top.values[k])
+        super()._round_end(s, row, logits, tokens, probs)
+
+
+def _recording_engine(pair: LoadedPair, config: "CertifyConfig", engine_class: type[BatchEngine] = BatchEngine) -> BatchEngine:
+    recording = type(f"Recording{engine_class.__name__}", (_RecordsDraftProbs, engine_class), {})
+    engine = build_engine(pair, config.slots, 1024, EngineConfig(gamma=config.gamma), calibrated=False, engine_class=recording)
+    engine.recorded_q = {}
+    return engine
+
+
 def _sample(engine: BatchEngine, prompts: list[list[int]], params: SamplingParams, config: CertifyConfig, seed: int,
             progress: tqdm) -> list[dict]:
-    """Seeded speculative continuations with each token's round position and kind."""
-    runs = [{"prompt": prompts[i % len(prompts)], "events": []} for i in range(config.sequences)]
+    """Seeded speculative continuations with each token's round position and kind, and the q of drafted positions."""
+    engine.recorded_q.clear()
+    runs = [{"prompt": prompts[i % len(prompts)], "seed": seed + i, "events": []} for i in range(config.sequences)]
+    speculation = "lookup" if engine.draft is None and engine.feature_proposer is None else "draft"
     handles = []
-    for i, run in enumerate(runs):
-        request = SequenceRequest(tuple(run["prompt"]), params, config.max_tokens, seed=seed + i, speculation="draft")
+    for run in runs:
+        request = SequenceRequest(tuple(run["prompt"]), params, config.max_tokens, seed=run["seed"], speculation=speculation)
         handles.append(engine.submit(request, lambda events, run=run: (run["events"].extend(events), progress.update(len(events))), lambda h: None))
     while any(h.finish_reason is None for h in handles):
         engine.step()
     failed = [h.error for h in handles if h.finish_reason == "error"]
     if failed:
         raise RuntimeError(f"sampling failed: {failed[0]}")
+    for run in runs:
+        start = len(run["prompt"])
+        run["q"] = [engine.recorded_q.get((run["seed"], start + i)) for i in range(len(run["events"]))]
     return runs
 
 
-def _score(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed: int, batch: int = 32) -> dict[str, np.ndarray]:
-    """PIT values of every generated token under the target's processed distribution given its own prefix, from one
-    plain cache-free forward of each whole sequence (sequences right-padded into batches: causal, so padding
-    never reaches an earlier position)."""
+def _order_keys(probs: torch.Tensor, prefix: list[int], tokens: list[int], q: list) -> dict[str, torch.Tensor | None]:
+    """Per order, the keys ``(n, V)`` of each generated position's vocabulary (None: no drafted position)."""
+    n, vocab = probs.shape
+    last_seen = torch.full((vocab,), -1.0, dtype=torch.float64)  # position of a token's last occurrence, -1: never
+    last_seen.scatter_reduce_(0, torch.tensor(prefix), torch.arange(len(prefix), dtype=torch.float64), reduce="amax")
+    recency = torch.empty((n, vocab), dtype=torch.float64)
+    for i in range(n):
+        recency[i] = last_seen
+        last_seen[tokens[i]] = len(prefix) + i
+    keys = {"token id": torch.arange(vocab).expand(n, vocab), "p": probs, "recency": recency + 0.5 * probs, "q/p": None}
+    drafted = [i for i in range(n) if q[i] is not None]
+    if drafted:
+        q_rows = torch.zeros((len(drafted), vocab), dtype=torch.float64)
+        for row, i in enumerate(drafted):
+            q_rows[row, q[i][0]] = q[i][1]
+        ratio = torch.full((n, vocab), float("nan"), dtype=torch.float64)
+        ratio[drafted] = q_rows / probs[drafted].clamp_min(1e-300)
+        keys["q/p"] = ratio
+    return keys
+
+
+def _score(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed: int, batch: int = 32) -> dict:
+    """PIT values of every generated token in each order (:data:`ORDERS`; NaN where the order does not apply) under
+    the target's processed distribution given its own prefix, from one plain cache-free forward of each whole
+    sequence (sequences right-padded into batches: causal, so padding never reaches an earlier position)."""
     generator = torch.Generator().manual_seed(seed)
     decoder, vocab = _unwrapped(pair.target).decoder, pair.target.vocab_size
-    values, positions, kinds, heads = [], [], [], []
+    values, positions, kinds, heads = {order: [] for order in ORDERS}, [], [], []
     for start in range(0, len(runs), batch):
         chunk = runs[start : start + batch]
         sequences = [run["prompt"] + [e.token for e in run["events"]][:-1] for run in chunk]
@@ -108,19 +165,32 @@ def _score(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed: int
             prompt, tokens = run["prompt"], [e.token for e in run["events"]]
             probs = block_probs(row[len(prompt) - 1 : len(prompt) - 1 + len(tokens)], prompt, tokens, len(prompt), params)
             uniforms = torch.rand((len(tokens),), dtype=torch.float64, generator=generator)
-            values.append(pit_values(probs, torch.tensor(tokens), uniforms).numpy())
+            token_ids = torch.tensor(tokens)
+            for order, keys in _order_keys(probs, prompt, tokens, run["q"]).items():
+                pit = torch.full((len(tokens),), float("nan"), dtype=torch.float64)
+                if keys is not None:
+                    rows = ~keys[:, 0].isnan()
+                    pit[rows] = keyed_pit_values(probs[rows], keys[rows], token_ids[rows], uniforms[rows])
+                values[order].append(pit.numpy())
             positions.append([e.round_position for e in run["events"]])
             kinds.append([e.kind for e in run["events"]])
             heads.append((tuple(prompt), tuple(tokens[:PREFIX_DEPTH + 1]), probs[: PREFIX_DEPTH + 1]))
-    return {"pit": np.concatenate(values), "position": np.concatenate(positions), "kind": np.concatenate(kinds), "heads": heads}
+    return {"pit": {order: np.concatenate(v) for order, v in values.items()}, "position": np.concatenate(positions),
+            "kind": np.concatenate(kinds), "heads": heads}
 
 
 def _tests(name: str, scored: dict, gamma: int) -> list[TestResult]:
-    """PIT uniformity of all tokens and per round position, and next-token goodness of fit after repeated
-    prefixes, one test per prefix depth (depth 0: the first token, from the prefill; deeper: speculative rounds)."""
-    pit, position = scored["pit"], scored["position"]
-    tests = [ks_uniform(f"{name}: all tokens", pit)]
-    tests += [ks_uniform(f"{name}: round position {k}", pit[position == k]) for k in range(gamma + 1) if (position == k).sum() >= 20]
+    """PIT uniformity in each order, of all tokens and per round position, and next-token goodness of fit after
+    repeated prefixes, one test per prefix depth (depth 0: the first token, from the prefill; deeper: speculative
+    rounds)."""
+    tests, position = [], scored["position"]
+    for order, pit in scored["pit"].items():
+        present = ~np.isnan(pit)
+        subsets = [("all tokens", present)] + [(f"round position {k}", present & (position == k)) for k in range(gamma + 1)]
+        for subset, chosen in subsets:
+            if chosen.sum() >= 20:
+                tests.append(ks_uniform(f"{name}: {subset}, {order} order, KS", pit[chosen]))
+                tests.append(binned_uniform(f"{name}: {subset}, {order} order, tail bins", pit[chosen]))
     for depth in range(PREFIX_DEPTH + 1):
         groups: dict[tuple, tuple[dict, torch.Tensor]] = {}
         for prompt, tokens, probs in scored["heads"]:
@@ -156,23 +226,40 @@ def _numerics(pair: LoadedPair, prompts: list[list[int]], gamma: int) -> float:
     return worst
 
 
+def default_prompts(tokenizer: TextTokenizer, count: int = 8) -> list[list[int]]:
+    """Chat questions in the model's template where it has one (an instruct model), else code openings."""
+    if tokenizer.chat_template:
+        turns = [t for workload in PEER_WORKLOADS.values() for t in workload][:count]
+        return [tokenizer.encode_chat(chat_messages(turn)) for turn in turns]
+    return [tokenizer.encode_prompt(text) for text in workload_prompts("code", count, lines=4)]
+
+
+def precision_mode(pair: LoadedPair) -> str:
+    """The target's numerics, as the certificate names them: dtype, and whether call-size invariant."""
+    target = _unwrapped(pair.target)
+    dtype = str(getattr(target, "dtype", "unknown")).removeprefix("torch.")
+    return f"{dtype}, {'call-size invariant' if getattr(target, 'invariant', False) else 'call-size dependent'}"
+
+
 def certify(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, progress: bool = True) -> dict:
+    """Sample, score and test every configuration (module docstring); with ``config.self_check``, the mutants too.
+    The report keeps every configuration's PIT values (token id order) under ``per_config[name]["pit"]``."""
     started = time.perf_counter()
     total = config.sequences * config.max_tokens * (len(config.configs) + (len(MUTANTS) if config.self_check else 0))
     bar = tqdm(total=total, desc="certify", unit="tok", disable=not progress)
-    engine = build_engine(pair, config.slots, 1024, EngineConfig(gamma=config.gamma), calibrated=False)
+    engine = _recording_engine(pair, config)
     tests, per_config = [], {}
     for index, name in enumerate(config.configs):
         params = CONFIGS[name]
         runs = _sample(engine, prompts, params, config, config.seed + 10**6 * index, bar)
         scored = _score(pair, runs, params, config.seed + index)
         tests += _tests(name, scored, config.gamma)
-        per_config[name] = {"tokens": int(len(scored["pit"])), "pit": scored["pit"].tolist(),
+        per_config[name] = {"tokens": int(len(scored["position"])), "pit": scored["pit"]["token id"].tolist(),
                             "acceptance_by_position": _acceptance(scored, config.gamma)}
     tests = holm(tests, config.alpha)
     sampled_tokens = sum(c["tokens"] for c in per_config.values())
     report = {
-        "config": asdict(config), "tokens": sampled_tokens,
+        "config": asdict(config), "tokens": sampled_tokens, "precision": precision_mode(pair),
         "passed": not any(t.rejected for t in tests),
         "tests": [asdict(t) for t in tests],
         "detectable_tv": ks_critical_value(min(c["tokens"] for c in per_config.values()), config.alpha / len(tests)),
@@ -201,9 +288,9 @@ def _self_check(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfi
     """Each known-wrong engine on its configuration, tested as above (Holm within its own family)."""
     out = {}
     for index, (name, engine_class) in enumerate(MUTANTS.items()):
-        config_name = MUTANT_CONFIG.get(name, "T=0.8,top_k=50" if "T=0.8,top_k=50" in config.configs else config.configs[0])
+        config_name = MUTANT_CONFIG[name]
         params = CONFIGS[config_name]
-        engine = build_engine(pair, config.slots, 1024, EngineConfig(gamma=config.gamma), calibrated=False, engine_class=engine_class)
+        engine = _recording_engine(pair, config, engine_class)
         try:
             runs = _sample(engine, prompts, params, config, config.seed + 10**7 * (index + 1), bar)
         except RuntimeError as error:  # a verifier guard caught it before any statistics (a token q says is impossible)
@@ -212,5 +299,5 @@ def _self_check(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfi
         tests = holm(_tests(config_name, _score(pair, runs, params, config.seed), config.gamma), config.alpha)
         worst = min(tests, key=lambda t: t.adjusted_p)
         out[name] = {"config": config_name, "rejected": any(t.rejected for t in tests), "smallest_adjusted_p": worst.adjusted_p,
-                     "by": worst.name, "largest_ks_distance": max(t.statistic for t in tests if "prefix" not in t.name)}
+                     "by": worst.name, "largest_ks_distance": max(t.statistic for t in tests if t.name.endswith("KS"))}
     return out
