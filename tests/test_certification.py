@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from exactspec.certification.pit import TestResult, holm, ks_critical_value, ks_uniform, pit_values, token_goodness_of_fit
+from exactspec.certification.pit import (
+    TestResult, binned_uniform, holm, keyed_pit_values, ks_critical_value, ks_uniform, pit_values, token_goodness_of_fit,
+)
 
 
 def draws(probs: torch.Tensor, n: int, seed: int) -> torch.Tensor:  # probs (n, V) -> (n,)
@@ -45,3 +47,25 @@ def test_holm_adjusts_step_down():
     results = holm([TestResult("a", 1, 0, 0.01), TestResult("b", 1, 0, 0.04), TestResult("c", 1, 0, 0.03)], alpha=0.05)
     assert [round(r.adjusted_p, 6) for r in results] == [0.03, 0.06, 0.06]
     assert [r.rejected for r in results] == [True, False, False]
+
+
+def test_keyed_pit_is_uniform_under_the_law_in_any_fixed_order_and_sees_a_flattened_law_in_p_order():
+    n = 20_000
+    p = laws(n, seed=3)
+    flattened = torch.softmax(p.log() / 1.1, -1)
+    uniforms = torch.rand((n,), dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    shuffled = torch.rand((n, p.shape[1]), generator=torch.Generator().manual_seed(5))  # any order fixed before the draw
+    for keys in (p, shuffled, (p > 0.05).double()):  # the last has ties, randomized together
+        assert ks_uniform("good", keyed_pit_values(p, keys, draws(p, n, 6), uniforms).numpy()).p_value > 1e-3
+    by_p = ks_uniform("by p", keyed_pit_values(p, p, draws(flattened, n, 6), uniforms).numpy())
+    by_id = ks_uniform("by id", pit_values(p, draws(flattened, n, 6), uniforms).numpy())
+    assert by_p.p_value < 1e-6 and by_p.statistic > 2 * by_id.statistic
+
+
+def test_tail_bins_see_an_excess_near_one_that_the_ks_distance_misses():
+    rng = np.random.default_rng(7)
+    values = rng.random(5000)
+    assert binned_uniform("uniform", values).p_value > 1e-3
+    values[:100] = 0.9995 + 0.0005 * rng.random(100)  # 2% of the mass moved into the top 0.05%
+    assert binned_uniform("excess", values).p_value < 1e-6
+    assert ks_uniform("excess", values).p_value > 1e-3

@@ -69,11 +69,14 @@ class CertifyConfig:
     seed: int = 0
     slots: int = 16
     self_check: bool = False
+    mutants: tuple[str, ...] = tuple(MUTANTS)  # which known-wrong samplers the self-check runs
 
     def __post_init__(self) -> None:
         unknown = set(self.configs) - set(CONFIGS)
         if unknown or not self.configs:
             raise ValueError(f"configs must be among {', '.join(CONFIGS)}, got {', '.join(self.configs)}")
+        if set(self.mutants) - set(MUTANTS):
+            raise ValueError(f"mutants must be among {', '.join(MUTANTS)}, got {', '.join(self.mutants)}")
         if self.sequences < 1 or self.max_tokens < 1 or self.gamma < 1 or self.slots < 1:
             raise ValueError("sequences, max_tokens, gamma and slots must be >= 1")
         if not 0 < self.alpha < 1:
@@ -245,7 +248,7 @@ def certify(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, p
     """Sample, score and test every configuration (module docstring); with ``config.self_check``, the mutants too.
     The report keeps every configuration's PIT values (token id order) under ``per_config[name]["pit"]``."""
     started = time.perf_counter()
-    total = config.sequences * config.max_tokens * (len(config.configs) + (len(MUTANTS) if config.self_check else 0))
+    total = config.sequences * config.max_tokens * (len(config.configs) + (len(config.mutants) if config.self_check else 0))
     bar = tqdm(total=total, desc="certify", unit="tok", disable=not progress)
     engine = _recording_engine(pair, config)
     tests, per_config = [], {}
@@ -287,8 +290,8 @@ def _acceptance(scored: dict, gamma: int) -> list[float]:
 def _self_check(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, bar: tqdm) -> dict:
     """Each known-wrong engine on its configuration, tested as above (Holm within its own family)."""
     out = {}
-    for index, (name, engine_class) in enumerate(MUTANTS.items()):
-        config_name = MUTANT_CONFIG[name]
+    for index, name in enumerate(config.mutants):
+        engine_class, config_name = MUTANTS[name], MUTANT_CONFIG[name]
         params = CONFIGS[config_name]
         engine = _recording_engine(pair, config, engine_class)
         try:
