@@ -487,8 +487,14 @@ def _serve(args: argparse.Namespace) -> dict:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         raise CliError(f"--host {args.host} exposes the server beyond this machine: give it an --api-key")
     pair = _load(args, with_draft=True)
+    engine_class = None
+    if args.lossy_for_tests:
+        from exactspec.certification.mutants import MUTANTS
+
+        print(f"exactspec: WARNING: lossy mode {args.lossy_for_tests}: this server's output does NOT follow the target's law (for testing audits only)", file=sys.stderr)
+        engine_class = MUTANTS[args.lossy_for_tests]
     try:
-        engine = build_engine(pair, args.max_batch, args.max_model_len, EngineConfig(gamma=args.gamma))
+        engine = build_engine(pair, args.max_batch, args.max_model_len, EngineConfig(gamma=args.gamma), **({"engine_class": engine_class} if engine_class else {}))
     except ValueError as error:
         raise CliError(str(error)) from None
     name = args.model_name or (args.target or "exactspec-default")
@@ -519,7 +525,7 @@ def _print_train_draft(card: dict) -> None:
 
 
 def _certify(args: argparse.Namespace) -> dict:
-    from exactspec.certification.certify import CertifyConfig, certify, default_prompts
+    from exactspec.certification.certify import CertifyConfig, certify
     from exactspec.certification.report import write_certify_outputs
 
     _check_writable_directory(Path(args.output_dir), "--output-dir")
@@ -529,24 +535,67 @@ def _certify(args: argparse.Namespace) -> dict:
     except ValueError as error:
         raise CliError(str(error)) from None
     pair = _load(args, with_draft=True)
-    if args.prompts_file:
-        try:
-            lines = [line for line in Path(args.prompts_file).read_text(encoding="utf-8").splitlines() if line.strip()]
-        except (OSError, UnicodeDecodeError) as error:
-            raise CliError(f"--prompts-file {args.prompts_file}: {error}") from None
-        if not lines:
-            raise CliError(f"--prompts-file {args.prompts_file} has no prompt (one per line)")
-        prompts = [pair.tokenizer.encode_prompt(line.replace("\\n", "\n")) for line in lines]
-    else:
-        prompts = default_prompts(pair.tokenizer)
     try:
-        report = certify(pair, prompts, config, progress=not args.json)
+        report = certify(pair, _read_prompts(args.prompts_file, pair.tokenizer), config, progress=not args.json)
     except ValueError as error:
         raise CliError(str(error)) from None
     report["outputs"] = [str(p) for p in write_certify_outputs(report, args.output_dir)]
     for c in report["per_config"].values():
         c.pop("pit")
     return report
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({error.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def _read_prompts(path: str | None, tokenizer) -> list[list[int]]:
+    """Prompts from a file, one per line (a literal \\n is a newline inside one), or the default set."""
+    from exactspec.certification.certify import default_prompts
+
+    if not path:
+        return default_prompts(tokenizer)
+    try:
+        lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as error:
+        raise CliError(f"--prompts-file {path}: {error}") from None
+    if not lines:
+        raise CliError(f"--prompts-file {path} has no prompt (one per line)")
+    return [tokenizer.encode_prompt(line.replace("\\n", "\n")) for line in lines]
+
+
+def _audit(args: argparse.Namespace) -> dict:
+    from exactspec.certification.audit import AuditConfig, audit
+    from exactspec.loading import DTYPES, load_pair
+
+    try:
+        config = AuditConfig(args.endpoint, args.model, args.api_key or os.environ.get("EXACTSPEC_API_KEY"), args.baseline,
+                             args.configs, args.requests, args.max_tokens, args.alpha, args.seed, args.concurrency,
+                             extra_body=args.extra_body, baseline_extra_body=args.baseline_extra_body)
+        pair = load_pair(resolve_checkpoint(args.target_weights), None, "lean", DTYPES[args.dtype], args.weights, device=args.device)
+    except (OSError, ValueError) as error:
+        raise CliError(str(error)) from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        report = audit(pair, _read_prompts(args.prompts_file, pair.tokenizer), config, progress=not args.json)
+    except RuntimeError as error:
+        raise CliError(str(error)) from None
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _print_audit(report: dict) -> None:
+    from exactspec.certification.audit import format_audit_table
+
+    print(format_audit_table(report))
 
 
 def _print_certify(report: dict) -> None:
@@ -672,6 +721,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-sequences", type=_integer(1), default=64, help="sequences queued or running at once; more get HTTP 429")
     serve.add_argument("--max-request-bytes", type=_integer(1), default=1 << 20, help="largest request body")
     serve.add_argument("--gamma", type=_integer(1), default=4, help="draft tokens per round of draft and lookup requests (and seeded auto ones)")
+    from exactspec.certification.mutants import MUTANTS
+
+    serve.add_argument("--lossy-for-tests", choices=tuple(MUTANTS), help=argparse.SUPPRESS)  # a known-wrong verifier, to test audits
     serve.set_defaults(run=_serve, show=lambda result: None, json=False)
 
     certify = add("certify", help="a statistical test that the pair's speculative output follows the target's sampling law, on its real vocabulary")
@@ -692,6 +744,29 @@ def build_parser() -> argparse.ArgumentParser:
     certify.add_argument("--output-dir", default="certify_out", help="where certify.json, certify.txt and certify.png go")
     certify.add_argument("--json", action="store_true", help="print the report as JSON")
     certify.set_defaults(run=_certify, show=_print_certify, dtype="float32")
+
+    audit = add("audit", help="black-box check of an OpenAI-compatible server's sampling law, scored with a local copy of the target's weights")
+    audit.add_argument("--endpoint", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000 (the only address the audit talks to, with --baseline)")
+    audit.add_argument("--model", required=True, help="the model id the server expects")
+    audit.add_argument("--target-weights", required=True, help="the same target's weights here: a directory, a .gguf file or a packaged model's name")
+    audit.add_argument("--baseline", help="a server of the same model with speculation off: its samples are compared with the endpoint's")
+    audit.add_argument("--api-key", help="sent as Authorization: Bearer KEY (default: $EXACTSPEC_API_KEY)")
+    audit.add_argument("--configs", type=_list_of(_one_of(tuple(CONFIGS)), f"names from {', '.join(CONFIGS)}"), default=("T=1",), help="comma-separated sampling configurations")
+    audit.add_argument("--requests", type=_integer(1), default=400, help="requests per configuration and server (one choice each)")
+    audit.add_argument("--max-tokens", type=_integer(1), default=48, help="max_tokens of each request")
+    audit.add_argument("--alpha", type=float, default=1e-3, help="family-wise false-positive rate (Holm over every test)")
+    audit.add_argument("--seed", type=_integer(0), default=0, help="seed of the first request (request i sends seed + i)")
+    audit.add_argument("--concurrency", type=_integer(1), default=8, help="requests in flight at once")
+    audit.add_argument("--extra-body", type=_json_object, default={}, help='JSON fields added to every request to the endpoint, e.g. \'{"speculation": "draft"}\'')
+    audit.add_argument("--baseline-extra-body", type=_json_object, default={}, help="JSON fields added to every request to the baseline")
+    audit.add_argument("--prompts-file", help="prompts, one per line; default: chat questions in the model's template, or code openings")
+    audit.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="precision of the local scoring")
+    audit.add_argument("--weights", choices=["auto", "dense", "q4"], default="dense", help="the local target's weights (see generate)")
+    audit.add_argument("--device", default="cpu", help="where the local scoring runs")
+    audit.add_argument("--threads", type=_integer(1), help="CPU threads for the local scoring")
+    audit.add_argument("--output", help="also write the report to this JSON file")
+    audit.add_argument("--json", action="store_true", help="print the report as JSON")
+    audit.set_defaults(run=_audit, show=_print_audit)
 
     train = add("train-draft", help="train a feature-level (EAGLE-style) draft for a Llama-family target on the CPU, within a time budget; rerun to resume")
     train.add_argument("--target", required=True, help="the target: a .gguf file, a Llama directory or a packaged model's name")

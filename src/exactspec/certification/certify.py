@@ -42,7 +42,7 @@ from exactspec.peers import PEER_WORKLOADS
 from exactspec.tokenizer import TextTokenizer
 from exactspec.workloads import workload_prompts
 
-__all__ = ["CONFIGS", "CertifyConfig", "certify", "default_prompts", "precision_mode"]
+__all__ = ["CONFIGS", "CertifyConfig", "certify", "default_prompts", "precision_mode", "run_tests", "score_runs"]
 
 CONFIGS = {
     "T=1": SamplingParams(),
@@ -124,8 +124,9 @@ def _sample(engine: BatchEngine, prompts: list[list[int]], params: SamplingParam
     if failed:
         raise RuntimeError(f"sampling failed: {failed[0]}")
     for run in runs:
-        start = len(run["prompt"])
-        run["q"] = [engine.recorded_q.get((run["seed"], start + i)) for i in range(len(run["events"]))]
+        start, events = len(run["prompt"]), run.pop("events")
+        run.update(tokens=[e.token for e in events], positions=[e.round_position for e in events], kinds=[e.kind for e in events],
+                   q=[engine.recorded_q.get((run["seed"], start + i)) for i in range(len(events))])
     return runs
 
 
@@ -150,42 +151,47 @@ def _order_keys(probs: torch.Tensor, prefix: list[int], tokens: list[int], q: li
     return keys
 
 
-def _score(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed: int, batch: int = 32) -> dict:
+def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed: int, batch: int = 32) -> dict:
     """PIT values of every generated token in each order (:data:`ORDERS`; NaN where the order does not apply) under
     the target's processed distribution given its own prefix, from one plain cache-free forward of each whole
-    sequence (sequences right-padded into batches: causal, so padding never reaches an earlier position)."""
+    sequence (sequences right-padded into batches: causal, so padding never reaches an earlier position).
+
+    A run is ``{"prompt": ids, "tokens": ids}``, with ``"positions"``, ``"kinds"`` (round positions and token kinds)
+    and ``"q"`` (the recorded draft distributions) where the sampler is white-box."""
     generator = torch.Generator().manual_seed(seed)
     decoder, vocab = _unwrapped(pair.target).decoder, pair.target.vocab_size
     values, positions, kinds, heads = {order: [] for order in ORDERS}, [], [], []
     for start in range(0, len(runs), batch):
-        chunk = runs[start : start + batch]
-        sequences = [run["prompt"] + [e.token for e in run["events"]][:-1] for run in chunk]
+        chunk = [run for run in runs[start : start + batch] if run["tokens"]]
+        if not chunk:
+            continue
+        sequences = [run["prompt"] + run["tokens"][:-1] for run in chunk]
         width = max(len(q) for q in sequences)
         idx = torch.tensor([q + [0] * (width - len(q)) for q in sequences], device=_unwrapped(pair.target).device)
         with torch.inference_mode():
             logits = decoder.forward_train(idx)[..., :vocab].float().cpu()  # (B, T, V)
         for row, run in zip(logits, chunk):
-            prompt, tokens = run["prompt"], [e.token for e in run["events"]]
+            prompt, tokens = run["prompt"], run["tokens"]
             probs = block_probs(row[len(prompt) - 1 : len(prompt) - 1 + len(tokens)], prompt, tokens, len(prompt), params)
             uniforms = torch.rand((len(tokens),), dtype=torch.float64, generator=generator)
             token_ids = torch.tensor(tokens)
-            for order, keys in _order_keys(probs, prompt, tokens, run["q"]).items():
+            for order, keys in _order_keys(probs, prompt, tokens, run.get("q") or [None] * len(tokens)).items():
                 pit = torch.full((len(tokens),), float("nan"), dtype=torch.float64)
                 if keys is not None:
                     rows = ~keys[:, 0].isnan()
                     pit[rows] = keyed_pit_values(probs[rows], keys[rows], token_ids[rows], uniforms[rows])
                 values[order].append(pit.numpy())
-            positions.append([e.round_position for e in run["events"]])
-            kinds.append([e.kind for e in run["events"]])
+            positions.append(run.get("positions") or [-1] * len(tokens))
+            kinds.append(run.get("kinds") or ["unknown"] * len(tokens))
             heads.append((tuple(prompt), tuple(tokens[:PREFIX_DEPTH + 1]), probs[: PREFIX_DEPTH + 1]))
     return {"pit": {order: np.concatenate(v) for order, v in values.items()}, "position": np.concatenate(positions),
             "kind": np.concatenate(kinds), "heads": heads}
 
 
-def _tests(name: str, scored: dict, gamma: int) -> list[TestResult]:
-    """PIT uniformity in each order, of all tokens and per round position, and next-token goodness of fit after
-    repeated prefixes, one test per prefix depth (depth 0: the first token, from the prefill; deeper: speculative
-    rounds)."""
+def run_tests(name: str, scored: dict, gamma: int) -> list[TestResult]:
+    """PIT uniformity in each order, of all tokens and per round position (where known), and next-token goodness
+    of fit after repeated prefixes, one test per prefix depth (depth 0: the first token, from the prefill; deeper:
+    speculative rounds)."""
     tests, position = [], scored["position"]
     for order, pit in scored["pit"].items():
         present = ~np.isnan(pit)
@@ -255,8 +261,8 @@ def certify(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, p
     for index, name in enumerate(config.configs):
         params = CONFIGS[name]
         runs = _sample(engine, prompts, params, config, config.seed + 10**6 * index, bar)
-        scored = _score(pair, runs, params, config.seed + index)
-        tests += _tests(name, scored, config.gamma)
+        scored = score_runs(pair, runs, params, config.seed + index)
+        tests += run_tests(name, scored, config.gamma)
         per_config[name] = {"tokens": int(len(scored["position"])), "pit": scored["pit"]["token id"].tolist(),
                             "acceptance_by_position": _acceptance(scored, config.gamma)}
     tests = holm(tests, config.alpha)
@@ -299,7 +305,7 @@ def _self_check(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfi
         except RuntimeError as error:  # a verifier guard caught it before any statistics (a token q says is impossible)
             out[name] = {"config": config_name, "rejected": True, "smallest_adjusted_p": 0.0, "by": str(error), "largest_ks_distance": None}
             continue
-        tests = holm(_tests(config_name, _score(pair, runs, params, config.seed), config.gamma), config.alpha)
+        tests = holm(run_tests(config_name, score_runs(pair, runs, params, config.seed), config.gamma), config.alpha)
         worst = min(tests, key=lambda t: t.adjusted_p)
         out[name] = {"config": config_name, "rejected": any(t.rejected for t in tests), "smallest_adjusted_p": worst.adjusted_p,
                      "by": worst.name, "largest_ks_distance": max(t.statistic for t in tests if t.name.endswith("KS"))}

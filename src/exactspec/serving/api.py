@@ -231,6 +231,8 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
                 raise ApiError(400, f"prompt token ids must be in [0, {engine.target.vocab_size})", param="prompt")
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
+        if body.stream and body.return_token_ids:
+            raise ApiError(400, "return_token_ids is given with whole responses, not with stream", param="return_token_ids")
         requests = sequences(body, prompt, 16 if not chat else settings.max_tokens)
         choices = start(requests, body.stops())
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", "created": int(time.time()), "model": settings.model_name}
@@ -246,7 +248,7 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
         if failed:
             state["errors"] += 1
             raise ApiError(500, f"generation failed: {failed[0].handle.error}", "server_error")
-        return _response(choices, texts, meta, chat, len(prompt))
+        return _response(choices, texts, meta, chat, prompt if body.return_token_ids else None, len(prompt))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -287,11 +289,14 @@ def _usage(choices: list[_Choice], prompt_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
-def _response(choices: list[_Choice], texts: list[str], meta: dict, chat: bool, prompt_tokens: int) -> dict:
+def _response(choices: list[_Choice], texts: list[str], meta: dict, chat: bool, prompt: list[int] | None, prompt_tokens: int) -> dict:
+    """The whole response; with ``prompt`` (return_token_ids), each choice's prompt and completion token ids."""
     out = []
     for choice, text in zip(choices, texts):
         row = {"index": choice.index, "finish_reason": choice.finish_reason, "logprobs": choice.logprobs(chat),
                "speculation": choice.handle.figures()}
+        if prompt is not None:
+            row.update(prompt_token_ids=prompt, token_ids=choice.tokens)
         row.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         out.append(row)
     return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": out, "usage": _usage(choices, prompt_tokens)}

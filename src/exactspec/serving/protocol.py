@@ -2,7 +2,8 @@
 
 Field names and defaults follow OpenAI's completions and chat completions APIs; vLLM's extensions are accepted
 as extra fields (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``), and exactspec adds
-``speculation`` (``off``, ``draft``, ``lookup`` or ``auto``). Unknown fields are refused, so a typo is an error
+``speculation`` (``off``, ``draft``, ``lookup`` or ``auto``); ``return_token_ids`` (as in vLLM) adds each choice's
+``prompt_token_ids`` and ``token_ids``, which ``exactspec audit`` scores. Unknown fields are refused, so a typo is an error
 rather than a silently ignored setting.
 """
 
@@ -37,6 +38,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     speculation: str = "auto"
+    return_token_ids: bool = False
     user: str | None = None
 
     @field_validator("speculation")

@@ -1,0 +1,143 @@
+"""``exactspec audit``: the certification's tests applied to any OpenAI-compatible completion server, from outside.
+
+The server samples (its speculation on, whatever it is); the local copy of the target's weights scores what it
+returned under the declared sampling settings (:func:`exactspec.certification.certify.score_runs`), and the same
+PIT and goodness-of-fit tests decide. Only the orders of the vocabulary that need no draft (token id, p, recency)
+apply: a black box does not say what it drafted. With a baseline server (the same model, speculation off), the PIT
+values of the two are also compared by two-sample KS tests, which stay valid when the local weights' numerics
+differ slightly from the server's (a quantized server scored by dense weights shifts both samples alike).
+
+Requests carry the prompt as token ids and ask for ``return_token_ids`` (vLLM's and exactspec's extension), so the
+tokens scored are the tokens sampled; every request has its own seed. The number of requests is bounded, and the
+audit talks only to the addresses it is given.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from scipy import stats
+from tqdm import tqdm
+
+from exactspec.certification.certify import CONFIGS, ORDERS, precision_mode, run_tests, score_runs
+from exactspec.certification.pit import TestResult, holm, ks_critical_value
+from exactspec.loading import LoadedPair
+from exactspec.sampling import SamplingParams
+
+__all__ = ["AuditConfig", "audit", "format_audit_table"]
+
+MAX_REQUESTS = 100_000
+MAX_CONCURRENCY = 64
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    endpoint: str  # base URL of the server (with or without /v1)
+    model: str
+    api_key: str | None = None
+    baseline: str | None = None  # a server of the same model with speculation off
+    configs: tuple[str, ...] = ("T=1",)
+    requests: int = 400  # per configuration and server
+    max_tokens: int = 48
+    alpha: float = 1e-3
+    seed: int = 0
+    concurrency: int = 8
+    timeout: float = 300.0  # seconds per request
+    extra_body: dict = field(default_factory=dict)  # added to every request to the endpoint (e.g. {"speculation": "draft"})
+    baseline_extra_body: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if set(self.configs) - set(CONFIGS) or not self.configs:
+            raise ValueError(f"configs must be among {', '.join(CONFIGS)}, got {', '.join(self.configs)}")
+        if not 1 <= self.requests * len(self.configs) * (2 if self.baseline else 1) <= MAX_REQUESTS:
+            raise ValueError(f"requests x configurations x servers must be in [1, {MAX_REQUESTS}]")
+        if not 1 <= self.concurrency <= MAX_CONCURRENCY or self.max_tokens < 1:
+            raise ValueError(f"concurrency must be in [1, {MAX_CONCURRENCY}] and max_tokens >= 1")
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
+        for url in (self.endpoint, self.baseline):
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ValueError(f"a server address starts with http:// or https://, got {url!r}")
+
+
+def _body(model: str, prompt: list[int], params: SamplingParams, max_tokens: int, seed: int, extra: dict) -> dict:
+    """The declared sampling settings, in OpenAI's and vLLM's field names."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "seed": seed, "return_token_ids": True,
+            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
+            "repetition_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty, **extra}
+
+
+def _sample(url: str, config: AuditConfig, prompts: list[list[int]], params: SamplingParams, seed: int, extra: dict,
+            bar: tqdm) -> list[dict]:
+    import httpx
+
+    base = url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    with httpx.Client(timeout=config.timeout, headers=headers) as client:
+        def one(i: int) -> dict:
+            prompt = prompts[i % len(prompts)]
+            try:
+                response = client.post(f"{base}/v1/completions", json=_body(config.model, prompt, params, config.max_tokens, seed + i, extra))
+            except httpx.HTTPError as error:
+                raise RuntimeError(f"{base}: {error}") from None
+            if response.status_code != 200:
+                raise RuntimeError(f"{base} answered {response.status_code}: {response.text[:300]}")
+            choice = response.json()["choices"][0]
+            if "token_ids" not in choice:
+                raise RuntimeError(f"{base} does not return token ids (return_token_ids): its tokens cannot be scored exactly")
+            bar.update(1)
+            return {"prompt": prompt, "tokens": list(choice["token_ids"])}
+
+        with ThreadPoolExecutor(config.concurrency) as pool:
+            return list(pool.map(one, range(config.requests)))
+
+
+def _two_sample(name: str, audited: dict, baseline: dict) -> list[TestResult]:
+    tests = []
+    for order in ORDERS:
+        a, b = audited["pit"][order], baseline["pit"][order]
+        a, b = a[~np.isnan(a)], b[~np.isnan(b)]
+        if len(a) >= 20 and len(b) >= 20:
+            result = stats.ks_2samp(a, b)
+            tests.append(TestResult(f"{name}: server vs baseline, {order} order, two-sample KS", len(a) + len(b),
+                                    float(result.statistic), float(result.pvalue)))
+    return tests
+
+
+def audit(pair: LoadedPair, prompts: list[list[int]], config: AuditConfig, progress: bool = True) -> dict:
+    """Sample from the endpoint (and the baseline), score with ``pair.target``, test; Holm over every test."""
+    servers = [("endpoint", config.endpoint, config.extra_body)]
+    if config.baseline:
+        servers.append(("baseline", config.baseline, config.baseline_extra_body))
+    bar = tqdm(total=config.requests * len(config.configs) * len(servers), desc="audit", unit="req", disable=not progress)
+    tests, per_config = [], {}
+    for index, name in enumerate(config.configs):
+        params = CONFIGS[name]
+        scored = {}
+        for role, url, extra in servers:
+            runs = _sample(url, config, prompts, params, config.seed + 10**6 * index, extra, bar)
+            scored[role] = score_runs(pair, runs, params, config.seed + index)
+            tests += run_tests(f"{name} ({role})", scored[role], gamma=0)
+        if config.baseline:
+            tests += _two_sample(name, scored["endpoint"], scored["baseline"])
+        per_config[name] = {role: int(len(s["position"])) for role, s in scored.items()}
+    bar.close()
+    tests = holm(tests, config.alpha)
+    endpoint_tokens = min(c["endpoint"] for c in per_config.values())
+    return {"config": {**asdict(config), "api_key": None}, "precision": precision_mode(pair), "passed": not any(t.rejected for t in tests),
+            "tokens": per_config, "tests": [asdict(t) for t in tests],
+            "detectable_tv": ks_critical_value(endpoint_tokens, config.alpha / len(tests))}
+
+
+def format_audit_table(report: dict) -> str:
+    config = report["config"]
+    lines = [f"audit of {config['endpoint']} ({config['model']}), scored in {report['precision']}: "
+             f"{'PASS' if report['passed'] else 'FAIL'} at family-wise rate {config['alpha']:g} (Holm over {len(report['tests'])} tests)",
+             f"tokens per configuration: {json.dumps(report['tokens'])}; detectable per-token TV about {report['detectable_tv']:.4f}",
+             "smallest adjusted p-values:"]
+    lines += [f"  {t['adjusted_p']:10.3g}  {t['name']} (n={t['n']})" for t in sorted(report["tests"], key=lambda t: t["adjusted_p"])[:5]]
+    return "\n".join(lines)
