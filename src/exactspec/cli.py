@@ -258,6 +258,7 @@ def _generate(args: argparse.Namespace) -> dict:
     from exactspec.loading import model_capacity
 
     params = _sampling(args)
+    _check_record_path(args.record)
     text = _prompt_text(args)
     seed = args.seed if args.seed >= 0 else secrets.randbits(64)
     fixed_gamma = 0 if args.gamma == "auto" else args.gamma
@@ -279,7 +280,7 @@ def _generate(args: argparse.Namespace) -> dict:
     cold_start = _cold_start(args, decoder, prompt, params) if args.gamma == "auto" and decoder.proposer else None
     pieces = []
     try:
-        tokens = decoder.stream(prompt, config, generation)
+        tokens = (generation.tokens.append(t) or t for t in decoder.stream(prompt, config, generation))
         for piece in stream_text(pair.tokenizer, (t for t in tokens if t not in config.stop_token_ids)):  # stop: not printed
             pieces.append(piece)
             if not args.json:
@@ -287,6 +288,8 @@ def _generate(args: argparse.Namespace) -> dict:
     except KeyboardInterrupt:  # Ctrl-C: keep what was generated and summarise it
         generation.stop_reason = "interrupted"
     stats = generation.stats
+    if args.record:
+        _write_generate_record(args, pair, decoder, params, seed, generation)
     if cold_start is not None and cold_start["cache"] is not None and not isinstance(decoder.proposer, LookupOrDraft):
         # the next run with this pair starts here (not for a combined proposer, whose rounds mix two sources)
         cold_start["cache"].save(cold_start["pair"], mode_key(params), *stats.position_counts())
@@ -294,6 +297,7 @@ def _generate(args: argparse.Namespace) -> dict:
         "prompt": text,
         "threads": torch.get_num_threads(),
         "text": "".join(pieces),
+        "token_ids": list(generation.tokens),
         "mode": "plain" if decoder.proposer is None else f"speculative ({_proposer_name(decoder.proposer)}), gamma {args.gamma}",
         "gammas_used": sorted({r.drafted for r in stats.rounds[1:]}),
         "seed": seed,
@@ -303,6 +307,64 @@ def _generate(args: argparse.Namespace) -> dict:
         "policy": cold_start["record"] if cold_start else None,
         **stats.summary(),
     }
+
+
+def _precision(args: argparse.Namespace) -> str:
+    return f"{args.dtype}, {args.weights} weights, {'call-size invariant' if args.invariant else 'call-size dependent'}"
+
+
+def _write_generate_record(args: argparse.Namespace, pair, decoder: SpeculativeDecoder, params: SamplingParams, seed: int,
+                           generation: Generation) -> None:
+    from exactspec.records import run_record
+
+    target_dir, draft_dir = _pair_dirs(args, with_draft=not args.no_speculation)
+    proposal = "none (plain decoding)" if decoder.proposer is None else _proposer_name(decoder.proposer)
+    figures = {"token_ids": list(generation.tokens), "stop_reason": generation.stop_reason,
+               "sampling": "greedy" if params.greedy else "sampled", **generation.stats.summary()}
+    record = run_record("generate", args.argv, target_dir, draft_dir, params, proposal, f"{args.gamma}" if args.gamma == "auto" else f"fixed {args.gamma}",
+                        seed, _precision(args), figures)
+    _write(record, args.record)
+
+
+def _check_record_path(path: str | None) -> None:
+    """Before the run: a record that could not be written fails first, not after the work."""
+    if path is not None and not Path(path).resolve().parent.is_dir():
+        raise CliError(f"--record {path}: the directory {Path(path).resolve().parent} does not exist")
+
+
+def _write(record: dict, path: str) -> None:
+    from exactspec.records import write_record
+
+    try:
+        write_record(record, path)
+    except OSError as error:
+        raise CliError(f"--record {path}: {error}") from None
+
+
+def _replay(args: argparse.Namespace) -> dict:
+    from exactspec.records import replay_verdict
+
+    try:
+        record = json.loads(Path(args.record_file).read_text())
+        kind, argv = record["kind"], list(record["argv"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CliError(f"{args.record_file} is not a run record: {error}") from None
+    if kind != "generate":
+        raise CliError(f"{args.record_file} records a {kind} run; replay reruns generate records")
+    if "--record" in argv:  # do not overwrite the record being replayed
+        at = argv.index("--record")
+        del argv[at : at + 2]
+    rerun = build_parser().parse_args([*argv, "--json"])
+    rerun.argv = argv
+    result = _generate(rerun)
+    return {"record": args.record_file, **replay_verdict(record, result["token_ids"])}
+
+
+def _print_replay(result: dict) -> None:
+    if result["identical"]:
+        print(f"identical: the rerun produced the same {result['tokens']} tokens")
+    else:
+        print(f"different from token {result['first_difference']}: {result['reason']}")
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -529,6 +591,7 @@ def _certify(args: argparse.Namespace) -> dict:
     from exactspec.certification.report import write_certify_outputs
 
     _check_writable_directory(Path(args.output_dir), "--output-dir")
+    _check_record_path(args.record)
     try:
         config = CertifyConfig(configs=args.configs, sequences=args.sequences, max_tokens=args.max_tokens, gamma=args.gamma,
                                alpha=args.alpha, seed=args.seed, slots=args.slots, self_check=args.self_check)
@@ -542,6 +605,13 @@ def _certify(args: argparse.Namespace) -> dict:
     report["outputs"] = [str(p) for p in write_certify_outputs(report, args.output_dir)]
     for c in report["per_config"].values():
         c.pop("pit")
+    if args.record:
+        from exactspec.records import run_record
+
+        figures = {key: report[key] for key in ("passed", "tokens", "detectable_tv", "greedy", "numerics_max_logit_difference", "seconds")}
+        figures["self_check"] = {name: m["rejected"] for name, m in report.get("self_check", {}).items()}
+        _write(run_record("certify", args.argv, *_pair_dirs(args), None, "the pair's draft through the batch engine",
+                          f"fixed {args.gamma}", args.seed, report["precision"], figures), args.record)
     return report
 
 
@@ -574,6 +644,7 @@ def _audit(args: argparse.Namespace) -> dict:
     from exactspec.certification.audit import AuditConfig, audit
     from exactspec.loading import DTYPES, load_pair
 
+    _check_record_path(args.record)
     try:
         config = AuditConfig(args.endpoint, args.model, args.api_key or os.environ.get("EXACTSPEC_API_KEY"), args.baseline,
                              args.configs, args.requests, args.max_tokens, args.alpha, args.seed, args.concurrency,
@@ -589,6 +660,12 @@ def _audit(args: argparse.Namespace) -> dict:
         raise CliError(str(error)) from None
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2))
+    if args.record:
+        from exactspec.records import run_record
+
+        figures = {"passed": report["passed"], "tokens": report["tokens"], "detectable_tv": report["detectable_tv"]}
+        _write(run_record("audit", args.argv, resolve_checkpoint(args.target_weights), None, None, f"black box: the server at {args.endpoint}",
+                          "the server's", args.seed, report["precision"], figures), args.record)
     return report
 
 
@@ -684,7 +761,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     _add_sampling_arguments(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    generate.add_argument("--record", help="write the run record (models' hashes, sampling, mechanism, environment, tokens) to this JSON file")
     generate.set_defaults(run=_generate, show=_print_generate)
+
+    replay = add("replay", help="rerun a generate record and confirm it gives the same tokens (or say why not)")
+    replay.add_argument("record_file", metavar="RECORD", help="a JSON file written by generate --record")
+    replay.add_argument("--json", action="store_true", help="print JSON")
+    replay.set_defaults(run=_replay, show=_print_replay)
 
     bench = add("bench", help="side-by-side speed benchmark: plain, draft, adaptive, lookup, Hugging Face; a target without a draft model against llama.cpp")
     _add_model_arguments(bench)
@@ -743,6 +826,7 @@ def build_parser() -> argparse.ArgumentParser:
     certify.add_argument("--prompts-file", help="prompts, one per line (\\n for a newline inside one); default: chat questions in the model's template, or code openings")
     certify.add_argument("--output-dir", default="certify_out", help="where certify.json, certify.txt and certify.png go")
     certify.add_argument("--json", action="store_true", help="print the report as JSON")
+    certify.add_argument("--record", help="write the run record (models' hashes, mechanism, environment, verdict) to this JSON file")
     certify.set_defaults(run=_certify, show=_print_certify, dtype="float32")
 
     audit = add("audit", help="black-box check of an OpenAI-compatible server's sampling law, scored with a local copy of the target's weights")
@@ -766,6 +850,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--threads", type=_integer(1), help="CPU threads for the local scoring")
     audit.add_argument("--output", help="also write the report to this JSON file")
     audit.add_argument("--json", action="store_true", help="print the report as JSON")
+    audit.add_argument("--record", help="write the run record (weights' hashes, environment, verdict) to this JSON file")
     audit.set_defaults(run=_audit, show=_print_audit)
 
     train = add("train-draft", help="train a feature-level (EAGLE-style) draft for a Llama-family target on the CPU, within a time budget; rerun to resume")
@@ -784,6 +869,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
         result = args.run(args)
         if args.json:
             print(json.dumps(result, indent=2))
