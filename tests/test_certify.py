@@ -50,3 +50,13 @@ def test_bad_arguments_are_one_line_errors(capsys, tmp_path):
     assert len(errors) == 3 and all(line.startswith("exactspec: error:") for line in errors)
     with pytest.raises(ValueError, match="mutants must be among"):
         CertifyConfig(mutants=("no_such_bug",))
+
+
+def test_mutants_of_the_draft_model_do_not_apply_to_prompt_lookup():
+    from exactspec.certification.mutants import MUTANTS, applies
+    from exactspec.serving.server import build_engine
+
+    target_only = load_pair(default_pair_dirs()[0], None)
+    lookup, drafted = build_engine(target_only, 2, 128, calibrated=False), build_engine(load_pair(*default_pair_dirs()), 2, 128, calibrated=False)
+    assert [name for name, m in MUTANTS.items() if applies(m, lookup)] == ["penalties_once_per_round"]
+    assert all(applies(m, drafted) for m in MUTANTS.values())

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from exactspec.certification.mutants import MUTANTS
+from exactspec.certification.mutants import MUTANTS, applies
 from exactspec.certification.pit import TestResult, binned_uniform, holm, keyed_pit_values, ks_critical_value, ks_uniform, token_goodness_of_fit
 from exactspec.chat import chat_messages
 from exactspec.engine import GenerationConfig, SpeculativeDecoder
@@ -300,13 +300,17 @@ def _self_check(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfi
         engine_class, config_name = MUTANTS[name], MUTANT_CONFIG[name]
         params = CONFIGS[config_name]
         engine = _recording_engine(pair, config, engine_class)
+        if not applies(engine_class, engine):
+            out[name] = {"config": config_name, "applies": False, "rejected": None, "smallest_adjusted_p": None,
+                         "by": f"not applicable: this pair has no {engine_class.needs}", "largest_ks_distance": None}
+            continue
         try:
             runs = _sample(engine, prompts, params, config, config.seed + 10**7 * (index + 1), bar)
         except RuntimeError as error:  # a verifier guard caught it before any statistics (a token q says is impossible)
-            out[name] = {"config": config_name, "rejected": True, "smallest_adjusted_p": 0.0, "by": str(error), "largest_ks_distance": None}
+            out[name] = {"config": config_name, "applies": True, "rejected": True, "smallest_adjusted_p": 0.0, "by": str(error), "largest_ks_distance": None}
             continue
         tests = holm(run_tests(config_name, score_runs(pair, runs, params, config.seed), config.gamma), config.alpha)
         worst = min(tests, key=lambda t: t.adjusted_p)
-        out[name] = {"config": config_name, "rejected": any(t.rejected for t in tests), "smallest_adjusted_p": worst.adjusted_p,
+        out[name] = {"config": config_name, "applies": True, "rejected": any(t.rejected for t in tests), "smallest_adjusted_p": worst.adjusted_p,
                      "by": worst.name, "largest_ks_distance": max(t.statistic for t in tests if t.name.endswith("KS"))}
     return out

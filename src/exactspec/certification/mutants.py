@@ -2,7 +2,9 @@
 
 Each is a :class:`exactspec.serving.batching.BatchEngine` with one rule of a round replaced by a bug that real
 engines have shipped (see the reference texts): the certification must reject every one of them at the sample
-size it runs, which shows its power on the pair and settings at hand.
+size it runs, which shows its power on the pair and settings at hand. ``needs`` says which drafting a mutant's
+bug lives in: one that rewrites the draft model's q (``"draft model"``) does not exist for a trained feature-level
+draft or prompt lookup, one in the residual (``"sampled drafts"``) not for lookup's point masses.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from exactspec.sampling import SamplingParams, block_probs
 from exactspec.serving.batching import BatchEngine
 from exactspec.verify import VerifyResult, sample_from, verify_stochastic
 
-__all__ = ["MUTANTS"]
+__all__ = ["MUTANTS", "applies"]
 
 
 class ResidualFromTarget(BatchEngine):
     """On rejection the replacement is drawn from p instead of normalize(max(0, p - q))."""
+
+    needs = "sampled drafts"
 
     def _verify_rule(self, params, draft_tokens, draft_probs, target_probs, generator):
         if params.greedy or draft_probs is None:
@@ -35,6 +39,8 @@ class UnprocessedDraft(BatchEngine):
     """Draft tokens are drawn from the processed q, but the verifier is handed the raw softmax (temperature 1, no
     truncation, no penalties): the draft distribution taken before the processors."""
 
+    needs = "draft model"
+
     def _draft_probs(self, logits, prefix, prompt_length, params):
         q, _ = super()._draft_probs(logits, prefix, prompt_length, params)
         return q, torch.softmax(logits[0].double(), dim=-1)
@@ -44,12 +50,16 @@ class PenaltiesOncePerRound(BatchEngine):
     """The target's penalties are computed once per round from the context, not per position from each
     position's own prefix (earlier draft tokens of the block not counted)."""
 
+    needs: str | None = None
+
     def _target_probs(self, logits, context, block, prompt_length, params):
         return torch.cat([block_probs(logits[j : j + 1], context, [], prompt_length, params) for j in range(logits.shape[0])])
 
 
 class ArgmaxDraftSampledRatio(BatchEngine):
     """The draft proposes its argmax but the verifier applies min(1, p/q) as if the token had been sampled."""
+
+    needs = "draft model"
 
     def _draft_probs(self, logits, prefix, prompt_length, params):
         q, _ = super()._draft_probs(logits, prefix, prompt_length, params)
@@ -60,10 +70,21 @@ class PrecisionMismatch(BatchEngine):
     """Draft tokens are sampled from q computed on bfloat16-rounded logits, the verifier is handed q from the
     full-precision logits: drafts sampled in one precision and checked in another."""
 
+    needs = "draft model"
+
     def _draft_probs(self, logits, prefix, prompt_length, params: SamplingParams):
         rounded, _ = super()._draft_probs(logits.to(torch.bfloat16).float(), prefix, prompt_length, params)
         q, _ = super()._draft_probs(logits, prefix, prompt_length, params)
         return rounded, q
+
+
+def applies(mutant: type[BatchEngine], engine: BatchEngine) -> bool:
+    """Whether ``engine``'s drafting has the rule ``mutant`` breaks (see the module docstring)."""
+    if mutant.needs == "draft model":
+        return engine.draft is not None
+    if mutant.needs == "sampled drafts":
+        return engine.draft is not None or engine.feature_proposer is not None
+    return True
 
 
 MUTANTS: dict[str, type[BatchEngine]] = {

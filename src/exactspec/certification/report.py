@@ -30,6 +30,9 @@ def format_certify_table(report: dict) -> str:
     lines.append(f"greedy: speculative equals plain on {greedy['equal']} of {greedy['prompts']} prompts")
     lines.append(f"numerics: largest logit difference, a position alone vs in a block: {report['numerics_max_logit_difference']:.3g}")
     for name, m in report.get("self_check", {}).items():
+        if not m["applies"]:
+            lines.append(f"self-check {name:>28}: {m['by']}")
+            continue
         lines.append(f"self-check {name:>28}: {'rejected' if m['rejected'] else 'NOT rejected'} "
                      f"(adjusted p {m['smallest_adjusted_p']:.3g}, by {m['by']})")
     return "\n".join(lines)
