@@ -42,9 +42,12 @@ def test_bench_cli_runs_every_arm_and_writes_report_and_plots(tmp_path, capsys):
     draft = save_tiny_checkpoint(tmp_path / "draft", vocab_rows=300, layers=1, seed=1, tokenizer_json=tokenizer)
     out = tmp_path / "out"
     args = ["bench", "--target", str(target), "--draft", str(draft), "--workloads", "grounded", "--modes", "greedy,sample",
-            "--gammas", "1,2", "--prompts", "1", "--max-new-tokens", "6", "--repeats", "2", "--output-dir", str(out), "--json"]
+            "--gammas", "1,2", "--prompts", "1", "--max-new-tokens", "6", "--repeats", "2", "--output-dir", str(out), "--json",
+            "--record", str(tmp_path / "record.json")]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["kind"] == "bench" and record["figures"]["results"] == report["results"] and record["draft"]["weights_sha256"]
     assert [r["mode"] for r in report["results"]] == ["greedy", "sample"]
     arms = [row["arm"] for row in report["results"][0]["arms"]]
     assert arms == ["plain", "draft g=1", "draft g=2", "adaptive", "lookup", "hf plain", "hf assisted g=4"]

@@ -52,11 +52,11 @@ def test_bad_arguments_are_one_line_errors(capsys, tmp_path):
         CertifyConfig(mutants=("no_such_bug",))
 
 
-def test_mutants_of_the_draft_model_do_not_apply_to_prompt_lookup():
+def test_mutants_apply_only_to_the_drafting_that_has_their_rule():
+    from exactspec.certification.certify import drafting
     from exactspec.certification.mutants import MUTANTS, applies
-    from exactspec.serving.server import build_engine
 
-    target_only = load_pair(default_pair_dirs()[0], None)
-    lookup, drafted = build_engine(target_only, 2, 128, calibrated=False), build_engine(load_pair(*default_pair_dirs()), 2, 128, calibrated=False)
-    assert [name for name, m in MUTANTS.items() if applies(m, lookup)] == ["penalties_once_per_round"]
-    assert all(applies(m, drafted) for m in MUTANTS.values())
+    assert drafting(load_pair(default_pair_dirs()[0], None)) == "lookup" and drafting(load_pair(*default_pair_dirs())) == "draft model"
+    assert [name for name, m in MUTANTS.items() if applies(m, "lookup")] == ["penalties_once_per_round"]
+    assert [name for name, m in MUTANTS.items() if applies(m, "feature draft")] == ["residual_from_p", "penalties_once_per_round"]
+    assert all(applies(m, "draft model") for m in MUTANTS.values())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from exactspec.cli import main
-from exactspec.records import model_identity, processor_order, replay_verdict
+from exactspec.records import model_identity, processor_order, redacted, replay_verdict
 from exactspec.loading import default_pair_dirs
 from exactspec.sampling import SamplingParams
 
@@ -49,3 +49,8 @@ def test_bad_records_are_one_line_errors(tmp_path, capsys):
     assert main(["generate", "x", "--max-new-tokens", "2", "--record", str(tmp_path / "missing" / "r.json")]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 2 and all(e.startswith("exactspec: error:") for e in errors)
+
+
+def test_an_api_key_never_reaches_a_record():
+    assert redacted(["serve", "--api-key", "sk-1", "--port", "9"]) == ["serve", "--api-key", "***", "--port", "9"]
+    assert redacted(["serve", "--api-key=sk-1"]) == ["serve", "--api-key=***"]

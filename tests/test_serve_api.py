@@ -23,6 +23,7 @@ import uvicorn  # noqa: E402
 
 from exactspec import GREEDY, GenerationConfig, SpeculativeDecoder  # noqa: E402
 from exactspec.loading import default_pair_dirs, load_pair  # noqa: E402
+from exactspec.records import model_identity, run_record  # noqa: E402
 from exactspec.serving.api import ServerSettings, create_app  # noqa: E402
 from exactspec.serving.server import build_engine  # noqa: E402
 
@@ -41,8 +42,9 @@ def pair():
 @pytest.fixture(scope="module")
 def server(pair):
     engine = build_engine(pair, slots=8, max_len=512)
+    record_base = run_record("serve", [], *default_pair_dirs(), None, "test", "fixed 4", None, "float32", {})
     app = create_app(engine, pair.tokenizer, ServerSettings(MODEL, api_key=KEY, max_tokens=256, max_n=4, max_sequences=24,
-                                                            max_request_bytes=20_000))
+                                                            max_request_bytes=20_000, record_base=record_base))
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
     instance = uvicorn.Server(config)
     thread = threading.Thread(target=instance.run, daemon=True)
@@ -140,6 +142,7 @@ def test_models_health_and_metrics(server, client):
     ({"model": MODEL, "prompt": [1, 99999]}, 400, "token ids"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "y" * 30_000}, 413, "exceeds 20000"),
+    ({"model": MODEL, "prompt": "x", "stream": True, "return_token_ids": True}, 400, "not with stream"),
 ])
 def test_bad_requests_get_openai_style_errors(server, body, status, words):
     data = body if isinstance(body, str) else json.dumps(body)
@@ -147,6 +150,18 @@ def test_bad_requests_get_openai_style_errors(server, body, status, words):
     assert response.status_code == status
     error = response.json()["error"]
     assert words in error["message"] and error["type"]
+
+
+def test_token_ids_and_the_run_record_on_request(server, pair):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "n": 2, "seed": 5, "top_k": 30, "speculation": "draft",
+            "return_token_ids": True, "return_record": True}
+    response = httpx.post(server["url"] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}).json()
+    choices, record = response["choices"], response["record"]
+    assert choices[0]["prompt_token_ids"] == pair.tokenizer.encode_prompt(PROMPT)
+    assert [pair.tokenizer.decode(c["token_ids"]) for c in choices] == [c["text"] for c in choices]
+    assert [c["token_ids"] for c in record["figures"]["choices"]] == [c["token_ids"] for c in choices]
+    assert record["seed"] == [5, 6] and record["sampling"] == [["top_k", 30]] and record["speculation"] == "draft"
+    assert record["target"] == model_identity(default_pair_dirs()[0]) and record["kind"] == "served request"
 
 
 def test_a_missing_or_wrong_key_is_refused(server):

@@ -472,13 +472,26 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, default_temperature
 
 
 def _bench(args: argparse.Namespace) -> dict:
-    from exactspec import bench
     from exactspec.models.eagle import FeatureDraft
 
     _check_writable_directory(Path(args.output_dir), "--output-dir")
+    _check_record_path(args.record)
     draft_dir = _pair_dirs(args)[1]
-    if draft_dir is None or FeatureDraft.is_feature_draft(draft_dir):
-        return _bench_against_peers(args, draft_dir)
+    peers_only = draft_dir is None or FeatureDraft.is_feature_draft(draft_dir)
+    report = _bench_against_peers(args, draft_dir) if peers_only else _bench_arms(args)
+    if args.record:
+        from exactspec.records import run_record
+
+        arms = "exactspec and llama.cpp arms (see figures)" if peers_only else "plain, fixed gammas, adaptive, lookup and Hugging Face arms (see figures)"
+        _write(run_record("bench", args.argv, *_pair_dirs(args), None, arms, f"fixed {', '.join(map(str, args.gammas))} and auto",
+                          args.seed, _precision(args), {"results": report.get("results")}), args.record)
+    return report
+
+
+def _bench_arms(args: argparse.Namespace) -> dict:
+    """A target with a draft model: every exactspec arm and Hugging Face's assisted generation."""
+    from exactspec import bench
+
     try:
         config = bench.BenchConfig(
             workloads=args.workloads or WORKLOADS,
@@ -560,7 +573,12 @@ def _serve(args: argparse.Namespace) -> dict:
     except ValueError as error:
         raise CliError(str(error)) from None
     name = args.model_name or (args.target or "exactspec-default")
-    settings = ServerSettings(name, api_key, args.max_request_bytes, args.max_tokens, args.max_n, args.max_sequences)
+    from exactspec.records import run_record
+
+    proposal = "the draft per request's speculation field: draft model or trained feature draft, prompt lookup, or off"
+    record_base = run_record("serve", args.argv, *_pair_dirs(args), None, proposal, f"fixed {args.gamma} for draft, lookup and seeded auto requests",
+                             None, _precision(args), {})
+    settings = ServerSettings(name, api_key, args.max_request_bytes, args.max_tokens, args.max_n, args.max_sequences, record_base)
     run_server(create_app(engine, pair.tokenizer, settings), args.host, args.port)
     return {}
 
@@ -592,16 +610,30 @@ def _certify(args: argparse.Namespace) -> dict:
 
     _check_writable_directory(Path(args.output_dir), "--output-dir")
     _check_record_path(args.record)
+    if args.ray is not None:
+        _require_ray()
     try:
         config = CertifyConfig(configs=args.configs, sequences=args.sequences, max_tokens=args.max_tokens, gamma=args.gamma,
                                alpha=args.alpha, seed=args.seed, slots=args.slots, self_check=args.self_check)
     except ValueError as error:
         raise CliError(str(error)) from None
     pair = _load(args, with_draft=True)
+    prompts = _read_prompts(args.prompts_file, pair.tokenizer)
+    sampler = None
+    if args.ray is not None:
+        from exactspec.distributed import PairSpec, RaySampler
+
+        target_dir, draft_dir = _pair_dirs(args)
+        spec = PairSpec(str(target_dir), None if draft_dir is None else str(draft_dir), args.backend, args.dtype, args.weights,
+                        args.invariant, args.device, args.threads or 1)
+        sampler = RaySampler(spec, prompts, config, args.ray or None, args.workers)
     try:
-        report = certify(pair, _read_prompts(args.prompts_file, pair.tokenizer), config, progress=not args.json)
+        report = certify(pair, prompts, config, progress=not args.json, sampler=sampler)
     except ValueError as error:
         raise CliError(str(error)) from None
+    finally:
+        if sampler is not None:
+            sampler.close()
     report["outputs"] = [str(p) for p in write_certify_outputs(report, args.output_dir)]
     for c in report["per_config"].values():
         c.pop("pit")
@@ -648,7 +680,7 @@ def _audit(args: argparse.Namespace) -> dict:
     try:
         config = AuditConfig(args.endpoint, args.model, args.api_key or os.environ.get("EXACTSPEC_API_KEY"), args.baseline,
                              args.configs, args.requests, args.max_tokens, args.alpha, args.seed, args.concurrency,
-                             extra_body=args.extra_body, baseline_extra_body=args.baseline_extra_body)
+                             extra_body=args.extra_body, baseline_extra_body=args.baseline_extra_body, text_mode=args.text_mode)
         pair = load_pair(resolve_checkpoint(args.target_weights), None, "lean", DTYPES[args.dtype], args.weights, device=args.device)
     except (OSError, ValueError) as error:
         raise CliError(str(error)) from None
@@ -667,6 +699,63 @@ def _audit(args: argparse.Namespace) -> dict:
         _write(run_record("audit", args.argv, resolve_checkpoint(args.target_weights), None, None, f"black box: the server at {args.endpoint}",
                           "the server's", args.seed, report["precision"], figures), args.record)
     return report
+
+
+def _require_ray() -> None:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise CliError("--ray needs Ray: pip install 'exactspec[ray]'") from None
+
+
+def _generate_batch(args: argparse.Namespace) -> dict:
+    from exactspec import batch
+    from exactspec.records import run_record
+
+    output = Path(args.output)
+    _check_record_path(str(output))
+    if args.ray is not None:
+        _require_ray()
+    try:
+        config = batch.BatchJobConfig(args.max_tokens, max_tokens_limit=max(args.max_tokens, 4096), seed=args.seed, gamma=args.gamma,
+                                      slots=args.max_batch, max_len=args.max_model_len)
+        requests = batch.read_requests(Path(args.input))
+        done = batch.completed_lines(output)
+    except (OSError, ValueError) as error:
+        raise CliError(str(error)) from None
+    if done > len(requests):
+        raise CliError(f"{output} holds {done} results but {args.input} has {len(requests)} requests; give a new --output")
+    pair = _load(args, with_draft=True)
+    if pair.draft is None:
+        raise CliError("generate-batch drafts with a draft model or a trained feature draft: give --draft DIR (or use a target that ships one)")
+    try:
+        for line, obj in enumerate(requests):  # every line checked before any work
+            batch.parse_request(obj, line, pair.tokenizer, config)
+    except ValueError as error:
+        raise CliError(f"{args.input} {error}") from None
+    from exactspec.models.eagle import FeatureDraft
+
+    target_dir, draft_dir = _pair_dirs(args)
+    proposal = "trained feature draft" if FeatureDraft.is_feature_draft(draft_dir) else "draft model"
+    record = run_record("generate-batch", args.argv, target_dir, draft_dir, None, proposal,
+                        f"fixed {args.gamma}", args.seed, _precision(args), {"input": str(Path(args.input).resolve())})
+    if args.ray is None:
+        produce = lambda remaining, first: batch.generate_batch(pair, remaining, config, first)  # noqa: E731
+    else:
+        from exactspec.distributed import PairSpec, ray_results
+
+        spec = PairSpec(str(target_dir), None if draft_dir is None else str(draft_dir), args.backend, args.dtype, args.weights,
+                        args.invariant, args.device, args.threads or 1)
+        produce = lambda remaining, first: ray_results(spec, remaining, config, first, args.ray or None, args.workers, args.shard_size)  # noqa: E731
+    try:
+        return batch.run_job(requests, output, record, produce, progress=not args.json)
+    except (ValueError, RuntimeError) as error:
+        raise CliError(str(error)) from None
+
+
+def _print_generate_batch(r: dict) -> None:
+    print(f"{r['written']} results written to {r['output']} ({r['already_done']} were there already, {r['requests']} requests); "
+          f"{r['tokens']} tokens; run record {r['record_id']}")
 
 
 def _print_audit(report: dict) -> None:
@@ -764,6 +853,21 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--record", help="write the run record (models' hashes, sampling, mechanism, environment, tokens) to this JSON file")
     generate.set_defaults(run=_generate, show=_print_generate)
 
+    batch = add("generate-batch", help="exact batch generation: JSONL requests in, JSONL results out, in order; resumable; local or on Ray")
+    batch.add_argument("--input", required=True, help="one JSON request per line: prompt or messages, and optionally id, max_tokens, seed and sampling fields")
+    batch.add_argument("--output", required=True, help="results, one JSON line per request in input order; a rerun appends what is missing")
+    _add_model_arguments(batch)
+    batch.add_argument("--max-tokens", type=_integer(1), default=128, help="max_tokens of a request that gives none")
+    batch.add_argument("--seed", type=_integer(0), default=0, help="a request without a seed uses this plus its line number")
+    batch.add_argument("--gamma", type=_integer(1), default=4, help="draft tokens per round")
+    batch.add_argument("--max-batch", type=_integer(1, 256), default=16, help="sequences decoded together (per worker)")
+    batch.add_argument("--max-model-len", type=_integer(16), default=2048, help="prompt + completion tokens per sequence")
+    batch.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", help="run on Ray: a cluster's address, or none for a local one")
+    batch.add_argument("--workers", type=_integer(1), default=2, help="with --ray: engine replicas (Ray actors)")
+    batch.add_argument("--shard-size", type=_integer(1), default=32, help="with --ray: requests per task")
+    batch.add_argument("--json", action="store_true", help="print the summary as JSON")
+    batch.set_defaults(run=_generate_batch, show=_print_generate_batch, dtype="float32")
+
     replay = add("replay", help="rerun a generate record and confirm it gives the same tokens (or say why not)")
     replay.add_argument("record_file", metavar="RECORD", help="a JSON file written by generate --record")
     replay.add_argument("--json", action="store_true", help="print JSON")
@@ -785,6 +889,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--llama-cpp-lookup", type=_integer(1), default=2, help="tokens per llama.cpp prompt-lookup draft (a target without a draft model; 2 is llama-cpp-python's advice for CPUs)")
     bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.add_argument("--record", help="write the run record (models' hashes, environment, measured figures) to this JSON file")
     bench.set_defaults(run=_bench, show=_print_bench)
 
     cache = add("cache", help="the adaptive policy's memory of each model pair's acceptance (--gamma auto starts from it)")
@@ -827,6 +932,8 @@ def build_parser() -> argparse.ArgumentParser:
     certify.add_argument("--output-dir", default="certify_out", help="where certify.json, certify.txt and certify.png go")
     certify.add_argument("--json", action="store_true", help="print the report as JSON")
     certify.add_argument("--record", help="write the run record (models' hashes, mechanism, environment, verdict) to this JSON file")
+    certify.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", help="sample and score on Ray: a cluster's address, or none for a local one")
+    certify.add_argument("--workers", type=_integer(1), default=2, help="with --ray: sampler replicas (Ray actors), each with --slots sequences")
     certify.set_defaults(run=_certify, show=_print_certify, dtype="float32")
 
     audit = add("audit", help="black-box check of an OpenAI-compatible server's sampling law, scored with a local copy of the target's weights")
@@ -843,6 +950,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--concurrency", type=_integer(1), default=8, help="requests in flight at once")
     audit.add_argument("--extra-body", type=_json_object, default={}, help='JSON fields added to every request to the endpoint, e.g. \'{"speculation": "draft"}\'')
     audit.add_argument("--baseline-extra-body", type=_json_object, default={}, help="JSON fields added to every request to the baseline")
+    audit.add_argument("--text-mode", action="store_true", help="for a server that takes and returns only text: completions are re-tokenized, so only the comparison with --baseline is valid (and required)")
     audit.add_argument("--prompts-file", help="prompts, one per line; default: chat questions in the model's template, or code openings")
     audit.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="precision of the local scoring")
     audit.add_argument("--weights", choices=["auto", "dense", "q4"], default="dense", help="the local target's weights (see generate)")

@@ -23,7 +23,7 @@ import torch
 from exactspec import __version__
 from exactspec.sampling import SamplingParams
 
-__all__ = ["RECORD_VERSION", "DRAW_ORDER_VERSION", "model_identity", "processor_order", "environment", "run_record",
+__all__ = ["RECORD_VERSION", "DRAW_ORDER_VERSION", "model_identity", "redacted", "processor_order", "environment", "run_record",
            "write_record", "replay_verdict"]
 
 RECORD_VERSION = 1
@@ -108,9 +108,22 @@ def environment() -> dict:
             "platform": platform.platform()}
 
 
+SECRET_FLAGS = ("--api-key",)
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """``argv`` with the values of secret flags (an API key) replaced by ``***``."""
+    out, hide = [], False
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        out.append("***" if hide else f"{flag}=***" if flag in SECRET_FLAGS and "=" in arg else arg)
+        hide = arg in SECRET_FLAGS
+    return out
+
+
 def run_record(kind: str, argv: list[str], target: str | Path | None, draft: str | Path | None, params: SamplingParams | None,
                proposal: str, gamma_policy: str, seed: int | None, precision: str, figures: dict) -> dict:
-    return {"record_version": RECORD_VERSION, "kind": kind, "argv": argv,
+    return {"record_version": RECORD_VERSION, "kind": kind, "argv": redacted(argv),
             "target": model_identity(target), "draft": model_identity(draft),
             "sampling": None if params is None else processor_order(params),
             "proposal": proposal, "acceptance": ACCEPTANCE, "residual": RESIDUAL, "cache": CACHE,

@@ -10,6 +10,11 @@ differ slightly from the server's (a quantized server scored by dense weights sh
 Requests carry the prompt as token ids and ask for ``return_token_ids`` (vLLM's and exactspec's extension), so the
 tokens scored are the tokens sampled; every request has its own seed. The number of requests is bounded, and the
 audit talks only to the addresses it is given.
+
+A server that takes only text and returns only text (llama-cpp-python's) is audited in text mode: prompts are sent
+as text and each completion is re-tokenized. Re-tokenizing is a fixed function of the text, but it can split a
+completion differently from how it was sampled, so the PIT values are no longer uniform under the exact law and
+only the two-sample tests against a baseline (both sides re-tokenized alike) remain valid; text mode needs one.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from exactspec.certification.certify import CONFIGS, ORDERS, precision_mode, run
 from exactspec.certification.pit import TestResult, holm, ks_critical_value
 from exactspec.loading import LoadedPair
 from exactspec.sampling import SamplingParams
+from exactspec.tokenizer import TextTokenizer
 
 __all__ = ["AuditConfig", "audit", "format_audit_table"]
 
@@ -48,6 +54,7 @@ class AuditConfig:
     timeout: float = 300.0  # seconds per request
     extra_body: dict = field(default_factory=dict)  # added to every request to the endpoint (e.g. {"speculation": "draft"})
     baseline_extra_body: dict = field(default_factory=dict)
+    text_mode: bool = False  # prompts sent as text, completions re-tokenized (module docstring); needs a baseline
 
     def __post_init__(self) -> None:
         if set(self.configs) - set(CONFIGS) or not self.configs:
@@ -58,21 +65,24 @@ class AuditConfig:
             raise ValueError(f"concurrency must be in [1, {MAX_CONCURRENCY}] and max_tokens >= 1")
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
+        if self.text_mode and not self.baseline:
+            raise ValueError("text mode re-tokenizes completions, so only a comparison with a baseline is valid: give a baseline")
         for url in (self.endpoint, self.baseline):
             if url is not None and not url.startswith(("http://", "https://")):
                 raise ValueError(f"a server address starts with http:// or https://, got {url!r}")
 
 
-def _body(model: str, prompt: list[int], params: SamplingParams, max_tokens: int, seed: int, extra: dict) -> dict:
+def _body(model: str, prompt: list[int] | str, params: SamplingParams, max_tokens: int, seed: int, extra: dict) -> dict:
     """The declared sampling settings, in OpenAI's and vLLM's field names."""
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "seed": seed, "return_token_ids": True,
+    ids = {} if isinstance(prompt, str) else {"return_token_ids": True}
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "seed": seed, **ids,
             "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
             "repetition_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,
             "frequency_penalty": params.frequency_penalty, **extra}
 
 
 def _sample(url: str, config: AuditConfig, prompts: list[list[int]], params: SamplingParams, seed: int, extra: dict,
-            bar: tqdm) -> list[dict]:
+            bar: tqdm, tokenizer: TextTokenizer) -> list[dict]:
     import httpx
 
     base = url.rstrip("/").removesuffix("/v1")
@@ -80,20 +90,28 @@ def _sample(url: str, config: AuditConfig, prompts: list[list[int]], params: Sam
     with httpx.Client(timeout=config.timeout, headers=headers) as client:
         def one(i: int) -> dict:
             prompt = prompts[i % len(prompts)]
+            sent = _prompt_text(tokenizer, prompt) if config.text_mode else prompt
             try:
-                response = client.post(f"{base}/v1/completions", json=_body(config.model, prompt, params, config.max_tokens, seed + i, extra))
+                response = client.post(f"{base}/v1/completions", json=_body(config.model, sent, params, config.max_tokens, seed + i, extra))
             except httpx.HTTPError as error:
                 raise RuntimeError(f"{base}: {error}") from None
             if response.status_code != 200:
                 raise RuntimeError(f"{base} answered {response.status_code}: {response.text[:300]}")
             choice = response.json()["choices"][0]
-            if "token_ids" not in choice:
-                raise RuntimeError(f"{base} does not return token ids (return_token_ids): its tokens cannot be scored exactly")
             bar.update(1)
+            if config.text_mode:
+                return {"prompt": prompt, "tokens": tokenizer.encode(choice["text"])}
+            if "token_ids" not in choice:
+                raise RuntimeError(f"{base} does not return token ids (return_token_ids): audit it in text mode, against a baseline")
             return {"prompt": prompt, "tokens": list(choice["token_ids"])}
 
         with ThreadPoolExecutor(config.concurrency) as pool:
             return list(pool.map(one, range(config.requests)))
+
+
+def _prompt_text(tokenizer: TextTokenizer, prompt: list[int]) -> str:
+    """The prompt as text for a text-only server (its BOS left for the server to add)."""
+    return tokenizer.decode(prompt[1:] if prompt and prompt[0] == tokenizer.bos_token_id else prompt)
 
 
 def _two_sample(name: str, audited: dict, baseline: dict) -> list[TestResult]:
@@ -119,9 +137,10 @@ def audit(pair: LoadedPair, prompts: list[list[int]], config: AuditConfig, progr
         params = CONFIGS[name]
         scored = {}
         for role, url, extra in servers:
-            runs = _sample(url, config, prompts, params, config.seed + 10**6 * index, extra, bar)
+            runs = _sample(url, config, prompts, params, config.seed + 10**6 * index, extra, bar, pair.tokenizer)
             scored[role] = score_runs(pair, runs, params, config.seed + index)
-            tests += run_tests(f"{name} ({role})", scored[role], gamma=0)
+            if not config.text_mode:
+                tests += run_tests(f"{name} ({role})", scored[role], gamma=0)
         if config.baseline:
             tests += _two_sample(name, scored["endpoint"], scored["baseline"])
         per_config[name] = {role: int(len(s["position"])) for role, s in scored.items()}

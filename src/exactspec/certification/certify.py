@@ -42,7 +42,8 @@ from exactspec.peers import PEER_WORKLOADS
 from exactspec.tokenizer import TextTokenizer
 from exactspec.workloads import workload_prompts
 
-__all__ = ["CONFIGS", "CertifyConfig", "certify", "default_prompts", "precision_mode", "run_tests", "score_runs"]
+__all__ = ["CONFIGS", "CertifyConfig", "LocalSampler", "certify", "default_prompts", "drafting", "merge_scored", "precision_mode",
+           "run_tests", "score_runs"]
 
 CONFIGS = {
     "T=1": SamplingParams(),
@@ -109,10 +110,12 @@ def _recording_engine(pair: LoadedPair, config: "CertifyConfig", engine_class: t
 
 
 def _sample(engine: BatchEngine, prompts: list[list[int]], params: SamplingParams, config: CertifyConfig, seed: int,
-            progress: tqdm) -> list[dict]:
-    """Seeded speculative continuations with each token's round position and kind, and the q of drafted positions."""
+            progress: tqdm, indices: range | None = None) -> list[dict]:
+    """Seeded speculative continuations (sequence i: prompt i mod len(prompts), seed + i; default: all sequences)
+    with each token's round position and kind, and the q of drafted positions."""
     engine.recorded_q.clear()
-    runs = [{"prompt": prompts[i % len(prompts)], "seed": seed + i, "events": []} for i in range(config.sequences)]
+    indices = range(config.sequences) if indices is None else indices
+    runs = [{"prompt": prompts[i % len(prompts)], "seed": seed + i, "events": []} for i in indices]
     speculation = "lookup" if engine.draft is None and engine.feature_proposer is None else "draft"
     handles = []
     for run in runs:
@@ -250,18 +253,49 @@ def precision_mode(pair: LoadedPair) -> str:
     return f"{dtype}, {'call-size invariant' if getattr(target, 'invariant', False) else 'call-size dependent'}"
 
 
-def certify(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, progress: bool = True) -> dict:
+def drafting(pair: LoadedPair) -> str:
+    """How the pair drafts: ``"draft model"``, ``"feature draft"`` (a trained feature-level draft) or ``"lookup"``."""
+    from exactspec.models.eagle import FeatureDraft
+
+    return "lookup" if pair.draft is None else "feature draft" if isinstance(pair.draft, FeatureDraft) else "draft model"
+
+
+def merge_scored(parts: list[dict]) -> dict:
+    """Scored shards (from :func:`score_runs`, in sequence order) as one."""
+    return {"pit": {order: np.concatenate([p["pit"][order] for p in parts]) for order in ORDERS},
+            "position": np.concatenate([p["position"] for p in parts]), "kind": np.concatenate([p["kind"] for p in parts]),
+            "heads": [head for p in parts for head in p["heads"]]}
+
+
+class LocalSampler:
+    """Samples and scores shards of a configuration's sequences here, one engine per (mutant) engine class."""
+
+    def __init__(self, pair: LoadedPair, prompts: list[list[int]], config: "CertifyConfig", progress: tqdm | None = None) -> None:
+        self.pair, self.prompts, self.config, self.progress = pair, prompts, config, progress or tqdm(disable=True)
+        self.engines: dict[str | None, BatchEngine] = {}
+
+    def __call__(self, config_name: str, mutant: str | None, seed: int, score_seed: int, indices: range | None = None) -> dict:
+        """Scored runs of sequences ``indices`` (default: all) of ``config_name``, sampled by the real engine or by
+        ``mutant``; a RuntimeError when a sequence fails (a verifier guard tripped)."""
+        if mutant not in self.engines:
+            self.engines[mutant] = _recording_engine(self.pair, self.config, MUTANTS[mutant] if mutant else BatchEngine)
+        params = CONFIGS[config_name]
+        runs = _sample(self.engines[mutant], self.prompts, params, self.config, seed, self.progress, indices)
+        return score_runs(self.pair, runs, params, score_seed)
+
+
+def certify(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, progress: bool = True, sampler=None) -> dict:
     """Sample, score and test every configuration (module docstring); with ``config.self_check``, the mutants too.
-    The report keeps every configuration's PIT values (token id order) under ``per_config[name]["pit"]``."""
+    ``sampler`` (default: a :class:`LocalSampler`) makes the scored samples, e.g. on Ray
+    (:class:`exactspec.distributed.RaySampler`). The report keeps every configuration's PIT values (token id
+    order) under ``per_config[name]["pit"]``."""
     started = time.perf_counter()
     total = config.sequences * config.max_tokens * (len(config.configs) + (len(config.mutants) if config.self_check else 0))
     bar = tqdm(total=total, desc="certify", unit="tok", disable=not progress)
-    engine = _recording_engine(pair, config)
+    sampler = sampler or LocalSampler(pair, prompts, config, bar)
     tests, per_config = [], {}
     for index, name in enumerate(config.configs):
-        params = CONFIGS[name]
-        runs = _sample(engine, prompts, params, config, config.seed + 10**6 * index, bar)
-        scored = score_runs(pair, runs, params, config.seed + index)
+        scored = sampler(name, None, config.seed + 10**6 * index, config.seed + index)
         tests += run_tests(name, scored, config.gamma)
         per_config[name] = {"tokens": int(len(scored["position"])), "pit": scored["pit"]["token id"].tolist(),
                             "acceptance_by_position": _acceptance(scored, config.gamma)}
@@ -277,7 +311,7 @@ def certify(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, p
         "per_config": per_config,
     }
     if config.self_check:
-        report["self_check"] = _self_check(pair, prompts, config, bar)
+        report["self_check"] = _self_check(drafting(pair), sampler, config)
     bar.close()
     report["seconds"] = time.perf_counter() - started
     return report
@@ -293,23 +327,21 @@ def _acceptance(scored: dict, gamma: int) -> list[float]:
     return rates
 
 
-def _self_check(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, bar: tqdm) -> dict:
+def _self_check(kind: str, sampler, config: CertifyConfig) -> dict:
     """Each known-wrong engine on its configuration, tested as above (Holm within its own family)."""
     out = {}
     for index, name in enumerate(config.mutants):
         engine_class, config_name = MUTANTS[name], MUTANT_CONFIG[name]
-        params = CONFIGS[config_name]
-        engine = _recording_engine(pair, config, engine_class)
-        if not applies(engine_class, engine):
+        if not applies(engine_class, kind):
             out[name] = {"config": config_name, "applies": False, "rejected": None, "smallest_adjusted_p": None,
                          "by": f"not applicable: this pair has no {engine_class.needs}", "largest_ks_distance": None}
             continue
         try:
-            runs = _sample(engine, prompts, params, config, config.seed + 10**7 * (index + 1), bar)
+            scored = sampler(config_name, name, config.seed + 10**7 * (index + 1), config.seed)
         except RuntimeError as error:  # a verifier guard caught it before any statistics (a token q says is impossible)
             out[name] = {"config": config_name, "applies": True, "rejected": True, "smallest_adjusted_p": 0.0, "by": str(error), "largest_ks_distance": None}
             continue
-        tests = holm(run_tests(config_name, score_runs(pair, runs, params, config.seed), config.gamma), config.alpha)
+        tests = holm(run_tests(config_name, scored, config.gamma), config.alpha)
         worst = min(tests, key=lambda t: t.adjusted_p)
         out[name] = {"config": config_name, "applies": True, "rejected": any(t.rejected for t in tests), "smallest_adjusted_p": worst.adjusted_p,
                      "by": worst.name, "largest_ks_distance": max(t.statistic for t in tests if t.name.endswith("KS"))}

@@ -78,12 +78,13 @@ class PrecisionMismatch(BatchEngine):
         return rounded, q
 
 
-def applies(mutant: type[BatchEngine], engine: BatchEngine) -> bool:
-    """Whether ``engine``'s drafting has the rule ``mutant`` breaks (see the module docstring)."""
+def applies(mutant: type[BatchEngine], drafting: str) -> bool:
+    """Whether ``drafting`` (``"draft model"``, ``"feature draft"`` or ``"lookup"``) has the rule ``mutant`` breaks
+    (see the module docstring)."""
     if mutant.needs == "draft model":
-        return engine.draft is not None
+        return drafting == "draft model"
     if mutant.needs == "sampled drafts":
-        return engine.draft is not None or engine.feature_proposer is not None
+        return drafting != "lookup"
     return True
 
 

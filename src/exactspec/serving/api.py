@@ -45,6 +45,7 @@ class ServerSettings:
     max_tokens: int = 1024  # largest max_tokens a request may ask for
     max_n: int = 8
     max_sequences: int = 64  # queued + running sequences; more: 429
+    record_base: dict | None = None  # the server's part of a run record (exactspec.records.run_record), for return_record
 
 
 class ApiError(Exception):
@@ -231,8 +232,11 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
                 raise ApiError(400, f"prompt token ids must be in [0, {engine.target.vocab_size})", param="prompt")
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
-        if body.stream and body.return_token_ids:
-            raise ApiError(400, "return_token_ids is given with whole responses, not with stream", param="return_token_ids")
+        for flag in ("return_token_ids", "return_record"):
+            if body.stream and getattr(body, flag):
+                raise ApiError(400, f"{flag} is given with whole responses, not with stream", param=flag)
+        if body.return_record and settings.record_base is None:
+            raise ApiError(400, "this server keeps no run records", param="return_record")
         requests = sequences(body, prompt, 16 if not chat else settings.max_tokens)
         choices = start(requests, body.stops())
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", "created": int(time.time()), "model": settings.model_name}
@@ -248,7 +252,10 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
         if failed:
             state["errors"] += 1
             raise ApiError(500, f"generation failed: {failed[0].handle.error}", "server_error")
-        return _response(choices, texts, meta, chat, prompt if body.return_token_ids else None, len(prompt))
+        response = _response(choices, texts, meta, chat, prompt if body.return_token_ids else None, len(prompt))
+        if body.return_record:
+            response["record"] = _record(settings.record_base, requests, choices, prompt)
+        return response
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -259,6 +266,17 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
         return await handle(request, chat=True)
 
     return app
+
+
+def _record(base: dict, requests: list[SequenceRequest], choices: list[_Choice], prompt: list[int]) -> dict:
+    """The server's run record completed with this request: its effective sampling, seeds, tokens and figures."""
+    from exactspec.records import processor_order
+
+    request = requests[0]
+    return {**base, "kind": "served request", "sampling": processor_order(request.params),
+            "seed": [r.seed for r in requests], "speculation": request.speculation,
+            "gamma_policy": base["gamma_policy"] if request.seed is not None or request.speculation != "auto" else "batch policy (auto, unseeded)",
+            "figures": {"prompt_token_ids": prompt, "choices": [{"token_ids": c.tokens, **c.handle.figures()} for c in choices]}}
 
 
 def _release(choices: list[_Choice], state: dict) -> None:

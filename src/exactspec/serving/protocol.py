@@ -3,7 +3,8 @@
 Field names and defaults follow OpenAI's completions and chat completions APIs; vLLM's extensions are accepted
 as extra fields (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``), and exactspec adds
 ``speculation`` (``off``, ``draft``, ``lookup`` or ``auto``); ``return_token_ids`` (as in vLLM) adds each choice's
-``prompt_token_ids`` and ``token_ids``, which ``exactspec audit`` scores. Unknown fields are refused, so a typo is an error
+``prompt_token_ids`` and ``token_ids``, which ``exactspec audit`` scores; ``return_record`` adds the request's run
+record. Unknown fields are refused, so a typo is an error
 rather than a silently ignored setting.
 """
 
@@ -39,6 +40,7 @@ class _Common(BaseModel):
     stream_options: dict | None = None
     speculation: str = "auto"
     return_token_ids: bool = False
+    return_record: bool = False  # exactspec: the request's run record (exactspec.records) in the response
     user: str | None = None
 
     @field_validator("speculation")
