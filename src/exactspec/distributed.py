@@ -10,6 +10,7 @@ of its requests alone, a retry gives the same lines.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
@@ -48,7 +49,8 @@ def _connect(address: str | None, workers: int) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, **({} if address else {"num_cpus": workers}))
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+                 **({} if address else {"num_cpus": workers}))
 
 
 class BatchWorker:

@@ -20,6 +20,7 @@ only the two-sample tests against a baseline (both sides re-tokenized alike) rem
 from __future__ import annotations
 
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -146,10 +147,13 @@ def audit(pair: LoadedPair, prompts: list[list[int]], config: AuditConfig, progr
         per_config[name] = {role: int(len(s["position"])) for role, s in scored.items()}
     bar.close()
     tests = holm(tests, config.alpha)
-    endpoint_tokens = min(c["endpoint"] for c in per_config.values())
+    n = min(c["endpoint"] for c in per_config.values())
+    detectable = ks_critical_value(n, config.alpha / len(tests))
+    if config.text_mode:  # only two-sample tests: the KS distance scales with sqrt(1/n + 1/m)
+        m = min(c["baseline"] for c in per_config.values())
+        detectable *= math.sqrt(n * (1 / n + 1 / m))
     return {"config": {**asdict(config), "api_key": None}, "precision": precision_mode(pair), "passed": not any(t.rejected for t in tests),
-            "tokens": per_config, "tests": [asdict(t) for t in tests],
-            "detectable_tv": ks_critical_value(endpoint_tokens, config.alpha / len(tests))}
+            "tokens": per_config, "tests": [asdict(t) for t in tests], "detectable_tv": detectable}
 
 
 def format_audit_table(report: dict) -> str:
