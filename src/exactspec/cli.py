@@ -552,7 +552,7 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
 def _serve(args: argparse.Namespace) -> dict:
     try:
         from exactspec.serving.api import ServerSettings, create_app
-        from exactspec.serving.batching import EngineConfig
+        from exactspec.serving.batching import BatchEngine, EngineConfig
         from exactspec.serving.server import build_engine, run_server
     except ImportError as error:
         raise CliError(f"serve needs the server extras ({error.name} is missing): pip install 'exactspec[serve]'") from None
@@ -562,14 +562,14 @@ def _serve(args: argparse.Namespace) -> dict:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         raise CliError(f"--host {args.host} exposes the server beyond this machine: give it an --api-key")
     pair = _load(args, with_draft=True)
-    engine_class = None
+    engine_class = BatchEngine
     if args.lossy_for_tests:
         from exactspec.certification.mutants import MUTANTS
 
         print(f"exactspec: WARNING: lossy mode {args.lossy_for_tests}: this server's output does NOT follow the target's law (for testing audits only)", file=sys.stderr)
         engine_class = MUTANTS[args.lossy_for_tests]
     try:
-        engine = build_engine(pair, args.max_batch, args.max_model_len, EngineConfig(gamma=args.gamma), **({"engine_class": engine_class} if engine_class else {}))
+        engine = build_engine(pair, args.max_batch, args.max_model_len, EngineConfig(gamma=args.gamma), engine_class=engine_class)
     except ValueError as error:
         raise CliError(str(error)) from None
     name = args.model_name or (args.target or "exactspec-default")
