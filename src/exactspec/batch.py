@@ -27,7 +27,7 @@ from exactspec.loading import LoadedPair
 from exactspec.sampling import SamplingParams
 from exactspec.serving.batching import BatchEngine, EngineConfig, SequenceRequest
 
-__all__ = ["BatchJobConfig", "generate_batch", "parse_request", "run_job", "completed_lines"]
+__all__ = ["BatchJobConfig", "build_batch_engine", "generate_batch", "parse_request", "run_job", "completed_lines"]
 
 REQUEST_FIELDS = {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "seed", "ignore_eos"}
@@ -80,7 +80,7 @@ def parse_request(obj: object, line: int, tokenizer, config: BatchJobConfig) -> 
     return SequenceRequest(tuple(prompt), params, max_tokens, stops, seed, "draft")
 
 
-def _engine(pair: LoadedPair, config: BatchJobConfig) -> BatchEngine:
+def build_batch_engine(pair: LoadedPair, config: BatchJobConfig) -> BatchEngine:
     from exactspec.serving.server import build_engine
 
     return build_engine(pair, config.slots, config.max_len, EngineConfig(gamma=config.gamma), calibrated=False)
@@ -92,7 +92,7 @@ def generate_batch(pair: LoadedPair, requests: Iterable[dict], config: BatchJobC
     ``first_line`` numbers the first request (for default seeds and the ``line`` field of its result)."""
     if pair.draft is None:
         raise ValueError("batch generation drafts with a draft model or a trained feature draft; this pair has none")
-    engine = engine or _engine(pair, config)
+    engine = engine or build_batch_engine(pair, config)
     pending: dict[int, tuple[dict, object, list]] = {}  # line -> (request object, handle, its tokens so far)
     source, next_line, next_out, exhausted = iter(requests), first_line, first_line, False
     while pending or not exhausted:
@@ -129,7 +129,7 @@ def completed_lines(output: Path) -> int:
             if json.loads(raw)["line"] != number:
                 raise ValueError
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{output} line {number + 1} is not result {number} of this job; give a new --output") from None
+            raise ValueError(f"line {number + 1} is not result {number} of this job; give a new --output") from None
     if keep < len(data):
         with output.open("r+b") as handle:
             handle.truncate(keep)
@@ -141,11 +141,11 @@ def read_requests(path: Path) -> list[dict]:
     with path.open(encoding="utf-8") as handle:
         for number, raw in enumerate(handle):
             if not raw.strip():
-                raise ValueError(f"{path} line {number + 1} is empty: one JSON request per line")
+                raise ValueError(f"line {number + 1} is empty: one JSON request per line")
             try:
                 requests.append(json.loads(raw))
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path} line {number + 1} is not JSON: {error.msg}") from None
+                raise ValueError(f"line {number + 1} is not JSON: {error.msg}") from None
     return requests
 
 

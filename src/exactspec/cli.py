@@ -326,10 +326,10 @@ def _write_generate_record(args: argparse.Namespace, pair, decoder: SpeculativeD
     _write(record, args.record)
 
 
-def _check_record_path(path: str | None) -> None:
-    """Before the run: a record that could not be written fails first, not after the work."""
+def _check_record_path(path: str | None, flag: str = "--record") -> None:
+    """Before the run: a file that could not be written fails first, not after the work."""
     if path is not None and not Path(path).resolve().parent.is_dir():
-        raise CliError(f"--record {path}: the directory {Path(path).resolve().parent} does not exist")
+        raise CliError(f"{flag} {path}: the directory {Path(path).resolve().parent} does not exist")
 
 
 def _write(record: dict, path: str) -> None:

@@ -154,16 +154,19 @@ def _generate_batch(args: argparse.Namespace) -> dict:
     from exactspec.records import run_record
 
     output = Path(args.output)
-    _check_record_path(str(output))
+    _check_record_path(str(output), "--output")
     if args.ray is not None:
         _require_ray()
     try:
         config = batch.BatchJobConfig(args.max_tokens, max_tokens_limit=max(args.max_tokens, 4096), seed=args.seed, gamma=args.gamma,
                                       slots=args.max_batch, max_len=args.max_model_len)
         requests = batch.read_requests(Path(args.input))
+    except (OSError, ValueError) as error:
+        raise CliError(f"--input {args.input}: {error}") from None
+    try:
         done = batch.completed_lines(output)
     except (OSError, ValueError) as error:
-        raise CliError(str(error)) from None
+        raise CliError(f"--output {args.output}: {error}") from None
     if done > len(requests):
         raise CliError(f"{output} holds {done} results but {args.input} has {len(requests)} requests; give a new --output")
     pair = _load(args, with_draft=True)

@@ -57,11 +57,11 @@ class BatchWorker:
     """A Ray actor: the pair and its engine, loaded once; ``run`` generates one shard."""
 
     def __init__(self, spec: dict, config: BatchJobConfig) -> None:
-        from exactspec.batch import _engine
+        from exactspec.batch import build_batch_engine
 
         self.pair = _load(spec)
         self.config = config
-        self.engine = _engine(self.pair, config)
+        self.engine = build_batch_engine(self.pair, config)
 
     def run(self, requests: list[dict], first_line: int) -> list[dict]:
         return list(generate_batch(self.pair, requests, self.config, first_line, self.engine))
