@@ -116,13 +116,25 @@ def tiny_engine(slots: int = 4) -> BatchEngine:
     return BatchEngine(BatchedLean.like(target, slots, 32), BatchedLean.like(draft, slots, 32), EngineConfig(gamma=3))
 
 
-def law_counts(engine: BatchEngine) -> dict[tuple[int, ...], int]:
-    """N sequences of PROMPT (draft mode, T=1), interleaved with neighbours of other prompts, modes, temperatures."""
+def tiny_feature_engine(engine_class: type[BatchEngine] = BatchEngine, slots: int = 4) -> BatchEngine:
+    """The tiny target with a trained-style feature-level draft (random weights, a vocabulary subset), batched."""
+    from exactspec.models.batched_feature_draft import BatchedFeatureDraft
+    from test_feature_draft import tiny_draft
+
+    decoder = tiny_target(3)
+    batched = BatchedLean.like(LeanModel(decoder), slots, 32)
+    draft = tiny_draft(decoder)
+    batched.capture_features(draft.cfg.feature_layers)
+    return engine_class(batched, None, EngineConfig(gamma=3), feature_draft=BatchedFeatureDraft(draft, slots, 32))
+
+
+def law_counts(engine: BatchEngine, params: SamplingParams = SamplingParams()) -> dict[tuple[int, ...], int]:
+    """N sequences of PROMPT (draft mode), interleaved with neighbours of other prompts, modes, temperatures."""
     requests, mine = [], []
     for seed in range(N):
         prompt, mode, temperature = NEIGHBOURS[seed % len(NEIGHBOURS)]
         mine.append(len(requests))
-        requests.append(SequenceRequest(PROMPT, SamplingParams(), NEW_TOKENS, seed=seed, speculation="draft"))
+        requests.append(SequenceRequest(PROMPT, params, NEW_TOKENS, seed=seed, speculation="draft"))
         requests.append(SequenceRequest(prompt, SamplingParams(temperature=temperature), 1 + seed % 6, seed=N + seed, speculation=mode))
     results = run(engine, requests)
     counts: dict[tuple[int, ...], int] = {}
@@ -135,6 +147,20 @@ def law_counts(engine: BatchEngine) -> dict[tuple[int, ...], int]:
 def test_a_sequences_law_is_unchanged_by_its_neighbours():
     counts = law_counts(tiny_engine())
     assert g_test_p_value(counts, exact_law(LeanModel(tiny_target(3)), SamplingParams())) > ALPHA
+
+
+@pytest.mark.parametrize("mutant", [None, "unprocessed_q"])
+def test_a_batched_feature_draft_keeps_the_law_and_a_wrong_q_is_rejected(mutant):
+    """The feature-level draft batched over the sequences (ragged rows, per-slot rollback) passes the G-test at
+    T=0.7, top_k=3; the self-check's unprocessed-q engine, whose bug lives in the draft-q hook the feature draft
+    shares with a draft model, fails it."""
+    from exactspec.certification.mutants import MUTANTS
+
+    params = SamplingParams(temperature=0.7, top_k=3)
+    engine = tiny_feature_engine(MUTANTS[mutant] if mutant else BatchEngine)
+    p_value = g_test_p_value(law_counts(engine, params), exact_law(LeanModel(tiny_target(3)), params))
+    assert engine.metrics.accepted > 0
+    assert (p_value > ALPHA) if mutant is None else (p_value < ALPHA)
 
 
 def test_the_same_test_rejects_an_engine_that_mixes_up_rows():
@@ -171,9 +197,10 @@ def test_in_invariant_mode_batched_sequences_are_bit_identical_to_solo_runs(prom
 
 
 def test_a_feature_draft_in_a_batch_draws_what_it_draws_alone():
-    """A trained feature-level draft per sequence, fed the target's features from the batched calls: each seeded
-    sequence equals the single-sequence decoder with the same draft, seed and gamma (invariant mode, so bit for
-    bit); with that decoder's law G-tested in test_feature_draft.py, the batch keeps the law."""
+    """A trained feature-level draft batched over the sequences, fed the target's features from the batched calls:
+    each seeded sequence equals the single-sequence decoder with the same draft, seed and gamma (invariant mode, so
+    bit for bit); with that decoder's law G-tested in test_feature_draft.py, the batch keeps the law."""
+    from exactspec.models.batched_feature_draft import BatchedFeatureDraft
     from exactspec.models.eagle import FeatureDraftRunner
     from exactspec.proposers.feature_draft import FeatureDraftProposer
     from test_feature_draft import tiny_draft
@@ -183,9 +210,7 @@ def test_a_feature_draft_in_a_batch_draws_what_it_draws_alone():
     target = LeanModel(decoder, invariant=True)
     batched = BatchedLean.like(target, 3, 32)
     batched.capture_features(draft.cfg.feature_layers)
-    runners = [FeatureDraftRunner(draft, 32) for _ in range(3)]
-    engine = BatchEngine(batched, None, EngineConfig(gamma=3),
-                         feature_proposer=lambda slot, params: FeatureDraftProposer(runners[slot], VOCAB, params))
+    engine = BatchEngine(batched, None, EngineConfig(gamma=3), feature_draft=BatchedFeatureDraft(draft, 3, 32, invariant=True))
     requests = [SequenceRequest(prompt, SamplingParams(temperature=t), 8, seed=seed, speculation="draft")
                 for seed, (prompt, t) in enumerate([((1, 2), 1.0), ((3, 0, 1), 0.7), ((2,), 1.0), ((0, 1), 1.3), ((1, 1, 2), 1.0)])]
     results = run(engine, requests)

@@ -116,7 +116,7 @@ def _sample(engine: BatchEngine, prompts: list[list[int]], params: SamplingParam
     engine.recorded_q.clear()
     indices = range(config.sequences) if indices is None else indices
     runs = [{"prompt": prompts[i % len(prompts)], "seed": seed + i, "events": []} for i in indices]
-    speculation = "lookup" if engine.draft is None and engine.feature_proposer is None else "draft"
+    speculation = "lookup" if engine.draft is None and engine.feature_draft is None else "draft"
     handles = []
     for run in runs:
         request = SequenceRequest(tuple(run["prompt"]), params, config.max_tokens, seed=run["seed"], speculation=speculation)

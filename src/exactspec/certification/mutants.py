@@ -2,9 +2,9 @@
 
 Each is a :class:`exactspec.serving.batching.BatchEngine` with one rule of a round replaced by a bug that real
 engines have shipped (see the reference texts): the certification must reject every one of them at the sample
-size it runs, which shows its power on the pair and settings at hand. ``needs`` says which drafting a mutant's
-bug lives in: one that rewrites the draft model's q (``"draft model"``) does not exist for a trained feature-level
-draft or prompt lookup, one in the residual (``"sampled drafts"``) not for lookup's point masses.
+size it runs, which shows its power on the pair and settings at hand. ``needs`` says what a mutant's bug lives in:
+a draft's distribution q (a draft model's or a trained feature-level draft's, both drafted through the engine's
+``_draft_probs``) or its sampled drafts (the residual); prompt lookup has neither, only point masses.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class UnprocessedDraft(BatchEngine):
     """Draft tokens are drawn from the processed q, but the verifier is handed the raw softmax (temperature 1, no
     truncation, no penalties): the draft distribution taken before the processors."""
 
-    needs = "draft model"
+    needs = "draft distribution"
 
     def _draft_probs(self, logits, prefix, prompt_length, params):
         q, _ = super()._draft_probs(logits, prefix, prompt_length, params)
@@ -59,7 +59,7 @@ class PenaltiesOncePerRound(BatchEngine):
 class ArgmaxDraftSampledRatio(BatchEngine):
     """The draft proposes its argmax but the verifier applies min(1, p/q) as if the token had been sampled."""
 
-    needs = "draft model"
+    needs = "draft distribution"
 
     def _draft_probs(self, logits, prefix, prompt_length, params):
         q, _ = super()._draft_probs(logits, prefix, prompt_length, params)
@@ -70,7 +70,7 @@ class PrecisionMismatch(BatchEngine):
     """Draft tokens are sampled from q computed on bfloat16-rounded logits, the verifier is handed q from the
     full-precision logits: drafts sampled in one precision and checked in another."""
 
-    needs = "draft model"
+    needs = "draft distribution"
 
     def _draft_probs(self, logits, prefix, prompt_length, params: SamplingParams):
         rounded, _ = super()._draft_probs(logits.to(torch.bfloat16).float(), prefix, prompt_length, params)
@@ -81,11 +81,7 @@ class PrecisionMismatch(BatchEngine):
 def applies(mutant: type[BatchEngine], drafting: str) -> bool:
     """Whether ``drafting`` (``"draft model"``, ``"feature draft"`` or ``"lookup"``) has the rule ``mutant`` breaks
     (see the module docstring)."""
-    if mutant.needs == "draft model":
-        return drafting == "draft model"
-    if mutant.needs == "sampled drafts":
-        return drafting != "lookup"
-    return True
+    return mutant.needs is None or drafting != "lookup"
 
 
 MUTANTS: dict[str, type[BatchEngine]] = {

@@ -5,8 +5,9 @@ Sequences join a running batch as slots free up and leave when they finish or ar
 
 1. admits waiting sequences: each prompt is prefilled into its own slot and its first token drawn;
 2. chooses each sequence's gamma (its speculation mode; ``auto`` from the batch policy, :mod:`.policy`);
-3. drafts: prompt lookup per sequence, and the draft model for all drafting sequences together, one batched
-   draft call per draft position (the first also catches each draft slot up with its context);
+3. drafts: prompt lookup per sequence, and the draft (a draft model, or a trained feature-level draft fed the
+   target's features from step 4 of earlier rounds) for all drafting sequences together, one batched draft call
+   per draft position (the first also catches each draft slot up with its context);
 4. verifies every sequence's block in one batched target call (:class:`exactspec.models.batched.BatchedLean`);
 5. per sequence: the rule that fits its proposal (:func:`exactspec.engine.verify_block`), its own accepted
    length, its own cache rollback, its tokens handed to its listener.
@@ -31,6 +32,7 @@ import torch
 
 from exactspec.engine import verify_block
 from exactspec.models.batched import MAX_BLOCK, BatchedLean
+from exactspec.models.batched_feature_draft import BatchedFeatureDraft
 from exactspec.proposers.prompt_lookup import find_continuation
 from exactspec.sampling import SamplingParams, block_probs
 from exactspec.serving.policy import BatchPolicy
@@ -100,8 +102,11 @@ class _Sequence:
     generator: torch.Generator
     source: str  # "off", "draft" or "lookup": where its drafts come from
     fixed_gamma: bool  # True: the configured gamma; False: the batch policy's
-    draft_fed: list[int] = field(default_factory=list)  # the tokens in its draft slot
-    proposer: object | None = None  # a feature-reading proposer of its own (a trained feature-level draft)
+    draft_fed: list[int] = field(default_factory=list)  # a draft model: the tokens in its draft slot
+    new_features: list[torch.Tensor] = field(default_factory=list)  # a feature draft: target features not yet fed
+    features_known: int = 0  # a feature draft: positions whose target features it was handed
+    draft_slots: int = 0  # a feature draft: its slots built from target features
+    draft_output: torch.Tensor | None = None  # a feature draft: (1, C) its output at the last slot it fed
 
     @property
     def request(self) -> SequenceRequest:
@@ -131,16 +136,19 @@ class EngineMetrics:
 
 class BatchEngine:
     def __init__(self, target: BatchedLean, draft: BatchedLean | None = None, config: EngineConfig = EngineConfig(),
-                 policy: BatchPolicy | None = None, feature_proposer: Callable[[int, SamplingParams], object] | None = None) -> None:
-        """``draft``: a draft model, batched like the target. ``feature_proposer(slot, params)``: instead, a proposer
-        per sequence that reads the target's features (``target.capture_features`` must be on); it drafts one
-        sequence at a time, while verification stays batched."""
-        if draft is not None and draft.slots < target.slots:
-            raise ValueError("the draft needs a slot for every target slot")
-        if feature_proposer is not None and not target.feature_layers:
-            raise ValueError("a feature-reading proposer needs the target to capture its features")
+                 policy: BatchPolicy | None = None, feature_draft: BatchedFeatureDraft | None = None) -> None:
+        """``draft``: a draft model, batched like the target. ``feature_draft``: instead, a trained feature-level
+        draft that reads the target's features (``target.capture_features`` must be on for its layers)."""
+        for model in (draft, feature_draft):
+            if model is not None and model.slots < target.slots:
+                raise ValueError("the draft needs a slot for every target slot")
+        if feature_draft is not None:
+            if draft is not None or tuple(target.feature_layers) != tuple(feature_draft.draft.cfg.feature_layers):
+                raise ValueError("a feature-level draft needs the target to capture its layers, and no draft model beside it")
+            ids = feature_draft.draft.vocab_ids.cpu()
+            self._subset = ids[ids < target.vocab_size]  # the feature draft's vocabulary S within the target's
         self.target, self.draft, self.config = target, draft, config
-        self.feature_proposer = feature_proposer
+        self.feature_draft = feature_draft
         self.policy = policy or BatchPolicy(max_gamma=config.max_gamma)
         self.metrics = EngineMetrics()
         self._waiting: collections.deque[SequenceHandle] = collections.deque()
@@ -211,13 +219,10 @@ class BatchEngine:
             source = request.speculation
             if source == "auto":
                 source = "draft" if self.draft is not None else "lookup"
-            if source == "draft" and self.draft is None and self.feature_proposer is None:
+            if source == "draft" and self.draft is None and self.feature_draft is None:
                 source = "lookup"  # a target without a draft: lookup is the draft it has
             sequence = _Sequence(handle, self._free.pop(0), list(request.prompt), torch.Generator().manual_seed(seed),
                                  source, fixed_gamma=request.speculation != "auto" or request.seed is not None)
-            if source == "draft" and self.feature_proposer is not None:
-                sequence.proposer = self.feature_proposer(sequence.slot, request.params)
-                sequence.proposer.reset(sequence.context)
             self._active.append(sequence)
             admitted.append(sequence)
         short = [s for s in admitted if len(s.context) <= MAX_BLOCK]
@@ -230,9 +235,10 @@ class BatchEngine:
                 self._guarded([s], self._first_token, s, rows[-1:])
 
     def _share_features(self, s: _Sequence, row: int, positions: int) -> None:
-        """Hand a feature-reading proposer the target's features of the first ``positions`` of its row."""
-        if s.proposer is not None:
-            s.proposer.observe_target(self.target.last_features[row][:positions])
+        """Keep the target's features of the first ``positions`` of its row for the sequence's feature draft."""
+        if self.feature_draft is not None and s.source == "draft":
+            s.new_features.append(self.target.last_features[row][:positions])
+            s.features_known += positions
 
     def _first_token(self, sequence: _Sequence, logits: torch.Tensor) -> None:  # logits (1, V) after the prompt
         prompt = sequence.context
@@ -263,30 +269,32 @@ class BatchEngine:
         for s in self._active:
             if s.source == "lookup" and gammas[s.slot] > 0:
                 drafts[s.slot] = (find_continuation(s.context, gammas[s.slot], lo, hi), None)
-        for s in self._active:
-            if s.proposer is not None and gammas[s.slot] > 0:
-                draft = self._guarded([s], s.proposer.propose, s.context, gammas[s.slot], s.generator)
-                drafts[s.slot] = (draft.tokens, draft.probs) if draft is not None else ([], None)
-        drafting = [s for s in self._active if s.source == "draft" and s.proposer is None and gammas[s.slot] > 0]
+        drafting = [s for s in self._active if s.source == "draft" and gammas[s.slot] > 0]
         if drafting:
-            self._guarded(drafting, self._draft_model, drafting, gammas, drafts)
+            self._guarded(drafting, self._draft_batched, drafting, gammas, drafts)
         return drafts
 
-    def _draft_model(self, drafting: list[_Sequence], gammas: dict[int, int], drafts: dict) -> None:
-        feeds = {s.slot: self._catch_up(s) for s in drafting}
+    def _draft_batched(self, drafting: list[_Sequence], gammas: dict[int, int], drafts: dict) -> None:
+        """The draft tokens of every drafting sequence, one batched draft call per draft position. Each token is
+        drawn (greedy: argmax) from q of :meth:`_draft_probs`; a sequence whose settings leave its draft nothing to
+        propose stops drafting there."""
+        call = self._feature_draft_call if self.feature_draft is not None else self._draft_model_call
         step_seconds = []  # of steps that feed each row 1 or 2 tokens: a catch-up after plain steps is setup
         prefixes = {s.slot: list(s.context) for s in drafting}
         tokens = {s.slot: [] for s in drafting}
         rows = {s.slot: [] for s in drafting}
+        live = drafting
         for step in range(max(gammas[s.slot] for s in drafting)):
-            live = [s for s in drafting if gammas[s.slot] > step]
             began = time.perf_counter()
-            logits = self._draft_call([(s.slot, feeds[s.slot]) for s in live])
-            if max(len(feeds[s.slot]) for s in live) <= 2:
+            logits, setup = call(step, live, tokens)
+            if not setup:
                 step_seconds.append(time.perf_counter() - began)
             for s, row in zip(live, logits):
                 params = s.request.params
-                q, reported = self._draft_probs(row[-1:], prefixes[s.slot], len(s.request.prompt), params)
+                try:
+                    q, reported = self._draft_probs(row, prefixes[s.slot], len(s.request.prompt), params)
+                except ValueError:  # every token the draft has is excluded (allowed/banned sets, bias)
+                    continue
                 if params.greedy:
                     token = int(greedy_token(q))
                 else:
@@ -294,13 +302,48 @@ class BatchEngine:
                 tokens[s.slot].append(token)
                 rows[s.slot].append(reported)
                 prefixes[s.slot].append(token)
-                feeds[s.slot] = [token]
-                if step < gammas[s.slot] - 1:  # fed to the draft at the next step
-                    s.draft_fed.append(token)
+            live = [s for s in live if len(tokens[s.slot]) == step + 1 < gammas[s.slot]]
+            if not live:
+                break
         for s in drafting:
-            drafts[s.slot] = (tokens[s.slot], None if s.request.params.greedy else torch.stack(rows[s.slot]))
+            drafts[s.slot] = (tokens[s.slot], None if s.request.params.greedy or not rows[s.slot] else torch.stack(rows[s.slot]))
         if step_seconds:
             self.policy.observe_draft(len(drafting), statistics.median(step_seconds))
+
+    def _draft_model_call(self, step: int, live: list[_Sequence], tokens: dict) -> tuple[list[torch.Tensor], bool]:
+        """The draft model's logits ``(1, V)`` per live sequence after its context and its draft tokens so far, and
+        whether the call was setup (a catch-up of more than 2 tokens) rather than a draft step."""
+        if step == 0:
+            feeds = [(s.slot, self._catch_up(s)) for s in live]
+        else:
+            feeds = [(s.slot, tokens[s.slot][-1:]) for s in live]
+            for s in live:
+                s.draft_fed.append(tokens[s.slot][-1])
+        return [row[-1:] for row in self._draft_call(feeds)], max(len(feed) for _, feed in feeds) > 2
+
+    def _feature_draft_call(self, step: int, live: list[_Sequence], tokens: dict) -> tuple[list[torch.Tensor], bool]:
+        """As :meth:`_draft_model_call` for the feature-level draft (:mod:`exactspec.models.eagle`): the first step
+        rolls each slot back to what the target's features built (dropping last round's predicted slots) and feeds
+        the features the target computed since; each later step feeds the draft's own output and its last token.
+        Logits are -inf outside the draft's vocabulary S."""
+        draft = self.feature_draft
+        if step == 0:
+            rows = []
+            for s in live:
+                n = len(s.context)
+                if s.features_known != n - 1:
+                    raise RuntimeError(f"the target's features cover {s.features_known} positions, the context needs {n - 1}")
+                draft.rollback(s.slot, s.draft_slots)
+                rows.append((s.slot, draft.project(torch.cat(s.new_features)), s.context[s.draft_slots + 1 :]))
+                s.new_features, s.draft_slots = [], n - 1
+        else:
+            rows = [(s.slot, s.draft_output, tokens[s.slot][-1:]) for s in live]
+        outputs, subset_logits = draft.forward(rows)
+        full = torch.full((len(live), self.target.vocab_size), -torch.inf)
+        full[:, self._subset] = subset_logits[:, : len(self._subset)].cpu()
+        for s, output in zip(live, outputs):
+            s.draft_output = output.unsqueeze(0)
+        return list(full.unsqueeze(1)), max(len(t) for _, _, t in rows) > 2
 
     # The three rules of a round, as methods so that the certification's self-check can swap in known-wrong ones
     # (exactspec.certification.mutants); nothing else overrides them.
@@ -317,7 +360,7 @@ class BatchEngine:
     def _verify_rule(self, params, draft_tokens, draft_probs, target_probs, generator):
         return verify_block(params, draft_tokens, draft_probs, target_probs, generator)
 
-    def _catch_up(self, s: _Sequence) -> list[int]:
+    def _catch_up(self, s: _Sequence) -> list[int]:  # the draft model's
         """Roll the draft slot back to what it shares with the context; the tokens it still has to read."""
         keep = 0
         limit = min(len(s.draft_fed), len(s.context) - 1)  # feed at least the newest token
