@@ -88,3 +88,19 @@ def test_invariant_mode_gives_each_row_the_bits_it_gets_alone():
     for got, history, new in ((out[0], prompts[0], [11, 12, 13]), (out[1], prompts[2], [14]),
                               (again[0], prompts[0] + [11], [15, 16]), (again[1], prompts[1], [17, 18, 19, 20])):
         assert torch.equal(got, alone(solo, history, new))
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["batched", "invariant"])
+def test_a_copied_prefix_continues_as_its_source_does(invariant):
+    model = small_model()
+    if invariant:
+        model = LeanModel(model.decoder, invariant=True)
+    batched = BatchedLean.like(model, slots=3, max_len=96)
+    batched.forward([(0, [1, 2, 3, 4, 5, 6]), (2, [9, 9])])
+    batched.copy_prefix(0, 1, 4)  # slot 1 gets [1, 2, 3, 4] and none of 5, 6
+    out = batched.forward([(1, [7, 8]), (2, [10])])
+    expected = alone(model, [1, 2, 3, 4], [7, 8])
+    assert torch.equal(out[0], expected) if invariant else torch.allclose(out[0], expected, atol=1e-5)
+    assert batched.lengths == [6, 6, 3]
+    with pytest.raises(ValueError, match="rollback|length"):
+        batched.copy_prefix(2, 0, 4)  # slot 2 holds 3 positions

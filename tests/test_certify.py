@@ -59,3 +59,27 @@ def test_mutants_apply_only_to_the_drafting_that_has_their_rule():
     assert drafting(load_pair(default_pair_dirs()[0], None)) == "lookup" and drafting(load_pair(*default_pair_dirs())) == "draft model"
     assert [name for name, m in MUTANTS.items() if applies(m, "lookup")] == ["penalties_once_per_round"]
     assert all(applies(m, "draft model") and applies(m, "feature draft") for m in MUTANTS.values())
+
+
+def test_scoring_with_the_prompt_run_once_equals_a_whole_sequence_forward(monkeypatch):
+    """shared_prompt_logits: continuations of different lengths (padded) of one prompt get, at every position, the
+    logits of a cache-free forward of their own whole sequence (float32, 1e-5); a mask that lets a position see
+    its own continuation's later tokens is caught."""
+    import torch
+
+    import exactspec.certification.certify as certify_module
+    from exactspec.certification.certify import shared_prompt_logits
+    from test_feature_draft import tiny_target
+
+    decoder, prompt = tiny_target(), [1, 2, 0]
+    continuations = [[3, 1, 2, 2], [0], [2, 3]]
+
+    def check() -> bool:
+        with torch.inference_mode():
+            shared = shared_prompt_logits(decoder, prompt, continuations)  # (3, 5, V)
+            whole = [decoder.forward_train(torch.tensor([prompt + c]))[0, len(prompt) - 1 :] for c in continuations]
+        return all(torch.allclose(shared[b, : len(w)], w, atol=1e-5) for b, w in enumerate(whole))
+
+    assert check()
+    monkeypatch.setattr(certify_module, "continuation_mask", lambda p, w, device: torch.ones((w, p + w), dtype=torch.bool))
+    assert not check()

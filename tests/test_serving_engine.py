@@ -72,6 +72,25 @@ def test_a_seeded_sequence_is_the_same_alone_among_others_and_as_the_decoder(pai
     assert alone == crowded == decoder.tokens
 
 
+def test_a_shared_prompt_is_prefilled_once_and_each_sequence_draws_as_alone(pair, prompts):
+    """Four sequences of one prompt (as a request's n choices) and one of another, admitted together: two rows are
+    prefilled, and each seeded sequence equals the single-sequence decoder (invariant mode: bit for bit)."""
+    invariant = load_pair(*default_pair_dirs(), backend="lean", dtype=torch.float32, invariant=True)
+    engine = build_engine(invariant, slots=5, max_len=256, calibrated=False)
+    calls = []
+    forward = engine.target.forward
+    engine.target.forward = lambda rows: calls.extend(tuple(tokens) for _, tokens in rows) or forward(rows)
+    params = SamplingParams(temperature=0.9)
+    requests = [SequenceRequest(tuple(prompts[0 if i < 4 else 1]), params, 12, seed=i, speculation="draft") for i in range(5)]
+    results = run(engine, requests)
+    assert sorted(row for row in calls if len(row) > 5) == sorted([tuple(prompts[0]), tuple(prompts[1])])  # prefills
+    for request, result in zip(requests, results):
+        reference = SpeculativeDecoder(invariant.target, invariant.draft, params).generate(
+            list(request.prompt), GenerationConfig(max_new_tokens=12, gamma=4, seed=request.seed))
+        assert result["tokens"] == reference.tokens
+    assert len({tuple(r["tokens"]) for r in results[:4]}) > 1
+
+
 def test_a_failing_sequence_ends_with_an_error_and_the_others_finish(pair, prompts, monkeypatch):
     import exactspec.serving.batching as module
 

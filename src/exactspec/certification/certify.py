@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from exactspec.certification.mutants import MUTANTS, applies
@@ -43,7 +44,7 @@ from exactspec.tokenizer import TextTokenizer
 from exactspec.workloads import workload_prompts
 
 __all__ = ["CONFIGS", "CertifyConfig", "LocalSampler", "certify", "default_prompts", "drafting", "merge_scored", "precision_mode",
-           "run_tests", "score_runs"]
+           "run_tests", "score_runs", "shared_prompt_logits"]
 
 CONFIGS = {
     "T=1": SamplingParams(),
@@ -102,9 +103,9 @@ class _RecordsDraftProbs:
         super()._round_end(s, row, logits, tokens, probs)
 
 
-def _recording_engine(pair: LoadedPair, config: "CertifyConfig", engine_class: type[BatchEngine] = BatchEngine) -> BatchEngine:
+def _recording_engine(pair: LoadedPair, config: "CertifyConfig", max_len: int, engine_class: type[BatchEngine] = BatchEngine) -> BatchEngine:
     recording = type(f"Recording{engine_class.__name__}", (_RecordsDraftProbs, engine_class), {})
-    engine = build_engine(pair, config.slots, 1024, EngineConfig(gamma=config.gamma), calibrated=False, engine_class=recording)
+    engine = build_engine(pair, config.slots, max_len, EngineConfig(gamma=config.gamma), calibrated=False, engine_class=recording)
     engine.recorded_q = {}
     return engine
 
@@ -154,28 +155,55 @@ def _order_keys(probs: torch.Tensor, prefix: list[int], tokens: list[int], q: li
     return keys
 
 
+def continuation_mask(prompt_length: int, width: int, device: torch.device | str = "cpu") -> torch.Tensor:  # (W, P + W) bool
+    """Continuation position i sees the whole prompt and its own positions up to i."""
+    own = torch.ones((width, width), dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.ones((width, prompt_length), dtype=torch.bool, device=device), own], dim=1)
+
+
+def shared_prompt_logits(decoder, prompt: list[int], continuations: list[list[int]]) -> torch.Tensor:  # (B, 1 + W, V)
+    """The target's logits after the prompt and after each token of each continuation (right-padded to the longest,
+    W), from a cache-free causal forward in which the prompt's positions run once: each layer computes the prompt's
+    keys and values and every continuation attends to them and, causally, to its own (padding follows a row's real
+    tokens, so no real position sees it). It shares no code with the engine's caches (only the layers' maths)."""
+    device, b, p = decoder.embed.weight.device, len(continuations), len(prompt)
+    width = max(len(c) for c in continuations)
+    x_prompt = decoder.embed(torch.tensor([prompt], device=device))  # (1, P, C)
+    x = decoder.embed(torch.tensor([c + [0] * (width - len(c)) for c in continuations], device=device).reshape(b, width))  # (B, W, C)
+    cos, sin = decoder.rope_cos[: p + width].to(x.dtype), decoder.rope_sin[: p + width].to(x.dtype)
+    mask = continuation_mask(p, width, device)
+    for layer in decoder.layers:
+        gqa = layer.n_kv != layer.n_head
+        q, k, v = layer._qkv(x_prompt, cos[:p], sin[:p])  # (1, nh, P, hd), (1, nkv, P, hd) x 2
+        x_prompt = layer._finish(x_prompt, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa))
+        if width:
+            q_c, k_c, v_c = layer._qkv(x, cos[p:], sin[p:])
+            keys, values = torch.cat([k.expand(b, -1, -1, -1), k_c], dim=2), torch.cat([v.expand(b, -1, -1, -1), v_c], dim=2)
+            x = layer._finish(x, F.scaled_dot_product_attention(q_c, keys, values, attn_mask=mask, enable_gqa=gqa))
+    return decoder._final(torch.cat([x_prompt[:, -1:].expand(b, 1, -1), x], dim=1))
+
+
 def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed: int, batch: int = 32) -> dict:
     """PIT values of every generated token in each order (:data:`ORDERS`; NaN where the order does not apply) under
-    the target's processed distribution given its own prefix, from one plain cache-free forward of each whole
-    sequence (sequences right-padded into batches: causal, so padding never reaches an earlier position).
+    the target's processed distribution given its own prefix, from a plain cache-free forward of the sequences of
+    each prompt (:func:`shared_prompt_logits`; up to ``batch`` at a time).
 
     A run is ``{"prompt": ids, "tokens": ids}``, with ``"positions"``, ``"kinds"`` (round positions and token kinds)
     and ``"q"`` (the recorded draft distributions) where the sampler is white-box."""
     generator = torch.Generator().manual_seed(seed)
     decoder, vocab = _unwrapped(pair.target).decoder, pair.target.vocab_size
-    values, positions, kinds, heads = {order: [] for order in ORDERS}, [], [], []
-    for start in range(0, len(runs), batch):
-        chunk = [run for run in runs[start : start + batch] if run["tokens"]]
-        if not chunk:
-            continue
-        sequences = [run["prompt"] + run["tokens"][:-1] for run in chunk]
-        width = max(len(q) for q in sequences)
-        idx = torch.tensor([q + [0] * (width - len(q)) for q in sequences], device=_unwrapped(pair.target).device)
+    values, positions, kinds, heads, seen = {order: [] for order in ORDERS}, [], [], [], set()
+    by_prompt: dict[tuple[int, ...], list[dict]] = {}
+    for run in runs:
+        if run["tokens"]:
+            by_prompt.setdefault(tuple(run["prompt"]), []).append(run)
+    chunks = [group[i : i + batch] for group in by_prompt.values() for i in range(0, len(group), batch)]
+    for chunk in chunks:
         with torch.inference_mode():
-            logits = decoder.forward_train(idx)[..., :vocab].float().cpu()  # (B, T, V)
+            logits = shared_prompt_logits(decoder, chunk[0]["prompt"], [run["tokens"][:-1] for run in chunk])[..., :vocab].float().cpu()
         for row, run in zip(logits, chunk):
             prompt, tokens = run["prompt"], run["tokens"]
-            probs = block_probs(row[len(prompt) - 1 : len(prompt) - 1 + len(tokens)], prompt, tokens, len(prompt), params)
+            probs = block_probs(row[: len(tokens)], prompt, tokens, len(prompt), params)
             uniforms = torch.rand((len(tokens),), dtype=torch.float64, generator=generator)
             token_ids = torch.tensor(tokens)
             for order, keys in _order_keys(probs, prompt, tokens, run.get("q") or [None] * len(tokens)).items():
@@ -186,7 +214,12 @@ def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed:
                 values[order].append(pit.numpy())
             positions.append(run.get("positions") or [-1] * len(tokens))
             kinds.append(run.get("kinds") or ["unknown"] * len(tokens))
-            heads.append((tuple(prompt), tuple(tokens[:PREFIX_DEPTH + 1]), probs[: PREFIX_DEPTH + 1]))
+            first_seen = []  # the distribution after each of its first prefixes, kept where no earlier run had that prefix
+            for depth in range(min(len(tokens), PREFIX_DEPTH + 1)):
+                key = (tuple(prompt), tuple(tokens[:depth]))
+                first_seen.append(None if key in seen else probs[depth].clone())
+                seen.add(key)
+            heads.append((tuple(prompt), tuple(tokens[:PREFIX_DEPTH + 1]), first_seen))
     return {"pit": {order: np.concatenate(v) for order, v in values.items()}, "position": np.concatenate(positions),
             "kind": np.concatenate(kinds), "heads": heads}
 
@@ -206,7 +239,7 @@ def run_tests(name: str, scored: dict, gamma: int) -> list[TestResult]:
     for depth in range(PREFIX_DEPTH + 1):
         groups: dict[tuple, tuple[dict, torch.Tensor]] = {}
         for prompt, tokens, probs in scored["heads"]:
-            if len(tokens) > depth:
+            if len(tokens) > depth:  # the first run with a prefix holds its distribution (score_runs)
                 counts, _ = groups.setdefault((prompt, tokens[:depth]), ({}, probs[depth]))
                 counts[tokens[depth]] = counts.get(tokens[depth], 0) + 1
         repeated = [group for group in groups.values() if sum(group[0].values()) >= MIN_PREFIX_COUNT]
@@ -272,15 +305,17 @@ class LocalSampler:
 
     def __init__(self, pair: LoadedPair, prompts: list[list[int]], config: "CertifyConfig", progress: tqdm | None = None) -> None:
         self.pair, self.prompts, self.config, self.progress = pair, prompts, config, progress or tqdm(disable=True)
-        self.engines: dict[str | None, BatchEngine] = {}
+        self.engine: tuple[str | None, BatchEngine] | None = None  # the last one (caches for all slots): one at a time
+        self.max_len = max(len(p) for p in prompts) + config.max_tokens
 
     def __call__(self, config_name: str, mutant: str | None, seed: int, score_seed: int, indices: range | None = None) -> dict:
         """Scored runs of sequences ``indices`` (default: all) of ``config_name``, sampled by the real engine or by
         ``mutant``; a RuntimeError when a sequence fails (a verifier guard tripped)."""
-        if mutant not in self.engines:
-            self.engines[mutant] = _recording_engine(self.pair, self.config, MUTANTS[mutant] if mutant else BatchEngine)
+        if self.engine is None or self.engine[0] != mutant:
+            self.engine = None  # freed before the next one is built
+            self.engine = (mutant, _recording_engine(self.pair, self.config, self.max_len, MUTANTS[mutant] if mutant else BatchEngine))
         params = CONFIGS[config_name]
-        runs = _sample(self.engines[mutant], self.prompts, params, self.config, seed, self.progress, indices)
+        runs = _sample(self.engine[1], self.prompts, params, self.config, seed, self.progress, indices)
         return score_runs(self.pair, runs, params, score_seed)
 
 

@@ -77,6 +77,21 @@ class BatchedLean:
         check_rollback_length(length, self.lengths[slot])
         self.lengths[slot] = length
 
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Give ``slot`` the first ``length`` cached positions of ``source`` (the same values, copied): a prompt that
+        several sequences share is prefilled once."""
+        check_rollback_length(length, self.lengths[source])
+        with torch.inference_mode():
+            if self._solo is not None:
+                src, dst = self._solo[source], self._solo[slot]
+                dst._k[:, :, :, :length] = src._k[:, :, :, :length]  # (L, 1, nkv, len, hd)
+                dst._v[:, :, :, :length] = src._v[:, :, :, :length]
+                dst._pos = length
+            else:
+                self._k[:, slot, :length] = self._k[:, source, :length]  # (L, S, len, nkv, hd)
+                self._v[:, slot, :length] = self._v[:, source, :length]
+        self.lengths[slot] = length
+
     def forward(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
         """``rows``: (slot, tokens to append) per sequence, slots distinct. Returns each row's logits ``(t_i, V)``
         (float32, CPU) and advances each slot's length by ``t_i``."""

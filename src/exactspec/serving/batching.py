@@ -3,7 +3,8 @@
 Sequences join a running batch as slots free up and leave when they finish or are cancelled. One
 :meth:`BatchEngine.step`:
 
-1. admits waiting sequences: each prompt is prefilled into its own slot and its first token drawn;
+1. admits waiting sequences: each prompt is prefilled into its slot (a prompt several of them share, such as a
+   request's n choices, once, then copied) and each sequence's first token drawn;
 2. chooses each sequence's gamma (its speculation mode; ``auto`` from the batch policy, :mod:`.policy`);
 3. drafts: prompt lookup per sequence, and the draft (a draft model, or a trained feature-level draft fed the
    target's features from step 4 of earlier rounds) for all drafting sequences together, one batched draft call
@@ -203,7 +204,8 @@ class BatchEngine:
         self._verify(drafts)
 
     def _admit(self) -> None:
-        """Take waiting sequences into free slots and prefill them: short prompts together in one call."""
+        """Take waiting sequences into free slots and prefill them: short prompts together in one call, a prompt
+        several of them share once (copied into the others' slots)."""
         admitted = []
         while self._free:
             with self._lock:
@@ -225,14 +227,22 @@ class BatchEngine:
                                  source, fixed_gamma=request.speculation != "auto" or request.seed is not None)
             self._active.append(sequence)
             admitted.append(sequence)
-        short = [s for s in admitted if len(s.context) <= MAX_BLOCK]
-        for group in [short] * bool(short) + [[s] for s in admitted if s not in short]:
-            for s in group:
+        by_prompt: dict[tuple[int, ...], list[_Sequence]] = {}  # the sequences of one prompt: the first prefills it
+        for s in admitted:
+            by_prompt.setdefault(tuple(s.context), []).append(s)
+        firsts = [group[0] for group in by_prompt.values()]
+        short = [s for s in firsts if len(s.context) <= MAX_BLOCK]
+        for call in [short] * bool(short) + [[s] for s in firsts if len(s.context) > MAX_BLOCK]:
+            for s in call:
                 self.target.rollback(s.slot, 0)
-            logits = self._guarded(group, self.target.forward, [(s.slot, s.context) for s in group])
-            for i, (s, rows) in enumerate(zip(group, logits or [])):
-                self._share_features(s, i, len(s.context))
-                self._guarded([s], self._first_token, s, rows[-1:])
+            served = [s for first in call for s in by_prompt[tuple(first.context)]]
+            logits = self._guarded(served, self.target.forward, [(s.slot, s.context) for s in call])
+            for i, (first, rows) in enumerate(zip(call, logits or [])):
+                for s in by_prompt[tuple(first.context)]:
+                    if s is not first:
+                        self.target.copy_prefix(first.slot, s.slot, len(s.context))
+                    self._share_features(s, i, len(s.context))
+                    self._guarded([s], self._first_token, s, rows[-1:])
 
     def _share_features(self, s: _Sequence, row: int, positions: int) -> None:
         """Keep the target's features of the first ``positions`` of its row for the sequence's feature draft."""
