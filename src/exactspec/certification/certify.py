@@ -5,8 +5,8 @@ Per sampling configuration:
 1. sample: ``sequences`` continuations of ``max_tokens`` tokens with the draft at a fixed gamma, through the
    server's batch engine (:mod:`exactspec.serving.batching`), each sequence seeded; every token is tagged with its
    position in its round and whether it was an accepted draft token or the round's replacement/bonus token;
-2. score: one plain target forward of each whole sequence gives the target's processed distribution at every
-   generated position (:func:`exactspec.sampling.block_probs` on the prefix of that position), and each token's
+2. score: a plain cache-free target forward of each whole sequence (the prompt's positions computed once for all
+   its sequences, :func:`shared_prompt_logits`) gives the target's processed distribution at every generated position (:func:`exactspec.sampling.block_probs` on the prefix of that position), and each token's
    randomized PIT value (:mod:`.pit`);
 3. test: uniformity (Kolmogorov-Smirnov) of all PIT values and of those at each position in the round, and a
    chi-square goodness of fit of the next token after every prefix seen often enough, per prefix depth
