@@ -76,3 +76,9 @@ def test_bounds_and_unreachable_servers_are_clear_errors(capsys):
                  "--requests", "2", "--json"])
     errors = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(errors) == 1 and errors[0].startswith("exactspec: error: http://127.0.0.1:9")
+
+
+def test_too_few_tokens_to_test_is_a_clear_error(pair, servers):
+    config = AuditConfig(servers["honest"], MODEL, configs=(CONFIG,), requests=2, max_tokens=4, extra_body=DRAFT)
+    with pytest.raises(RuntimeError, match="too few tokens to test"):
+        audit(pair, default_prompts(pair.tokenizer), config, progress=False)

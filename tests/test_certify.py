@@ -46,8 +46,9 @@ def test_bad_arguments_are_one_line_errors(capsys, tmp_path):
     empty = tmp_path / "prompts.txt"
     empty.write_text("\n")
     assert main(["certify", "--prompts-file", str(empty), "--output-dir", str(tmp_path)]) == 2
+    assert main(["certify", "--sequences", "2", "--max-tokens", "4", "--output-dir", str(tmp_path)]) == 2  # nothing to test
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 3 and all(line.startswith("exactspec: error:") for line in errors)
+    assert len(errors) == 4 and all(line.startswith("exactspec: error:") for line in errors)
     with pytest.raises(ValueError, match="mutants must be among"):
         CertifyConfig(mutants=("no_such_bug",))
 

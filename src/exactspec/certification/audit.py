@@ -28,7 +28,7 @@ import numpy as np
 from scipy import stats
 from tqdm import tqdm
 
-from exactspec.certification.certify import CONFIGS, ORDERS, precision_mode, run_tests, score_runs
+from exactspec.certification.certify import CONFIGS, MIN_TEST_TOKENS, ORDERS, precision_mode, run_tests, score_runs
 from exactspec.certification.pit import TestResult, holm, ks_critical_value
 from exactspec.loading import LoadedPair
 from exactspec.sampling import SamplingParams
@@ -120,7 +120,7 @@ def _two_sample(name: str, audited: dict, baseline: dict) -> list[TestResult]:
     for order in ORDERS:
         a, b = audited["pit"][order], baseline["pit"][order]
         a, b = a[~np.isnan(a)], b[~np.isnan(b)]
-        if len(a) >= 20 and len(b) >= 20:
+        if len(a) >= MIN_TEST_TOKENS and len(b) >= MIN_TEST_TOKENS:
             result = stats.ks_2samp(a, b)
             tests.append(TestResult(f"{name}: server vs baseline, {order} order, two-sample KS", len(a) + len(b),
                                     float(result.statistic), float(result.pvalue)))
@@ -146,6 +146,8 @@ def audit(pair: LoadedPair, prompts: list[list[int]], config: AuditConfig, progr
             tests += _two_sample(name, scored["endpoint"], scored["baseline"])
         per_config[name] = {role: int(len(s["position"])) for role, s in scored.items()}
     bar.close()
+    if not tests:
+        raise RuntimeError(f"the servers returned too few tokens to test (a test needs {MIN_TEST_TOKENS} per configuration); raise --requests or --max-tokens")
     tests = holm(tests, config.alpha)
     n = min(c["endpoint"] for c in per_config.values())
     detectable = ks_critical_value(n, config.alpha / len(tests))

@@ -43,7 +43,7 @@ from exactspec.peers import PEER_WORKLOADS
 from exactspec.tokenizer import TextTokenizer
 from exactspec.workloads import workload_prompts
 
-__all__ = ["CONFIGS", "CertifyConfig", "LocalSampler", "certify", "default_prompts", "drafting", "merge_scored", "precision_mode",
+__all__ = ["CONFIGS", "MIN_TEST_TOKENS", "CertifyConfig", "LocalSampler", "certify", "default_prompts", "drafting", "merge_scored", "precision_mode",
            "run_tests", "score_runs", "shared_prompt_logits"]
 
 CONFIGS = {
@@ -53,6 +53,7 @@ CONFIGS = {
     "T=1.2 min_p=0.05": SamplingParams(temperature=1.2, min_p=0.05),
     "penalties": SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
 }
+MIN_TEST_TOKENS = 20  # the fewest PIT values a uniformity test is run on
 PREFIX_DEPTH = 6  # deepest prefix whose next-token counts are tested
 MIN_PREFIX_COUNT = 30  # a prefix seen fewer times is left to the PIT tests
 #: The configuration each known-wrong engine is run with in the self-check: one where its bug changes the law
@@ -81,6 +82,8 @@ class CertifyConfig:
             raise ValueError(f"mutants must be among {', '.join(MUTANTS)}, got {', '.join(self.mutants)}")
         if self.sequences < 1 or self.max_tokens < 1 or self.gamma < 1 or self.slots < 1:
             raise ValueError("sequences, max_tokens, gamma and slots must be >= 1")
+        if self.sequences * self.max_tokens < MIN_TEST_TOKENS:
+            raise ValueError(f"sequences x max_tokens is {self.sequences * self.max_tokens}; a test needs at least {MIN_TEST_TOKENS} tokens")
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
 
@@ -220,8 +223,9 @@ def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed:
                 first_seen.append(None if key in seen else probs[depth].clone())
                 seen.add(key)
             heads.append((tuple(prompt), tuple(tokens[:PREFIX_DEPTH + 1]), first_seen))
-    return {"pit": {order: np.concatenate(v) for order, v in values.items()}, "position": np.concatenate(positions),
-            "kind": np.concatenate(kinds), "heads": heads}
+    joined = lambda parts: np.concatenate(parts) if parts else np.empty(0)  # noqa: E731 - no run produced a token
+    return {"pit": {order: joined(v) for order, v in values.items()}, "position": joined(positions),
+            "kind": joined(kinds), "heads": heads}
 
 
 def run_tests(name: str, scored: dict, gamma: int) -> list[TestResult]:
@@ -233,7 +237,7 @@ def run_tests(name: str, scored: dict, gamma: int) -> list[TestResult]:
         present = ~np.isnan(pit)
         subsets = [("all tokens", present)] + [(f"round position {k}", present & (position == k)) for k in range(gamma + 1)]
         for subset, chosen in subsets:
-            if chosen.sum() >= 20:
+            if chosen.sum() >= MIN_TEST_TOKENS:
                 tests.append(ks_uniform(f"{name}: {subset}, {order} order, KS", pit[chosen]))
                 tests.append(binned_uniform(f"{name}: {subset}, {order} order, tail bins", pit[chosen]))
     for depth in range(PREFIX_DEPTH + 1):
@@ -334,6 +338,8 @@ def certify(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, p
         tests += run_tests(name, scored, config.gamma)
         per_config[name] = {"tokens": int(len(scored["position"])), "pit": scored["pit"]["token id"].tolist(),
                             "acceptance_by_position": _acceptance(scored, config.gamma)}
+    if not tests:
+        raise ValueError(f"no configuration produced the {MIN_TEST_TOKENS} tokens a test needs (sequences ended early); raise --sequences")
     tests = holm(tests, config.alpha)
     sampled_tokens = sum(c["tokens"] for c in per_config.values())
     report = {
