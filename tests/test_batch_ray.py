@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,9 @@ def test_a_killed_worker_does_not_change_the_output(cluster):
     target, draft = default_pair_dirs()
     results = ray_results(PairSpec(str(target), str(draft), invariant=True), REQUESTS, CONFIG, workers=2, shard_size=2)
     collected = [next(results)]
-    pids = worker_pids()
+    deadline = time.monotonic() + 60
+    while len(pids := worker_pids()) < 2 and time.monotonic() < deadline:  # the second actor may still be starting
+        time.sleep(0.1)
     assert len(pids) == 2
     os.kill(pids[0], signal.SIGKILL)
     collected += list(results)
