@@ -35,6 +35,11 @@ def test_ragged_rows_equal_each_sequence_alone():
     assert torch.allclose(out[0], alone(model, prompts[3], [20, 21, 22, 23]), atol=1e-5)
     assert torch.allclose(out[1], alone(model, prompts[1], [24]), atol=1e-5)
     assert batched.lengths == [7, 2, 3, 6]
+    # every slot, out of order: the call reads them as consecutive slots
+    histories = [prompts[0], prompts[1] + [24], prompts[2], prompts[3] + [20, 21, 22, 23]]
+    rows = [(2, [30]), (0, [31, 32]), (3, [33]), (1, [34])]
+    for (slot, new), got in zip(rows, batched.forward(rows)):
+        assert torch.allclose(got, alone(model, histories[slot], new), atol=1e-5)
 
 
 def test_rollback_is_per_sequence_and_stale_keys_are_never_read():

@@ -24,8 +24,8 @@ def test_ragged_rows_with_rollbacks_equal_each_sequence_alone():
     solo = [FeatureDraftRunner(draft, 32) for _ in range(3)]
     schedule = [  # per call: (slot, roll back to, slots fed)
         [(0, 0, 5), (1, 0, 1), (2, 0, 3)],
-        [(0, 5, 1), (1, 1, 2), (2, 2, 4)],  # slot 2 drops its last slot: stale keys must not be read
-        [(0, 3, 2), (2, 6, 1)],
+        [(2, 2, 4), (0, 5, 1), (1, 1, 2)],  # slot 2 drops its last slot: stale keys must not be read
+        [(2, 6, 1), (0, 3, 2)],  # out of slot order, with a gap
     ]
     for call, rows in enumerate(schedule):
         fed = []
@@ -46,6 +46,23 @@ def test_invariant_mode_gives_each_row_the_solo_bits():
     (u, tokens), (u2, tokens2) = inputs(4, 0), inputs(2, 1)
     _, logits = batched.forward([(1, u2, tokens2), (0, u, tokens)])
     assert torch.equal(logits[1], solo.step(u, tokens)[1])
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["batched", "invariant"])
+def test_a_copied_prefix_continues_as_its_source_does(invariant):
+    """Slot 1 given slot 0's first 3 slots and fed 2 more gives what a solo runner fed those 5 gives."""
+    draft = tiny_draft(tiny_target())
+    batched, solo = BatchedFeatureDraft(draft, 3, 32, invariant=invariant), FeatureDraftRunner(draft, 32)
+    (u, tokens), (u2, tokens2) = inputs(5, 0), inputs(2, 1)
+    batched.forward([(0, u, tokens), (2, u2, tokens2)])
+    batched.copy_prefix(0, 1, 3)
+    _, logits = batched.forward([(1, u2, tokens2), (2, u2[:1], tokens2[:1])])
+    solo.step(u[:3], tokens[:3])
+    expected = solo.step(u2, tokens2)[1]
+    assert torch.equal(logits[0], expected) if invariant else torch.allclose(logits[0], expected, atol=1e-5)
+    assert batched.lengths == [5, 5, 3]
+    with pytest.raises(ValueError, match="copy 4 slots of draft slot 2"):
+        batched.copy_prefix(2, 0, 4)
 
 
 def test_bad_calls_are_refused():

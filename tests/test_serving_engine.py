@@ -22,6 +22,7 @@ from exactspec.loading import default_pair_dirs, load_pair
 from exactspec.models.batched import BatchedLean
 from exactspec.models.lean import LeanModel
 from exactspec.proposers import PromptLookupProposer
+from exactspec.sampling import block_probs
 from exactspec.serving.batching import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.serving.server import build_engine
 from exactspec.workloads import workload_prompts
@@ -77,9 +78,7 @@ def test_a_shared_prompt_is_prefilled_once_and_each_sequence_draws_as_alone(pair
     prefilled, and each seeded sequence equals the single-sequence decoder (invariant mode: bit for bit)."""
     invariant = load_pair(*default_pair_dirs(), backend="lean", dtype=torch.float32, invariant=True)
     engine = build_engine(invariant, slots=5, max_len=256, calibrated=False)
-    calls = []
-    forward = engine.target.forward
-    engine.target.forward = lambda rows: calls.extend(tuple(tokens) for _, tokens in rows) or forward(rows)
+    calls = recording_fed_rows(engine)
     params = SamplingParams(temperature=0.9)
     requests = [SequenceRequest(tuple(prompts[0 if i < 4 else 1]), params, 12, seed=i, speculation="draft") for i in range(5)]
     results = run(engine, requests)
@@ -89,6 +88,41 @@ def test_a_shared_prompt_is_prefilled_once_and_each_sequence_draws_as_alone(pair
             list(request.prompt), GenerationConfig(max_new_tokens=12, gamma=4, seed=request.seed))
         assert result["tokens"] == reference.tokens
     assert len({tuple(r["tokens"]) for r in results[:4]}) > 1
+
+
+def recording_fed_rows(engine: BatchEngine) -> list[tuple[int, ...]]:
+    """Every row the engine feeds its target, in order."""
+    calls, forward = [], engine.target.forward
+    engine.target.forward = lambda rows: calls.extend(tuple(tokens) for _, tokens in rows) or forward(rows)
+    return calls
+
+
+def test_a_prompt_an_active_sequence_shares_is_copied_from_its_cache(pair, prompts):
+    """Sequences joining while another runs: one whose prompt opens with 80 of its tokens feeds only the rest, one
+    with its whole prompt feeds only the last token (the positions before are copied from the running sequence's
+    cache); each seeded sequence equals the single-sequence decoder (invariant mode: bit for bit)."""
+    invariant = load_pair(*default_pair_dirs(), backend="lean", dtype=torch.float32, invariant=True)
+    engine = build_engine(invariant, slots=3, max_len=256, calibrated=False)
+    fed = recording_fed_rows(engine)
+    params = SamplingParams(temperature=0.9)
+    running = SequenceRequest(tuple(prompts[0]), params, 30, seed=0, speculation="draft")
+    joining = [SequenceRequest(tuple(prompts[0][:80] + prompts[1][:10]), params, 12, seed=1, speculation="draft"),
+               SequenceRequest(tuple(prompts[0]), params, 12, seed=2, speculation="draft")]
+    results = [{"tokens": []} for _ in range(3)]
+    results[0]["handle"] = engine.submit(running, lambda events: results[0]["tokens"].extend(e.token for e in events), lambda h: None)
+    engine.step()
+    engine.step()
+    fed.clear()
+    for result, request in zip(results[1:], joining):
+        result["handle"] = engine.submit(request, lambda events, r=result: r["tokens"].extend(e.token for e in events), lambda h: None)
+    engine.step()
+    assert sorted(fed[:2]) == sorted([tuple(prompts[1][:10]), tuple(prompts[0][-1:])])  # the admission's prefill
+    while any(r["handle"].finish_reason is None for r in results):
+        engine.step()
+    for request, result in zip([running, *joining], results):
+        reference = SpeculativeDecoder(invariant.target, invariant.draft, params).generate(
+            list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens, gamma=4, seed=request.seed))
+        assert result["tokens"] == reference.tokens
 
 
 def test_a_failing_sequence_ends_with_an_error_and_the_others_finish(pair, prompts, monkeypatch):
@@ -213,6 +247,68 @@ def test_in_invariant_mode_batched_sequences_are_bit_identical_to_solo_runs(prom
         reference = SpeculativeDecoder(invariant.target, proposer, request.params).generate(
             list(request.prompt), GenerationConfig(max_new_tokens=24, gamma=0 if proposer is None else 4, seed=request.seed))
         assert result["tokens"] == reference.tokens
+
+
+def same_q_as_the_engine(solo_probs, engine_q: dict):
+    """Wrap a solo proposer's q: each must equal, bit for bit, the engine's q after the same prefix."""
+    def probs(subset_logits, prefix):
+        q = solo_probs(subset_logits, prefix)
+        assert torch.equal(q, engine_q[tuple(prefix)]), f"the engine's q after {prefix} differs"
+        return q
+    return probs
+
+
+def test_a_feature_draft_copies_the_slots_a_shared_prompt_built():
+    """A sequence joining while another runs, its prompt opening with 6 of the other's tokens, gets 5 positions of
+    the target's cache and 5 slots of the feature draft copied (a slot reads the next token, so one fewer), and
+    feeds the other 2; its tokens and every draft q equal the single-sequence decoder's, and each token's
+    log-probability equals that of a fresh forward of prompt and tokens (invariant mode: bit for bit)."""
+    from exactspec.models.batched_feature_draft import BatchedFeatureDraft
+    from exactspec.models.eagle import FeatureDraftRunner
+    from exactspec.proposers.feature_draft import FeatureDraftProposer
+    from test_feature_draft import tiny_draft
+
+    decoder = tiny_target(3)
+    draft = tiny_draft(decoder)
+    target = LeanModel(decoder, invariant=True)
+    batched = BatchedLean.like(target, 2, 32)
+    batched.capture_features(draft.cfg.feature_layers)
+    engine = BatchEngine(batched, None, EngineConfig(gamma=3), feature_draft=BatchedFeatureDraft(draft, 2, 32, invariant=True))
+    fed = recording_fed_rows(engine)
+    draft_q = {}  # prefix -> the q the engine drew a draft token from after it
+    engine_probs = engine._draft_probs
+
+    def recorded(logits, prefix, *rest):
+        q, reported = engine_probs(logits, prefix, *rest)
+        draft_q[tuple(prefix)] = q
+        return q, reported
+
+    engine._draft_probs = recorded
+    params = SamplingParams(temperature=1.0)
+    requests = [SequenceRequest((1, 2, 3, 0, 1, 2, 3, 0), params, 12, seed=5, speculation="draft"),
+                SequenceRequest((1, 2, 3, 0, 1, 2, 0), params, 8, seed=6, speculation="draft", top_logprobs=0)]
+    results = [{"tokens": [], "logprobs": []} for _ in requests]
+    for i, (result, request) in enumerate(zip(results, requests)):
+        result["handle"] = engine.submit(request, lambda events, r=result: (r["tokens"].extend(e.token for e in events),
+                                                                            r["logprobs"].extend(e.logprob for e in events)), lambda h: None)
+        if i == 0:
+            engine.step()
+            engine.step()
+            fed.clear()
+    engine.step()
+    assert fed[0] == (2, 0)
+    while any(r["handle"].finish_reason is None for r in results):
+        engine.step()
+    for request, result in zip(requests, results):
+        solo = FeatureDraftProposer(FeatureDraftRunner(draft, 32), VOCAB, request.params)
+        solo._probs = same_q_as_the_engine(solo._probs, draft_q)
+        target.capture_features(draft.cfg.feature_layers)
+        reference = SpeculativeDecoder(target, solo, request.params).generate(
+            list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens, gamma=3, seed=request.seed))
+        assert result["tokens"] == reference.tokens
+    prompt, tokens = list(requests[1].prompt), results[1]["tokens"]
+    fresh = block_probs(LeanModel(decoder, invariant=True).prefill(prompt + tokens[:-1])[len(prompt) - 1 :], prompt, tokens, len(prompt), params)
+    assert results[1]["logprobs"] == fresh[torch.arange(len(tokens)), tokens].log().tolist()
 
 
 def test_a_feature_draft_in_a_batch_draws_what_it_draws_alone():

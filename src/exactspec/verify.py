@@ -95,15 +95,16 @@ def check_distribution(probs: torch.Tensor, name: str) -> torch.Tensor:
     if probs.shape[-1] == 0:
         raise ValueError(f"{name} has an empty vocabulary dimension")
     probs = probs.to(torch.float64)
+    # One pass for the minimum (NaN propagates through it) and one for the row sums (an inf makes one inf or NaN);
+    # the slower element-wise checks below only run to name what is wrong.
+    sums = probs.sum(-1)
+    if probs.numel() == 0 or (bool(probs.min() >= 0) and bool(((sums - 1).abs() <= NORMALIZATION_TOLERANCE).all())):
+        return probs
     if not torch.isfinite(probs).all():
         raise ValueError(f"{name} contains NaN or infinite values")
     if (probs < 0).any():
         raise ValueError(f"{name} contains negative probabilities")
-    sums = probs.sum(-1)
-    worst = (sums - 1).abs().max()
-    if worst > NORMALIZATION_TOLERANCE:
-        raise ValueError(f"{name} is not normalised: a row sums to {float(sums.flatten()[(sums - 1).abs().flatten().argmax()]):.6g}")
-    return probs
+    raise ValueError(f"{name} is not normalised: a row sums to {float(sums.flatten()[(sums - 1).abs().flatten().argmax()]):.6g}")
 
 
 def _check_block(draft_tokens: torch.Tensor, target_probs: torch.Tensor) -> tuple[int, int, int]:
@@ -293,18 +294,28 @@ def verify_with_uniforms(
     accepted = accept_uniforms < p_of_draft / q_of_draft  # (B, gamma)
     num_accepted = accepted.long().cumprod(-1).sum(-1)  # (B,) length of the accepted prefix
     rows = torch.arange(batch)
-    p_at_stop = p[rows, num_accepted]  # (B, V): p_n, or the bonus distribution when n == gamma
-    q_padded = torch.cat([q, torch.zeros_like(p[:, :1])], dim=1)  # (B, gamma + 1, V); bonus: q = 0
-    correction = (p_at_stop - q_padded[rows, num_accepted]).clamp(min=0)  # (B, V) unnormalised residual
+    p_at_stop = _rows_at(p, num_accepted)  # (B, V): p_n, or the bonus distribution when n == gamma
+    correction = p_at_stop
+    if gamma:  # q_n at a rejection; q = 0 at the bonus position
+        rejected = (num_accepted < gamma).to(torch.float64).unsqueeze(-1)  # (B, 1)
+        correction = (p_at_stop - rejected * _rows_at(q, num_accepted.clamp(max=gamma - 1))).clamp(min=0)
     # A rejection with zero residual mass can only come from rounding (p, q equal up to 1e-16):
     # fall back to p there rather than dividing by zero.
-    correction = torch.where(correction.sum(-1, keepdim=True) > 0, correction, p_at_stop)
+    no_mass = correction.sum(-1, keepdim=True) <= 0  # (B, 1)
+    if no_mass.any():
+        correction = torch.where(no_mass, p_at_stop, correction)
     final = sample_from(correction, sample_uniforms)  # (B,)
     out = torch.full((batch, gamma + 1), -1, dtype=torch.int64)
     positions = torch.arange(gamma + 1).unsqueeze(0)  # (1, gamma + 1)
     out[:, :gamma] = torch.where(positions[:, :gamma] < num_accepted.unsqueeze(-1), tokens, -1)
     out[rows, num_accepted] = final
     return VerifyResult(num_accepted=num_accepted, tokens=out)
+
+
+def _rows_at(probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # probs (B, n, V), positions (B,)
+    """Row ``positions[b]`` of each batch element ``b``: ``(B, V)`` (an index_select, cheaper than fancy indexing)."""
+    batch, n, vocab = probs.shape
+    return probs.reshape(batch * n, vocab).index_select(0, torch.arange(batch) * n + positions)
 
 
 def verify_greedy(

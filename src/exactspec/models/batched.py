@@ -110,12 +110,16 @@ class BatchedLean:
             out = [self._forward_alone(slot, tokens) for slot, tokens in zip(slots, ids)]
             self.last_features = [self._solo[slot].last_features for slot in slots] if self.feature_layers else []
             return out
+        order = sorted(range(len(rows)), key=slots.__getitem__)  # by slot: consecutive slots read the cache as a view
         with torch.inference_mode():
-            logits, features = self._forward(slots, ids, width)
-        self.last_features = [features[b, :t] for b, t in enumerate(lengths)] if features is not None else []
+            logits, features = self._forward([slots[i] for i in order], [ids[i] for i in order], width)
+        place = [0] * len(rows)  # row i of the call is row place[i] of the outputs
+        for b, i in enumerate(order):
+            place[i] = b
+        self.last_features = [features[place[i], :t] for i, t in enumerate(lengths)] if features is not None else []
         for slot, t in zip(slots, lengths):
             self.lengths[slot] += t
-        return [logits[b, :t, : self.vocab_size].float().cpu() for b, t in enumerate(lengths)]
+        return [logits[place[i], :t, : self.vocab_size].float().cpu() for i, t in enumerate(lengths)]
 
     def _forward_alone(self, slot: int, tokens: list[int]) -> torch.Tensor:  # (t, V)
         model = self._solo[slot]

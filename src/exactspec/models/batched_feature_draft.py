@@ -45,6 +45,21 @@ class BatchedFeatureDraft:
             raise ValueError(f"cannot roll draft slot {slot} back to {length} (it holds {self.lengths[slot]})")
         self.lengths[slot] = length
 
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Give ``slot`` the first ``length`` slots of ``source`` (copied): a prompt sequences share is drafted once."""
+        if not 0 <= length <= self.lengths[source]:
+            raise ValueError(f"cannot copy {length} slots of draft slot {source} (it holds {self.lengths[source]})")
+        with torch.inference_mode():
+            if self._solo is not None:
+                src, dst = self._solo[source], self._solo[slot]
+                dst._k[:, :, :length] = src._k[:, :, :length]  # (1, nkv, len, hd)
+                dst._v[:, :, :length] = src._v[:, :, :length]
+                dst.length = length
+            else:
+                self._k[slot, :length] = self._k[source, :length]  # (S, len, nkv, hd)
+                self._v[slot, :length] = self._v[source, :length]
+        self.lengths[slot] = length
+
     def project(self, features: torch.Tensor) -> torch.Tensor:  # (n, F) the target's features -> (n, C) inputs
         with torch.inference_mode():
             return self.draft.fc(features.to(device=self.device, dtype=self.dtype))
@@ -69,8 +84,10 @@ class BatchedFeatureDraft:
                 if len(tokens) > MAX_BLOCK:
                     self.forward([(slot, u[:-1], tokens[:-1])])
                     rows[i] = (slot, u[-1:], tokens[-1:])
+        order = sorted(range(len(rows)), key=lambda i: rows[i][0])  # by slot: consecutive slots read the cache as a view
         with torch.inference_mode():
-            g = self._forward(slots, [u for _, u, _ in rows], [list(t) for _, _, t in rows])
+            g = self._forward([rows[i][0] for i in order], [rows[i][1] for i in order], [list(rows[i][2]) for i in order])
+            g = g[torch.argsort(torch.tensor(order, device=self.device))]  # back to the rows' order
             return g, self.draft.logits(g).float()
 
     def _alone(self, slot: int, u: torch.Tensor, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +112,11 @@ class BatchedFeatureDraft:
         q, k, v = block._qkv(x, self._cos[positions], self._sin[positions])  # (B, nh, T, hd), (B, nkv, T, hd) x 2
         self._k[index[:, None], positions] = k.transpose(1, 2).to(self._k.dtype)
         self._v[index[:, None], positions] = v.transpose(1, 2).to(self._v.dtype)
-        keys, values = self._k[index, :end].transpose(1, 2), self._v[index, :end].transpose(1, 2)  # (B, nkv, end, hd)
+        if slots == list(range(slots[0], slots[0] + len(slots))):  # a view, no copy
+            keys, values = self._k[slots[0] : slots[0] + len(slots), :end], self._v[slots[0] : slots[0] + len(slots), :end]
+        else:
+            keys, values = self._k[index, :end], self._v[index, :end]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (B, nkv, end, hd)
         y = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=ragged_causal_mask(positions, end),
                                            enable_gqa=block.n_kv != block.n_head)
         g = block._finish(x, y.to(x.dtype))  # (B, T, C)

@@ -3,8 +3,10 @@
 Sequences join a running batch as slots free up and leave when they finish or are cancelled. One
 :meth:`BatchEngine.step`:
 
-1. admits waiting sequences: each prompt is prefilled into its slot (a prompt several of them share, such as a
-   request's n choices, once, then copied) and each sequence's first token drawn;
+1. admits waiting sequences: each prompt is prefilled into its slot and each sequence's first token drawn. A prompt
+   several of them share (a request's n choices) is prefilled once and copied; the longest opening of a prompt
+   that a running sequence's cache holds (a shared system prompt, another choice of the same request) is copied
+   from that cache, and only the rest is fed;
 2. chooses each sequence's gamma (its speculation mode; ``auto`` from the batch policy, :mod:`.policy`);
 3. drafts: prompt lookup per sequence, and the draft (a draft model, or a trained feature-level draft fed the
    target's features from step 4 of earlier rounds) for all drafting sequences together, one batched draft call
@@ -205,7 +207,8 @@ class BatchEngine:
 
     def _admit(self) -> None:
         """Take waiting sequences into free slots and prefill them: short prompts together in one call, a prompt
-        several of them share once (copied into the others' slots)."""
+        several of them share once (copied into the others' slots), after what a running sequence already holds
+        (:meth:`_reuse_prefix`)."""
         admitted = []
         while self._free:
             with self._lock:
@@ -227,22 +230,49 @@ class BatchEngine:
                                  source, fixed_gamma=request.speculation != "auto" or request.seed is not None)
             self._active.append(sequence)
             admitted.append(sequence)
-        by_prompt: dict[tuple[int, ...], list[_Sequence]] = {}  # the sequences of one prompt: the first prefills it
+        by_prompt: dict[tuple, list[_Sequence]] = {}  # the sequences of one prompt and source: the first prefills it
         for s in admitted:
-            by_prompt.setdefault(tuple(s.context), []).append(s)
+            by_prompt.setdefault((tuple(s.context), s.source), []).append(s)
         firsts = [group[0] for group in by_prompt.values()]
-        short = [s for s in firsts if len(s.context) <= MAX_BLOCK]
-        for call in [short] * bool(short) + [[s] for s in firsts if len(s.context) > MAX_BLOCK]:
-            for s in call:
-                self.target.rollback(s.slot, 0)
-            served = [s for first in call for s in by_prompt[tuple(first.context)]]
-            logits = self._guarded(served, self.target.forward, [(s.slot, s.context) for s in call])
+        donors = [s for s in self._active if s not in admitted]
+        reused = {s.slot: self._reuse_prefix(s, donors) for s in firsts}
+        feeds = {s.slot: s.context[reused[s.slot] :] for s in firsts}
+        short = [s for s in firsts if len(feeds[s.slot]) <= MAX_BLOCK]
+        for call in [short] * bool(short) + [[s] for s in firsts if len(feeds[s.slot]) > MAX_BLOCK]:
+            served = [s for first in call for s in by_prompt[tuple(first.context), first.source]]
+            logits = self._guarded(served, self.target.forward, [(s.slot, feeds[s.slot]) for s in call])
             for i, (first, rows) in enumerate(zip(call, logits or [])):
-                for s in by_prompt[tuple(first.context)]:
+                for s in by_prompt[tuple(first.context), first.source]:
                     if s is not first:
                         self.target.copy_prefix(first.slot, s.slot, len(s.context))
-                    self._share_features(s, i, len(s.context))
+                        self._copy_draft_prefix(first, s, reused[first.slot])
+                    self._share_features(s, i, len(feeds[first.slot]))
                     self._guarded([s], self._first_token, s, rows[-1:])
+
+    def _reuse_prefix(self, s: _Sequence, donors: list[_Sequence]) -> int:
+        """Copy into ``s``'s slot the longest leading part of its prompt that an active sequence's target cache
+        holds (and, for a feature draft, its draft cache: slot j reads token j + 1, so one position fewer); keep at
+        least the prompt's last token to feed, whose logits draw the first token. Returns the positions copied."""
+        best, donor = 0, None
+        feature_drafting = self.feature_draft is not None and s.source == "draft"
+        for other in donors:
+            shared = _common_prefix(other.context[: self.target.lengths[other.slot]], s.context[:-1])
+            if feature_drafting:
+                shared = min(shared - 1, other.draft_slots) if other.source == "draft" else 0
+            if shared > best:
+                best, donor = shared, other
+        if donor is None:
+            self.target.rollback(s.slot, 0)
+            return 0
+        self.target.copy_prefix(donor.slot, s.slot, best)
+        self._copy_draft_prefix(donor, s, best)
+        return best
+
+    def _copy_draft_prefix(self, source: _Sequence, s: _Sequence, length: int) -> None:
+        """A feature draft's first ``length`` slots, built from target features the two sequences share."""
+        if self.feature_draft is not None and s.source == "draft" and length:
+            self.feature_draft.copy_prefix(source.slot, s.slot, length)
+            s.draft_slots = s.features_known = length
 
     def _share_features(self, s: _Sequence, row: int, positions: int) -> None:
         """Keep the target's features of the first ``positions`` of its row for the sequence's feature draft."""
@@ -466,6 +496,16 @@ class BatchEngine:
             for s in sequences:
                 self._finish(s, "error", message)
             return None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def calibrate(engine: BatchEngine, repeats: int = 2) -> None:
