@@ -16,9 +16,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from .batched import MAX_BLOCK, ragged_causal_mask
+from .batched import MAX_BLOCK, grouped_attention, ragged_causal_mask
 from .eagle import FeatureDraft, FeatureDraftRunner
 from .lean import cache_dtype
 
@@ -117,8 +116,7 @@ class BatchedFeatureDraft:
         else:
             keys, values = self._k[index, :end], self._v[index, :end]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (B, nkv, end, hd)
-        y = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=ragged_causal_mask(positions, end),
-                                           enable_gqa=block.n_kv != block.n_head)
+        y = grouped_attention(q.to(keys.dtype), keys, values, ragged_causal_mask(positions, end))  # (B, nh, T, hd)
         g = block._finish(x, y.to(x.dtype))  # (B, T, C)
         for slot, t in zip(slots, lengths):
             self.lengths[slot] += t
