@@ -50,6 +50,13 @@ def run(engine: BatchEngine, requests: list[SequenceRequest]) -> list[dict]:
     return results
 
 
+def recording_fed_rows(engine: BatchEngine) -> list[tuple[int, ...]]:
+    """Every row the engine feeds its target, in order."""
+    calls, forward = [], engine.target.forward
+    engine.target.forward = lambda rows: calls.extend(tuple(tokens) for _, tokens in rows) or forward(rows)
+    return calls
+
+
 def test_greedy_in_a_mixed_batch_equals_plain_decoding_alone(pair, prompts):
     engine = build_engine(pair, slots=4, max_len=256, calibrated=True)
     modes = ["off", "draft", "lookup", "auto", "draft", "auto"]
@@ -88,13 +95,6 @@ def test_a_shared_prompt_is_prefilled_once_and_each_sequence_draws_as_alone(pair
             list(request.prompt), GenerationConfig(max_new_tokens=12, gamma=4, seed=request.seed))
         assert result["tokens"] == reference.tokens
     assert len({tuple(r["tokens"]) for r in results[:4]}) > 1
-
-
-def recording_fed_rows(engine: BatchEngine) -> list[tuple[int, ...]]:
-    """Every row the engine feeds its target, in order."""
-    calls, forward = [], engine.target.forward
-    engine.target.forward = lambda rows: calls.extend(tuple(tokens) for _, tokens in rows) or forward(rows)
-    return calls
 
 
 def test_a_prompt_an_active_sequence_shares_is_copied_from_its_cache(pair, prompts):
@@ -169,16 +169,32 @@ def tiny_engine(slots: int = 4) -> BatchEngine:
     return BatchEngine(BatchedLean.like(target, slots, 32), BatchedLean.like(draft, slots, 32), EngineConfig(gamma=3))
 
 
-def tiny_feature_engine(engine_class: type[BatchEngine] = BatchEngine, slots: int = 4) -> BatchEngine:
+def tiny_feature_engine(engine_class: type[BatchEngine] = BatchEngine, slots: int = 4, invariant: bool = False) -> BatchEngine:
     """The tiny target with a trained-style feature-level draft (random weights, a vocabulary subset), batched."""
     from exactspec.models.batched_feature_draft import BatchedFeatureDraft
     from test_feature_draft import tiny_draft
 
     decoder = tiny_target(3)
-    batched = BatchedLean.like(LeanModel(decoder), slots, 32)
+    batched = BatchedLean.like(LeanModel(decoder, invariant=invariant), slots, 32)
     draft = tiny_draft(decoder)
     batched.capture_features(draft.cfg.feature_layers)
-    return engine_class(batched, None, EngineConfig(gamma=3), feature_draft=BatchedFeatureDraft(draft, slots, 32))
+    return engine_class(batched, None, EngineConfig(gamma=3), feature_draft=BatchedFeatureDraft(draft, slots, 32, invariant=invariant))
+
+
+def solo_feature_decode(engine: BatchEngine, request: SequenceRequest, draft_probs=None) -> list[int]:
+    """What the single-sequence decoder draws with the engine's target (invariant mode) and feature draft, the
+    request's seed and gamma 3; ``draft_probs`` wraps its proposer's q."""
+    from exactspec.models.eagle import FeatureDraftRunner
+    from exactspec.proposers.feature_draft import FeatureDraftProposer
+
+    draft = engine.feature_draft.draft
+    target = LeanModel(engine.target.decoder, invariant=True)
+    target.capture_features(draft.cfg.feature_layers)
+    solo = FeatureDraftProposer(FeatureDraftRunner(draft, 32), VOCAB, request.params)
+    if draft_probs is not None:
+        solo._probs = draft_probs(solo._probs)
+    return SpeculativeDecoder(target, solo, request.params).generate(
+        list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens, gamma=3, seed=request.seed)).tokens
 
 
 def law_counts(engine: BatchEngine, params: SamplingParams = SamplingParams()) -> dict[tuple[int, ...], int]:
@@ -249,13 +265,15 @@ def test_in_invariant_mode_batched_sequences_are_bit_identical_to_solo_runs(prom
         assert result["tokens"] == reference.tokens
 
 
-def same_q_as_the_engine(solo_probs, engine_q: dict):
-    """Wrap a solo proposer's q: each must equal, bit for bit, the engine's q after the same prefix."""
-    def probs(subset_logits, prefix):
-        q = solo_probs(subset_logits, prefix)
-        assert torch.equal(q, engine_q[tuple(prefix)]), f"the engine's q after {prefix} differs"
-        return q
-    return probs
+def same_q_as_the_engine(engine_q: dict):
+    """Wraps a solo proposer's q: each must equal, bit for bit, the engine's q after the same prefix."""
+    def wrap(solo_probs):
+        def probs(subset_logits, prefix):
+            q = solo_probs(subset_logits, prefix)
+            assert torch.equal(q, engine_q[tuple(prefix)]), f"the engine's q after {prefix} differs"
+            return q
+        return probs
+    return wrap
 
 
 def test_a_feature_draft_copies_the_slots_a_shared_prompt_built():
@@ -263,17 +281,7 @@ def test_a_feature_draft_copies_the_slots_a_shared_prompt_built():
     the target's cache and 5 slots of the feature draft copied (a slot reads the next token, so one fewer), and
     feeds the other 2; its tokens and every draft q equal the single-sequence decoder's, and each token's
     log-probability equals that of a fresh forward of prompt and tokens (invariant mode: bit for bit)."""
-    from exactspec.models.batched_feature_draft import BatchedFeatureDraft
-    from exactspec.models.eagle import FeatureDraftRunner
-    from exactspec.proposers.feature_draft import FeatureDraftProposer
-    from test_feature_draft import tiny_draft
-
-    decoder = tiny_target(3)
-    draft = tiny_draft(decoder)
-    target = LeanModel(decoder, invariant=True)
-    batched = BatchedLean.like(target, 2, 32)
-    batched.capture_features(draft.cfg.feature_layers)
-    engine = BatchEngine(batched, None, EngineConfig(gamma=3), feature_draft=BatchedFeatureDraft(draft, 2, 32, invariant=True))
+    engine = tiny_feature_engine(slots=2, invariant=True)
     fed = recording_fed_rows(engine)
     draft_q = {}  # prefix -> the q the engine drew a draft token from after it
     engine_probs = engine._draft_probs
@@ -300,14 +308,10 @@ def test_a_feature_draft_copies_the_slots_a_shared_prompt_built():
     while any(r["handle"].finish_reason is None for r in results):
         engine.step()
     for request, result in zip(requests, results):
-        solo = FeatureDraftProposer(FeatureDraftRunner(draft, 32), VOCAB, request.params)
-        solo._probs = same_q_as_the_engine(solo._probs, draft_q)
-        target.capture_features(draft.cfg.feature_layers)
-        reference = SpeculativeDecoder(target, solo, request.params).generate(
-            list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens, gamma=3, seed=request.seed))
-        assert result["tokens"] == reference.tokens
+        assert result["tokens"] == solo_feature_decode(engine, request, same_q_as_the_engine(draft_q))
     prompt, tokens = list(requests[1].prompt), results[1]["tokens"]
-    fresh = block_probs(LeanModel(decoder, invariant=True).prefill(prompt + tokens[:-1])[len(prompt) - 1 :], prompt, tokens, len(prompt), params)
+    fresh = LeanModel(engine.target.decoder, invariant=True).prefill(prompt + tokens[:-1])[len(prompt) - 1 :]
+    fresh = block_probs(fresh, prompt, tokens, len(prompt), params)
     assert results[1]["logprobs"] == fresh[torch.arange(len(tokens)), tokens].log().tolist()
 
 
@@ -315,24 +319,10 @@ def test_a_feature_draft_in_a_batch_draws_what_it_draws_alone():
     """A trained feature-level draft batched over the sequences, fed the target's features from the batched calls:
     each seeded sequence equals the single-sequence decoder with the same draft, seed and gamma (invariant mode, so
     bit for bit); with that decoder's law G-tested in test_feature_draft.py, the batch keeps the law."""
-    from exactspec.models.batched_feature_draft import BatchedFeatureDraft
-    from exactspec.models.eagle import FeatureDraftRunner
-    from exactspec.proposers.feature_draft import FeatureDraftProposer
-    from test_feature_draft import tiny_draft
-
-    decoder = tiny_target(3)
-    draft = tiny_draft(decoder)
-    target = LeanModel(decoder, invariant=True)
-    batched = BatchedLean.like(target, 3, 32)
-    batched.capture_features(draft.cfg.feature_layers)
-    engine = BatchEngine(batched, None, EngineConfig(gamma=3), feature_draft=BatchedFeatureDraft(draft, 3, 32, invariant=True))
+    engine = tiny_feature_engine(slots=3, invariant=True)
     requests = [SequenceRequest(prompt, SamplingParams(temperature=t), 8, seed=seed, speculation="draft")
                 for seed, (prompt, t) in enumerate([((1, 2), 1.0), ((3, 0, 1), 0.7), ((2,), 1.0), ((0, 1), 1.3), ((1, 1, 2), 1.0)])]
     results = run(engine, requests)
     assert sum(r["handle"].drafted for r in results) > 0
     for request, result in zip(requests, results):
-        solo = FeatureDraftProposer(FeatureDraftRunner(draft, 32), VOCAB, request.params)
-        target.capture_features(draft.cfg.feature_layers)
-        reference = SpeculativeDecoder(target, solo, request.params).generate(
-            list(request.prompt), GenerationConfig(max_new_tokens=8, gamma=3, seed=request.seed))
-        assert result["tokens"] == reference.tokens
+        assert result["tokens"] == solo_feature_decode(engine, request)
