@@ -6,7 +6,7 @@ Sequences join a running batch as slots free up and leave when they finish or ar
 1. admits waiting sequences: each prompt is prefilled into its slot and each sequence's first token drawn. A prompt
    several of them share (a request's n choices) is prefilled once and copied; the longest opening of a prompt
    that a running sequence's cache holds (a shared system prompt, another choice of the same request) is copied
-   from that cache, and only the rest is fed;
+   from that cache, and only the rest is fed: in step 4's call when it is at most gamma + 1 tokens;
 2. chooses each sequence's gamma (its speculation mode; ``auto`` from the batch policy, :mod:`.policy`);
 3. drafts: prompt lookup per sequence, and the draft (a draft model, or a trained feature-level draft fed the
    target's features from step 4 of earlier rounds) for all drafting sequences together, one batched draft call
@@ -157,6 +157,7 @@ class BatchEngine:
         self._waiting: collections.deque[SequenceHandle] = collections.deque()
         self._active: list[_Sequence] = []
         self._free = list(range(target.slots))
+        self._joining: list[tuple[list[_Sequence], list[int]]] = []  # admitted sequences of one prompt, the tokens to feed
         self._lock = threading.Condition()
 
     # -- the caller's side (any thread) ---------------------------------------------------
@@ -201,14 +202,16 @@ class BatchEngine:
         if not self._active:
             return
         self.metrics.steps += 1
-        gammas = self._gammas()
-        drafts = self._draft(gammas)
-        self._verify(drafts)
+        joining = {id(s) for group, _ in self._joining for s in group}
+        ready = [s for s in self._active if id(s) not in joining]
+        gammas = self._gammas(ready)
+        drafts = self._draft(ready, gammas)
+        self._verify(ready, drafts)
 
     def _admit(self) -> None:
         """Take waiting sequences into free slots and prefill them: short prompts together in one call, a prompt
         several of them share once (copied into the others' slots), after what a running sequence already holds
-        (:meth:`_reuse_prefix`)."""
+        (:meth:`_reuse_prefix`); a rest of at most gamma + 1 tokens is left to this step's verification call."""
         admitted = []
         while self._free:
             with self._lock:
@@ -233,21 +236,25 @@ class BatchEngine:
         by_prompt: dict[tuple, list[_Sequence]] = {}  # the sequences of one prompt and source: the first prefills it
         for s in admitted:
             by_prompt.setdefault((tuple(s.context), s.source), []).append(s)
-        firsts = [group[0] for group in by_prompt.values()]
         donors = [s for s in self._active if s not in admitted]
-        reused = {s.slot: self._reuse_prefix(s, donors) for s in firsts}
-        feeds = {s.slot: s.context[reused[s.slot] :] for s in firsts}
-        short = [s for s in firsts if len(feeds[s.slot]) <= MAX_BLOCK]
-        for call in [short] * bool(short) + [[s] for s in firsts if len(feeds[s.slot]) > MAX_BLOCK]:
-            served = [s for first in call for s in by_prompt[tuple(first.context), first.source]]
-            logits = self._guarded(served, self.target.forward, [(s.slot, feeds[s.slot]) for s in call])
-            for i, (first, rows) in enumerate(zip(call, logits or [])):
-                for s in by_prompt[tuple(first.context), first.source]:
-                    if s is not first:
-                        self.target.copy_prefix(first.slot, s.slot, len(s.context))
-                        self._copy_draft_prefix(first, s, reused[first.slot])
-                    self._share_features(s, i, len(feeds[first.slot]))
-                    self._guarded([s], self._first_token, s, rows[-1:])
+        groups = [(group, group[0].context[self._reuse_prefix(group[0], donors) :]) for group in by_prompt.values()]
+        self._joining = [(group, feed) for group, feed in groups if len(feed) <= 1 + self.config.gamma]  # see _verify
+        short = [(group, feed) for group, feed in groups if 1 + self.config.gamma < len(feed) <= MAX_BLOCK]
+        for call in [short] * bool(short) + [[(group, feed)] for group, feed in groups if len(feed) > MAX_BLOCK]:
+            logits = self._guarded([s for group, _ in call for s in group], self.target.forward, [(group[0].slot, feed) for group, feed in call])
+            for i, ((group, feed), rows) in enumerate(zip(call, logits or [])):
+                self._joined(group, feed, i, rows)
+
+    def _joined(self, group: list[_Sequence], feed: list[int], row: int, logits: torch.Tensor) -> None:
+        """After the call that fed the rest of the first sequence's prompt (row ``row``, logits ``(len(feed), V)``):
+        the others of the group copy its cache, and each draws its first token."""
+        first = group[0]
+        for s in group:
+            if s is not first:
+                self.target.copy_prefix(first.slot, s.slot, len(s.context))
+                self._copy_draft_prefix(first, s, len(s.context) - len(feed))
+            self._share_features(s, row, len(feed))
+            self._guarded([s], self._first_token, s, logits[-1:])
 
     def _reuse_prefix(self, s: _Sequence, donors: list[_Sequence]) -> int:
         """Copy into ``s``'s slot the longest leading part of its prompt that an active sequence's target cache
@@ -286,10 +293,10 @@ class BatchEngine:
         result = verify_block(sequence.request.params, torch.empty((1, 0), dtype=torch.int64), None, p, sequence.generator)
         self._commit(sequence, result.committed(), p[0], accepted=0, drafted=0)
 
-    def _gammas(self) -> dict[int, int]:
+    def _gammas(self, sequences: list[_Sequence]) -> dict[int, int]:
         """slot -> gamma of this step, never past a sequence's budget."""
-        auto = [s for s in self._active if not s.fixed_gamma and s.source != "off"]
-        fixed = [(s.source, 0 if s.source == "off" else self.config.gamma) for s in self._active if s not in auto]
+        auto = [s for s in sequences if not s.fixed_gamma and s.source != "off"]
+        fixed = [(s.source, 0 if s.source == "off" else self.config.gamma) for s in sequences if s not in auto]
         fixed_rows = sum(1 + gamma for _, gamma in fixed)
         fixed_tokens = sum(self.policy.expected_tokens(source, gamma) for source, gamma in fixed)
         auto_gamma = self.policy.choose([s.source for s in auto], fixed_rows, fixed_tokens) if auto else 0
@@ -297,19 +304,19 @@ class BatchEngine:
             self.metrics.speculation_on += auto_gamma > 0
             self.metrics.speculation_off += auto_gamma == 0
         gammas = {}
-        for s in self._active:
+        for s in sequences:
             gamma = 0 if s.source == "off" else (self.config.gamma if s.fixed_gamma else auto_gamma)
             gammas[s.slot] = max(0, min(gamma, s.request.max_tokens - s.handle.generated - 1))
         return gammas
 
-    def _draft(self, gammas: dict[int, int]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
+    def _draft(self, sequences: list[_Sequence], gammas: dict[int, int]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
         """slot -> (draft tokens, their q rows (g, V) or None for point masses)."""
-        drafts = {s.slot: ([], None) for s in self._active}
+        drafts = {s.slot: ([], None) for s in sequences}
         lo, hi = self.config.lookup_ngram
-        for s in self._active:
+        for s in sequences:
             if s.source == "lookup" and gammas[s.slot] > 0:
                 drafts[s.slot] = (find_continuation(s.context, gammas[s.slot], lo, hi), None)
-        drafting = [s for s in self._active if s.source == "draft" and gammas[s.slot] > 0]
+        drafting = [s for s in sequences if s.source == "draft" and gammas[s.slot] > 0]
         if drafting:
             self._guarded(drafting, self._draft_batched, drafting, gammas, drafts)
         return drafts
@@ -417,17 +424,25 @@ class BatchEngine:
                 self.draft.forward([(slot, feed[:-1])])
         return self.draft.forward([(slot, feed[-1:] if len(feed) > MAX_BLOCK else feed) for slot, feed in rows])
 
-    def _verify(self, drafts: dict[int, tuple[list[int], torch.Tensor | None]]) -> None:
-        sequences = list(self._active)
-        rows = [(s.slot, [s.context[-1], *drafts[s.slot][0]]) for s in sequences]
+    def _verify(self, sequences: list[_Sequence], drafts: dict[int, tuple[list[int], torch.Tensor | None]]) -> None:
+        """One target call for every sequence's block, and the rest of the prompts of sequences joining with a few
+        tokens left to feed (a prompt a running sequence's cache held): a prefill call of its own would read every
+        weight again for a row or two, while a few more tokens in this call cost little padding."""
+        joining, self._joining = self._joining, []
+        sequences = [s for s in sequences if s in self._active]  # not those whose drafting failed
+        rows = [(s.slot, [s.context[-1], *drafts[s.slot][0]]) for s in sequences] + [(group[0].slot, feed) for group, feed in joining]
+        if not rows:
+            return
         started = time.perf_counter()
-        logits = self._guarded(sequences, self.target.forward, rows)
+        logits = self._guarded(sequences + [s for group, _ in joining for s in group], self.target.forward, rows)
         if logits is None:
             return
         self.policy.observe_target(sum(len(r[1]) for r in rows), time.perf_counter() - started)
         self.metrics.target_calls += 1
         for i, (s, row) in enumerate(zip(sequences, logits)):
             self._guarded([s], self._round_end, s, i, row, *drafts[s.slot])
+        for i, (group, feed) in enumerate(joining, start=len(sequences)):
+            self._joined(group, feed, i, logits[i])
 
     def _round_end(self, s: _Sequence, row: int, logits: torch.Tensor, tokens: list[int], probs: torch.Tensor | None) -> None:
         params = s.request.params
