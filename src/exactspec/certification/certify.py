@@ -211,11 +211,12 @@ def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed:
             token_ids = torch.tensor(tokens)
             for order, keys in _order_keys(probs, prompt, tokens, run.get("q") or [None] * len(tokens)).items():
                 pit = torch.full((len(tokens),), float("nan"), dtype=torch.float64)
-                rows = None if keys is None else ~keys[:, 0].isnan()  # positions the order keys (q/p: drafted ones)
-                if rows is not None and rows.all():  # no copy of the (n, V) rows
-                    pit = keyed_pit_values(probs, keys, token_ids, uniforms)
-                elif rows is not None:
-                    pit[rows] = keyed_pit_values(probs[rows], keys[rows], token_ids[rows], uniforms[rows])
+                if keys is not None:
+                    rows = ~keys[:, 0].isnan()  # positions the order keys (q/p: the drafted ones)
+                    if rows.all():  # no copy of the (n, V) rows
+                        pit = keyed_pit_values(probs, keys, token_ids, uniforms)
+                    else:
+                        pit[rows] = keyed_pit_values(probs[rows], keys[rows], token_ids[rows], uniforms[rows])
                 values[order].append(pit.numpy())
             positions.append(run.get("positions") or [-1] * len(tokens))
             kinds.append(run.get("kinds") or ["unknown"] * len(tokens))

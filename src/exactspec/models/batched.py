@@ -49,6 +49,14 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return torch.matmul(scores.softmax(-1).to(values.dtype), values).reshape(batch, heads, width, head_dim)
 
 
+def cached_rows(cache: torch.Tensor, slots: list[int], end: int) -> torch.Tensor:  # (S, len, ...) -> (B, end, ...)
+    """The first ``end`` positions of the slots' rows of a slot cache: a view when the slots are consecutive (calls
+    run in slot order for this), else a copy."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return cache[slots[0] : slots[0] + len(slots), :end]
+    return cache[torch.tensor(slots, device=cache.device), :end]
+
+
 class BatchedLean:
     def __init__(self, decoder: LlamaDecoder, slots: int, max_len: int, device: torch.device | str = "cpu",
                  vocab_size: int | None = None, invariant: bool = False) -> None:
@@ -127,9 +135,7 @@ class BatchedLean:
         order = sorted(range(len(rows)), key=slots.__getitem__)  # by slot: consecutive slots read the cache as a view
         with torch.inference_mode():
             logits, features = self._forward([slots[i] for i in order], [ids[i] for i in order], width)
-        place = [0] * len(rows)  # row i of the call is row place[i] of the outputs
-        for b, i in enumerate(order):
-            place[i] = b
+        place = torch.argsort(torch.tensor(order)).tolist()  # row i of the call is row place[i] of the outputs
         self.last_features = [features[place[i], :t] for i, t in enumerate(lengths)] if features is not None else []
         for slot, t in zip(slots, lengths):
             self.lengths[slot] += t
@@ -150,7 +156,6 @@ class BatchedLean:
         positions = start[:, None] + torch.arange(width, device=device)  # (B, T)
         end = int(positions.max()) + 1
         index = torch.tensor(slots, device=device)
-        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
         mask = ragged_causal_mask(positions, end)
         cos, sin = self._cos[positions], self._sin[positions]  # (B, T, hd)
         x = self.decoder.embed(batch)  # (B, T, C)
@@ -159,10 +164,7 @@ class BatchedLean:
             q, k, v = layer._qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
             self._k[i][index[:, None], positions] = k.transpose(1, 2).to(self._k.dtype)
             self._v[i][index[:, None], positions] = v.transpose(1, 2).to(self._v.dtype)
-            if contiguous:  # a view, no copy
-                keys, values = self._k[i, slots[0] : slots[0] + len(slots), :end], self._v[i, slots[0] : slots[0] + len(slots), :end]
-            else:
-                keys, values = self._k[i, index, :end], self._v[i, index, :end]
+            keys, values = cached_rows(self._k[i], slots, end), cached_rows(self._v[i], slots, end)  # (B, end, nkv, hd)
             y = grouped_attention(q.to(keys.dtype), keys.transpose(1, 2), values.transpose(1, 2), mask)  # (B, nh, T, hd)
             x = layer._finish(x, y.to(x.dtype))
             if i in self.feature_layers:

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from .batched import MAX_BLOCK, grouped_attention, ragged_causal_mask
+from .batched import MAX_BLOCK, cached_rows, grouped_attention, ragged_causal_mask
 from .eagle import FeatureDraft, FeatureDraftRunner
 from .lean import cache_dtype
 
@@ -111,10 +111,7 @@ class BatchedFeatureDraft:
         q, k, v = block._qkv(x, self._cos[positions], self._sin[positions])  # (B, nh, T, hd), (B, nkv, T, hd) x 2
         self._k[index[:, None], positions] = k.transpose(1, 2).to(self._k.dtype)
         self._v[index[:, None], positions] = v.transpose(1, 2).to(self._v.dtype)
-        if slots == list(range(slots[0], slots[0] + len(slots))):  # a view, no copy
-            keys, values = self._k[slots[0] : slots[0] + len(slots), :end], self._v[slots[0] : slots[0] + len(slots), :end]
-        else:
-            keys, values = self._k[index, :end], self._v[index, :end]
+        keys, values = cached_rows(self._k, slots, end), cached_rows(self._v, slots, end)  # (B, end, nkv, hd)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (B, nkv, end, hd)
         y = grouped_attention(q.to(keys.dtype), keys, values, ragged_causal_mask(positions, end))  # (B, nh, T, hd)
         g = block._finish(x, y.to(x.dtype))  # (B, T, C)

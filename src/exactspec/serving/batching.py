@@ -409,10 +409,7 @@ class BatchEngine:
 
     def _catch_up(self, s: _Sequence) -> list[int]:  # the draft model's
         """Roll the draft slot back to what it shares with the context; the tokens it still has to read."""
-        keep = 0
-        limit = min(len(s.draft_fed), len(s.context) - 1)  # feed at least the newest token
-        while keep < limit and s.draft_fed[keep] == s.context[keep]:
-            keep += 1
+        keep = _common_prefix(s.draft_fed, s.context[:-1])  # feed at least the newest token
         self.draft.rollback(s.slot, keep)
         s.draft_fed = list(s.context)
         return s.context[keep:]
