@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from exactspec.certification.pit import (
-    TestResult, binned_uniform, holm, keyed_pit_values, ks_critical_value, ks_uniform, pit_values, token_goodness_of_fit,
+    TestResult, binned_uniform, holm, keyed_pit_values, ks_critical_value, ks_uniform, p_order_masses, pit_values, ratio_pit_values,
+    recency_pit_values, token_goodness_of_fit,
 )
 
 
@@ -60,6 +61,42 @@ def test_keyed_pit_is_uniform_under_the_law_in_any_fixed_order_and_sees_a_flatte
     by_p = ks_uniform("by p", keyed_pit_values(p, p, draws(flattened, n, 6), uniforms).numpy())
     by_id = ks_uniform("by id", pit_values(p, draws(flattened, n, 6), uniforms).numpy())
     assert by_p.p_value < 1e-6 and by_p.statistic > 2 * by_id.statistic
+
+
+def test_the_fast_orders_equal_the_keyed_definition_ties_included():
+    """certify's orders by p, recency and q / p skip most of the vocabulary; each must give keyed_pit_values' value
+    under its key. Rows with tied p (groups of equal mass, zeros) and tokens seen in the prefix, in the row's own
+    earlier tokens, or never; recorded draft tokens with q = 0 and tokens nobody recorded."""
+    n, vocab, generator = 60, 300, torch.Generator().manual_seed(11)
+    probs = laws(n, vocab, seed=12)
+    probs[:, :40] = probs[:, :40].mean(-1, keepdim=True)  # a block of tied tokens
+    probs[:, 280:] = 0.0
+    probs = probs / probs.sum(-1, keepdim=True)
+    tokens = draws(probs, n, 13)
+    tokens[::7] = torch.arange(0, 36, 4)  # some tokens from the tied block
+    uniforms = torch.rand((n,), dtype=torch.float64, generator=generator)
+    prefix = torch.randint(0, 60, (30,), generator=generator).tolist()  # overlaps the tokens' ids
+    below, tied = p_order_masses(probs, tokens)
+    torch.testing.assert_close(below + uniforms * tied, keyed_pit_values(probs, probs, tokens, uniforms), rtol=0, atol=1e-12)
+    # recency: unseen tokens by p (keys in [0, 1]), then seen ones by last position (keys >= 2)
+    last = torch.full((vocab,), -1.0, dtype=torch.float64)
+    recency_keys = torch.empty_like(probs)
+    for i, token in enumerate(prefix + tokens.tolist()):
+        if i >= len(prefix):
+            recency_keys[i - len(prefix)] = torch.where(last >= 0, 2 + last, probs[i - len(prefix)])
+        last[token] = i
+    assert 0 < int((recency_keys.gather(1, tokens[:, None]) >= 2).sum()) < n  # both cases occur
+    torch.testing.assert_close(recency_pit_values(probs, tokens, uniforms, prefix, (below, tied), probs.sum(-1)),
+                               keyed_pit_values(probs, recency_keys, tokens, uniforms), rtol=0, atol=1e-12)
+    # q / p: 8 recorded tokens per row (the first of them with q = 0), every other token at q = 0
+    q_ids = torch.stack([(lambda perm: perm[perm != token][:8])(torch.randperm(vocab, generator=generator)) for token in tokens])
+    q_ids[::3, 1] = tokens[::3]  # the drawn token recorded, with q > 0, in a third of the rows
+    q_ids[1::6, 0] = tokens[1::6]  # and with q = 0 in others
+    q_values = torch.rand((n, 8), dtype=torch.float64, generator=generator) / 8
+    q_values[:, 0] = 0.0
+    ratio_keys = torch.zeros_like(probs).scatter_(1, q_ids, q_values) / probs.clamp_min(1e-300)
+    fast = ratio_pit_values(probs.gather(1, q_ids), probs.sum(-1), tokens, uniforms, q_ids, q_values)
+    torch.testing.assert_close(fast, keyed_pit_values(probs, ratio_keys, tokens, uniforms), rtol=0, atol=1e-12)
 
 
 def test_tail_bins_see_an_excess_near_one_that_the_ks_distance_misses():

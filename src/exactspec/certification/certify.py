@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from exactspec.certification.mutants import MUTANTS, applies
-from exactspec.certification.pit import TestResult, binned_uniform, holm, keyed_pit_values, ks_critical_value, ks_uniform, token_goodness_of_fit
+from exactspec.certification.pit import (TestResult, binned_uniform, holm, ks_critical_value, ks_uniform, p_order_masses, pit_values,
+                                         ratio_pit_values, recency_pit_values, token_goodness_of_fit)
 from exactspec.chat import chat_messages
 from exactspec.engine import GenerationConfig, SpeculativeDecoder
 from exactspec.loading import LoadedPair, _unwrapped
@@ -137,25 +138,20 @@ def _sample(engine: BatchEngine, prompts: list[list[int]], params: SamplingParam
     return runs
 
 
-def _order_keys(probs: torch.Tensor, prefix: list[int], tokens: list[int], q: list) -> dict[str, torch.Tensor | None]:
-    """Per order, the keys ``(n, V)`` of each generated position's vocabulary (None: no drafted position)."""
-    n, vocab = probs.shape
-    last_seen = torch.full((vocab,), -1.0, dtype=torch.float64)  # position of a token's last occurrence, -1: never
-    last_seen.scatter_reduce_(0, torch.tensor(prefix), torch.arange(len(prefix), dtype=torch.float64), reduce="amax")
-    recency = torch.empty((n, vocab), dtype=torch.float64)
-    for i in range(n):
-        recency[i] = last_seen
-        last_seen[tokens[i]] = len(prefix) + i
-    keys = {"token id": torch.arange(vocab).expand(n, vocab), "p": probs, "recency": recency + 0.5 * probs, "q/p": None}
-    drafted = [i for i in range(n) if q[i] is not None]
-    if drafted:
-        q_rows = torch.zeros((len(drafted), vocab), dtype=torch.float64)
-        for row, i in enumerate(drafted):
-            q_rows[row, q[i][0]] = q[i][1]
-        ratio = torch.full((n, vocab), float("nan"), dtype=torch.float64)
-        ratio[drafted] = q_rows / probs[drafted].clamp_min(1e-300)
-        keys["q/p"] = ratio
-    return keys
+def _order_pits(probs: torch.Tensor, prefix: list[int], tokens: list[int], q: list, uniforms: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per order (:data:`ORDERS`), the PIT value ``(n,)`` of each generated position (NaN where the order does not
+    apply: q / p at positions nobody drafted). ``probs`` ``(n, V)``: the target's processed distributions."""
+    token_ids, mass = torch.tensor(tokens), probs.sum(-1)
+    p_masses = p_order_masses(probs, token_ids)
+    pits = {"token id": pit_values(probs, token_ids, uniforms), "p": (p_masses[0] + uniforms * p_masses[1]).clamp(0.0, 1.0),
+            "recency": recency_pit_values(probs, token_ids, uniforms, prefix, p_masses, mass),
+            "q/p": torch.full((len(tokens),), float("nan"), dtype=torch.float64)}
+    drafted = torch.tensor([i for i in range(len(tokens)) if q[i] is not None], dtype=torch.int64)
+    if len(drafted):
+        q_ids, q_values = torch.stack([q[i][0] for i in drafted.tolist()]), torch.stack([q[i][1] for i in drafted.tolist()])
+        p_recorded = probs[drafted.unsqueeze(1), q_ids]  # (d, K)
+        pits["q/p"][drafted] = ratio_pit_values(p_recorded, mass[drafted], token_ids[drafted], uniforms[drafted], q_ids, q_values)
+    return pits
 
 
 def continuation_mask(prompt_length: int, width: int, device: torch.device | str = "cpu") -> torch.Tensor:  # (W, P + W) bool
@@ -208,15 +204,7 @@ def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed:
             prompt, tokens = run["prompt"], run["tokens"]
             probs = block_probs(row[: len(tokens)], prompt, tokens, len(prompt), params)
             uniforms = torch.rand((len(tokens),), dtype=torch.float64, generator=generator)
-            token_ids = torch.tensor(tokens)
-            for order, keys in _order_keys(probs, prompt, tokens, run.get("q") or [None] * len(tokens)).items():
-                pit = torch.full((len(tokens),), float("nan"), dtype=torch.float64)
-                if keys is not None:
-                    rows = ~keys[:, 0].isnan()  # positions the order keys (q/p: the drafted ones)
-                    if rows.all():  # no copy of the (n, V) rows
-                        pit = keyed_pit_values(probs, keys, token_ids, uniforms)
-                    else:
-                        pit[rows] = keyed_pit_values(probs[rows], keys[rows], token_ids[rows], uniforms[rows])
+            for order, pit in _order_pits(probs, prompt, tokens, run.get("q") or [None] * len(tokens), uniforms).items():
                 values[order].append(pit.numpy())
             positions.append(run.get("positions") or [-1] * len(tokens))
             kinds.append(run.get("kinds") or ["unknown"] * len(tokens))

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 from scipy import stats
 
-__all__ = ["TAIL_EDGES", "TestResult", "binned_uniform", "chi_square_parts", "holm", "ks_critical_value", "ks_uniform", "pit_values", "keyed_pit_values",
-           "token_goodness_of_fit"]
+__all__ = ["TAIL_EDGES", "TestResult", "binned_uniform", "chi_square_parts", "holm", "keyed_pit_values", "ks_critical_value", "ks_uniform",
+           "p_order_masses", "pit_values", "ratio_pit_values", "recency_pit_values", "token_goodness_of_fit"]
 
 
 def pit_values(
@@ -58,9 +58,74 @@ def keyed_pit_values(
     uniforms: torch.Tensor,  # (n,) float64 in [0, 1)
 ) -> torch.Tensor:  # (n,) float64
     """u = P_p(k(Y) < k(x)) + v P_p(k(Y) = k(x)) per row; ties are randomized together (module docstring)."""
-    own = keys.gather(1, tokens[:, None])
+    below, tied = _keyed_masses(probs, keys, keys.gather(1, tokens[:, None]))
+    return (below + uniforms * tied).clamp(0.0, 1.0)
+
+
+def _keyed_masses(probs: torch.Tensor, keys: torch.Tensor, own: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P_p(k(Y) < own), P_p(k(Y) = own))`` per row; probs, keys ``(n, V)``, own ``(n, 1)``."""
     below = torch.where(keys < own, probs, 0.0).sum(-1)  # a select, not a product with a bool cast: 4x faster at 49k
-    tied = torch.where(keys == own, probs, 0.0).sum(-1)
+    return below, torch.where(keys == own, probs, 0.0).sum(-1)
+
+
+# The orders certification uses, each computed in as few passes over the vocabulary as it needs: the order by p
+# needs two, the order by recency reuses them and corrects for the few tokens seen before, and the order by q / p
+# only looks at the draft's recorded tokens (every other token has q = 0, ratio 0). Each equals
+# keyed_pit_values under the key its docstring names, up to the order of floating-point sums (tests/test_certification.py).
+
+
+def p_order_masses(probs: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # probs (n, V), tokens (n,)
+    """``(P_p(p(Y) < p(x)), P_p(p(Y) = p(x)))`` per row: the parts of the PIT in the order by p (key ``p``)."""
+    return _keyed_masses(probs, probs, probs.gather(1, tokens[:, None]))
+
+
+def recency_pit_values(
+    probs: torch.Tensor,  # (n, V) float64
+    tokens: torch.Tensor,  # (n,) int64, row i's token; row i conditions on prefix + tokens[:i]
+    uniforms: torch.Tensor,  # (n,) float64
+    prefix: list[int],
+    p_masses: tuple[torch.Tensor, torch.Tensor],  # p_order_masses(probs, tokens)
+    mass: torch.Tensor,  # (n,) float64: each row's total p
+) -> torch.Tensor:  # (n,) float64
+    """PIT in the order by recency: tokens not in the row's prefix first, by p; then those in it, by the position of
+    their last occurrence (distinct per token, so no ties). Costs ``O(n * m)`` for the ``m`` distinct tokens of
+    prefix + tokens, on top of ``p_masses``: the unseen tokens' masses are the p order's minus the seen tokens'."""
+    n = len(tokens)
+    seen_ids, column = torch.unique(torch.cat([torch.as_tensor(prefix, dtype=torch.int64), tokens]), return_inverse=True)
+    # last[i, j]: position of seen_ids[j]'s last occurrence before row i's token, -1 if none yet
+    positions = torch.arange(len(prefix) + n, dtype=torch.float64)
+    occurred = torch.full((len(prefix) + n + 1, len(seen_ids)), -1.0, dtype=torch.float64)
+    occurred[torch.arange(1, len(prefix) + n + 1), column] = positions
+    last = occurred.cummax(0).values[len(prefix) :][:n]  # (n, m): row i sees prefix + tokens[:i]
+    seen = last >= 0
+    p_seen = torch.where(seen, probs.index_select(1, seen_ids), 0.0)  # (n, m)
+    rows, own_column = torch.arange(n), column[len(prefix) :]
+    own_p, own_last = probs[rows, tokens].unsqueeze(1), last[rows, own_column].unsqueeze(1)  # (n, 1) each
+    p_below, p_tied = p_masses
+    unseen_below = p_below - torch.where(p_seen < own_p, p_seen, 0.0).sum(-1)
+    unseen_tied = p_tied - torch.where(seen & (p_seen == own_p), p_seen, 0.0).sum(-1)
+    seen_below = mass - p_seen.sum(-1) + torch.where(last < own_last, p_seen, 0.0).sum(-1)
+    is_seen = own_last[:, 0] >= 0
+    below = torch.where(is_seen, seen_below, unseen_below)
+    tied = torch.where(is_seen, own_p[:, 0], unseen_tied)
+    return (below + uniforms * tied).clamp(0.0, 1.0)
+
+
+def ratio_pit_values(
+    p_recorded: torch.Tensor,  # (d, K) float64: p of the draft's recorded tokens (its K most likely) per drafted row
+    mass: torch.Tensor,  # (d,) float64: each row's total p
+    tokens: torch.Tensor,  # (d,) int64
+    uniforms: torch.Tensor,  # (d,) float64
+    q_ids: torch.Tensor,  # (d, K) int64: the recorded tokens
+    q_values: torch.Tensor,  # (d, K): their q
+) -> torch.Tensor:  # (d,) float64
+    """PIT in the order by q / p (tokens outside ``q_ids`` count as q = 0, ratio 0, all tied): the K recorded tokens
+    and one column for the rest of the vocabulary, in ``O(d * K)``."""
+    ratio = q_values.to(torch.float64) / p_recorded.clamp_min(1e-300)
+    rest = (mass - p_recorded.sum(-1)).clamp_min(0.0).unsqueeze(1)  # mass of the tokens with no recorded q
+    keys, masses = torch.cat([ratio, ratio.new_zeros(len(tokens), 1)], 1), torch.cat([p_recorded, rest], 1)
+    own = torch.where(q_ids == tokens.unsqueeze(1), ratio, 0.0).amax(-1, keepdim=True)  # the token's ratio, 0 if unrecorded
+    below, tied = _keyed_masses(masses, keys, own)
     return (below + uniforms * tied).clamp(0.0, 1.0)
 
 
