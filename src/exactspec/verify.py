@@ -298,7 +298,7 @@ def verify_with_uniforms(
     correction = p_at_stop
     if gamma:  # q_n at a rejection; q = 0 at the bonus position
         rejected = (num_accepted < gamma).to(torch.float64).unsqueeze(-1)  # (B, 1)
-        correction = (p_at_stop - rejected * _rows_at(q, num_accepted.clamp(max=gamma - 1))).clamp(min=0)
+        correction = _rows_at(q, num_accepted.clamp(max=gamma - 1)).mul_(-rejected).add_(p_at_stop).clamp_(min=0)  # in place: one (B, V) buffer
     # A rejection with zero residual mass can only come from rounding (p, q equal up to 1e-16):
     # fall back to p there rather than dividing by zero.
     no_mass = correction.sum(-1, keepdim=True) <= 0  # (B, 1)
