@@ -40,6 +40,13 @@ def test_the_self_check_rejects_the_known_wrong_samplers():
         assert report["self_check"][name]["smallest_adjusted_p"] < 1e-6
 
 
+def test_the_command_runs_only_the_mutants_it_is_given(tmp_path):
+    code = main(["certify", "--configs", "T=1", "--sequences", "40", "--max-tokens", "16", "--self-check", "--mutants", "argmax_draft_sampled_ratio",
+                 "--output-dir", str(tmp_path), "--json"])
+    report = json.loads((tmp_path / "certify.json").read_text())
+    assert code == 0 and list(report["self_check"]) == ["argmax_draft_sampled_ratio"] and report["self_check"]["argmax_draft_sampled_ratio"]["applies"]
+
+
 def test_bad_arguments_are_one_line_errors(capsys, tmp_path):
     assert main(["certify", "--configs", "T=3"]) == 2
     assert main(["certify", "--alpha", "2", "--output-dir", str(tmp_path)]) == 2
@@ -47,8 +54,9 @@ def test_bad_arguments_are_one_line_errors(capsys, tmp_path):
     empty.write_text("\n")
     assert main(["certify", "--prompts-file", str(empty), "--output-dir", str(tmp_path)]) == 2
     assert main(["certify", "--sequences", "2", "--max-tokens", "4", "--output-dir", str(tmp_path)]) == 2  # nothing to test
+    assert main(["certify", "--self-check", "--mutants", "residual_from_p,no_such_bug", "--output-dir", str(tmp_path)]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 4 and all(line.startswith("exactspec: error:") for line in errors)
+    assert len(errors) == 5 and all(line.startswith("exactspec: error:") for line in errors)
     with pytest.raises(ValueError, match="mutants must be among"):
         CertifyConfig(mutants=("no_such_bug",))
 

@@ -55,7 +55,8 @@ def _certify(args: argparse.Namespace) -> dict:
         _require_ray()
     try:
         config = CertifyConfig(configs=args.configs, sequences=args.sequences, max_tokens=args.max_tokens, gamma=args.gamma,
-                               alpha=args.alpha, seed=args.seed, slots=args.slots, self_check=args.self_check)
+                               alpha=args.alpha, seed=args.seed, slots=args.slots, self_check=args.self_check,
+                               mutants=args.mutants)
     except ValueError as error:
         raise CliError(str(error)) from None
     pair = _load(args, with_draft=True)
@@ -242,7 +243,7 @@ def add_check_commands(add) -> None:
     """certify and audit."""
     certify = add("certify", help="a statistical test that the pair's speculative output follows the target's sampling law, on its real vocabulary")
     _add_model_arguments(certify)
-    from exactspec.certification.certify import CONFIGS, CertifyConfig
+    from exactspec.certification.certify import CONFIGS, MUTANT_CONFIG, CertifyConfig
 
     defaults = CertifyConfig()
     certify.add_argument("--configs", type=_list_of(_one_of(tuple(CONFIGS)), f"names from {', '.join(CONFIGS)}"), default=defaults.configs,
@@ -254,6 +255,8 @@ def add_check_commands(add) -> None:
     certify.add_argument("--seed", type=_integer(0), default=defaults.seed, help="seed of the first sequence")
     certify.add_argument("--slots", type=_integer(1, 256), default=defaults.slots, help="sequences sampled together")
     certify.add_argument("--self-check", action="store_true", help="also run the known-wrong samplers and report whether each is rejected (the tests' power)")
+    certify.add_argument("--mutants", type=_list_of(_one_of(tuple(MUTANT_CONFIG)), f"names from {', '.join(MUTANT_CONFIG)}"), default=defaults.mutants,
+                         help="comma-separated known-wrong samplers --self-check runs, each in its own configuration (default: all)")
     certify.add_argument("--prompts-file", help="prompts, one per line (\\n for a newline inside one); default: chat questions in the model's template, or code openings")
     certify.add_argument("--output-dir", default="certify_out", help="where certify.json, certify.txt and certify.png go")
     certify.add_argument("--json", action="store_true", help="print the report as JSON")
