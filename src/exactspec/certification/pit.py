@@ -96,7 +96,7 @@ def recency_pit_values(
     positions = torch.arange(len(prefix) + n, dtype=torch.float64)
     occurred = torch.full((len(prefix) + n + 1, len(seen_ids)), -1.0, dtype=torch.float64)
     occurred[torch.arange(1, len(prefix) + n + 1), column] = positions
-    last = occurred.cummax(0).values[len(prefix) :][:n]  # (n, m): row i sees prefix + tokens[:i]
+    last = occurred.cummax(0).values[len(prefix) : len(prefix) + n]  # (n, m): row i sees prefix + tokens[:i]
     seen = last >= 0
     p_seen = torch.where(seen, probs.index_select(1, seen_ids), 0.0)  # (n, m)
     rows, own_column = torch.arange(n), column[len(prefix) :]
