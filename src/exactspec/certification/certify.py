@@ -146,9 +146,10 @@ def _order_pits(probs: torch.Tensor, prefix: list[int], tokens: list[int], q: li
     pits = {"token id": pit_values(probs, token_ids, uniforms), "p": (p_masses[0] + uniforms * p_masses[1]).clamp(0.0, 1.0),
             "recency": recency_pit_values(probs, token_ids, uniforms, prefix, p_masses, mass),
             "q/p": torch.full((len(tokens),), float("nan"), dtype=torch.float64)}
-    drafted = torch.tensor([i for i in range(len(tokens)) if q[i] is not None], dtype=torch.int64)
-    if len(drafted):
-        q_ids, q_values = torch.stack([q[i][0] for i in drafted.tolist()]), torch.stack([q[i][1] for i in drafted.tolist()])
+    drafted = [i for i in range(len(tokens)) if q[i] is not None]
+    if drafted:
+        q_ids, q_values = torch.stack([q[i][0] for i in drafted]), torch.stack([q[i][1] for i in drafted])
+        drafted = torch.tensor(drafted)
         p_recorded = probs[drafted.unsqueeze(1), q_ids]  # (d, K)
         pits["q/p"][drafted] = ratio_pit_values(p_recorded, mass[drafted], token_ids[drafted], uniforms[drafted], q_ids, q_values)
     return pits

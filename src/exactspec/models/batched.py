@@ -49,12 +49,12 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return torch.matmul(scores.softmax(-1).to(values.dtype), values).reshape(batch, heads, width, head_dim)
 
 
-def cached_rows(cache: torch.Tensor, slots: list[int], end: int) -> torch.Tensor:  # (S, len, ...) -> (B, end, ...)
-    """The first ``end`` positions of the slots' rows of a slot cache: a view when the slots are consecutive (calls
-    run in slot order for this), else a copy."""
+def slot_rows(slots: list[int], device: torch.device | str) -> slice | torch.Tensor:
+    """The index that picks the slots' rows of a slot cache: a slice (indexing gives a view) when the slots are
+    consecutive, as calls run in slot order for this; else an index tensor (indexing copies)."""
     if slots == list(range(slots[0], slots[0] + len(slots))):
-        return cache[slots[0] : slots[0] + len(slots), :end]
-    return cache[torch.tensor(slots, device=cache.device), :end]
+        return slice(slots[0], slots[0] + len(slots))
+    return torch.tensor(slots, device=device)
 
 
 class BatchedLean:
@@ -155,7 +155,7 @@ class BatchedLean:
         start = torch.tensor([self.lengths[s] for s in slots], device=device)  # (B,)
         positions = start[:, None] + torch.arange(width, device=device)  # (B, T)
         end = int(positions.max()) + 1
-        index = torch.tensor(slots, device=device)
+        index, rows = torch.tensor(slots, device=device), slot_rows(slots, device)
         mask = ragged_causal_mask(positions, end)
         cos, sin = self._cos[positions], self._sin[positions]  # (B, T, hd)
         x = self.decoder.embed(batch)  # (B, T, C)
@@ -164,7 +164,7 @@ class BatchedLean:
             q, k, v = layer._qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
             self._k[i][index[:, None], positions] = k.transpose(1, 2).to(self._k.dtype)
             self._v[i][index[:, None], positions] = v.transpose(1, 2).to(self._v.dtype)
-            keys, values = cached_rows(self._k[i], slots, end), cached_rows(self._v[i], slots, end)  # (B, end, nkv, hd)
+            keys, values = self._k[i, rows, :end], self._v[i, rows, :end]  # (B, end, nkv, hd)
             y = grouped_attention(q.to(keys.dtype), keys.transpose(1, 2), values.transpose(1, 2), mask)  # (B, nh, T, hd)
             x = layer._finish(x, y.to(x.dtype))
             if i in self.feature_layers:

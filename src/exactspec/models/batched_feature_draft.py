@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from .batched import MAX_BLOCK, cached_rows, grouped_attention, ragged_causal_mask
+from .batched import MAX_BLOCK, grouped_attention, ragged_causal_mask, slot_rows
 from .eagle import FeatureDraft, FeatureDraftRunner
 from .lean import cache_dtype
 
@@ -111,7 +111,8 @@ class BatchedFeatureDraft:
         q, k, v = block._qkv(x, self._cos[positions], self._sin[positions])  # (B, nh, T, hd), (B, nkv, T, hd) x 2
         self._k[index[:, None], positions] = k.transpose(1, 2).to(self._k.dtype)
         self._v[index[:, None], positions] = v.transpose(1, 2).to(self._v.dtype)
-        keys, values = cached_rows(self._k, slots, end), cached_rows(self._v, slots, end)  # (B, end, nkv, hd)
+        rows = slot_rows(slots, device)
+        keys, values = self._k[rows, :end], self._v[rows, :end]  # (B, end, nkv, hd)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (B, nkv, end, hd)
         y = grouped_attention(q.to(keys.dtype), keys, values, ragged_causal_mask(positions, end))  # (B, nh, T, hd)
         g = block._finish(x, y.to(x.dtype))  # (B, T, C)

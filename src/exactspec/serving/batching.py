@@ -97,7 +97,7 @@ class SequenceHandle:
                 "tokens_per_target_call": self.generated / self.target_calls if self.target_calls else 0.0}
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a sequence is its slot's occupant, not its fields' values
 class _Sequence:
     handle: SequenceHandle
     slot: int
@@ -202,8 +202,8 @@ class BatchEngine:
         if not self._active:
             return
         self.metrics.steps += 1
-        joining = {id(s) for group, _ in self._joining for s in group}
-        ready = [s for s in self._active if id(s) not in joining]
+        joining = {s for group, _ in self._joining for s in group}
+        ready = [s for s in self._active if s not in joining]
         gammas = self._gammas(ready)
         drafts = self._draft(ready, gammas)
         self._verify(ready, drafts)
