@@ -84,6 +84,37 @@ def test_each_block_row_is_processed_with_its_own_prefix():
     assert not torch.allclose(out[1], block_probs(logits[1:2], prefix, [], 2, params)[0])
 
 
+def _full_width_penalties(logits, prefix, block, prompt_length, params):  # (n, V) float64
+    """The penalties by their definition, over the whole vocabulary for every row."""
+    rows = []
+    for j in range(logits.shape[0]):
+        context = prefix + block[:j]
+        row = logits[j].clone()
+        counts = torch.bincount(torch.tensor(context), minlength=row.numel()).to(torch.float64)
+        generated = torch.bincount(torch.tensor(context[prompt_length:], dtype=torch.int64), minlength=row.numel()).double()
+        penalised = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
+        row = torch.where(counts > 0, penalised, row)
+        row = row - params.presence_penalty * (generated > 0).to(torch.float64) - params.frequency_penalty * generated
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def test_penalties_touch_only_seen_columns_and_equal_the_full_width_formula_bit_for_bit():
+    """block_probs works on the columns of tokens seen (O(n x m), not O(n x V)); the result must be
+    the one the definition gives over the whole vocabulary, to the last bit, and the input is left alone."""
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3)
+    generator = torch.Generator().manual_seed(3)
+    vocab = 5000
+    logits = (3 * torch.randn(4, vocab, generator=generator)).to(torch.float64)
+    before = logits.clone()
+    prefix = torch.randint(vocab, (40,), generator=generator).tolist() + [7, 7, 9]
+    block = [9, 11, 7]  # repeats a prompt token, a generated one, and a new one
+    for prompt_length in (0, 20, len(prefix)):
+        expected = _full_width_penalties(logits, prefix, block, prompt_length, params).softmax(-1)
+        assert torch.equal(block_probs(logits, prefix, block, prompt_length, params), expected), prompt_length
+    assert torch.equal(logits, before)
+
+
 def test_everything_banned_is_an_error():
     with pytest.raises(ValueError, match="every token is excluded"):
         probs(SamplingParams(allowed_token_ids=frozenset({7})))

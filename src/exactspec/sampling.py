@@ -145,11 +145,11 @@ def block_probs(
     rows, vocab = logits.shape
     if len(block) < rows - 1:
         raise ValueError(f"{rows} rows need at least {rows - 1} block tokens, got {len(block)}")
-    scores = logits.to(torch.float64)
+    scores = logits.to(torch.float64, copy=True)  # owned: bias and penalties write into it
     if params.logit_bias:
-        scores = _apply_bias(scores, params.logit_bias)
+        _apply_bias(scores, params.logit_bias)
     if params.uses_prefix:
-        scores = _apply_penalties(scores, prefix, block[: rows - 1], prompt_length, params)
+        _apply_penalties(scores, prefix, block[: rows - 1], prompt_length, params)
     if params.banned_token_ids or params.allowed_token_ids is not None:
         scores = _apply_masks(scores, params)
         if torch.isneginf(scores).all(-1).any():
@@ -170,14 +170,16 @@ def block_probs(
 
 
 def _token_counts(
-    prefix: Sequence[int], block: Sequence[int], start: int, vocab: int
-) -> torch.Tensor:  # (len(block) + 1, V)
-    """Row j: how often each token occurs in ``(prefix + block[:j])[start:]``."""
-    base = torch.bincount(torch.as_tensor(list(prefix[start:]), dtype=torch.int64), minlength=vocab)[:vocab]
-    counts = base.to(torch.float64).unsqueeze(0).repeat(len(block) + 1, 1)
+    prefix: Sequence[int], block: Sequence[int], start: int, columns: torch.Tensor  # columns: (m,) token ids
+) -> torch.Tensor:  # (len(block) + 1, m) float64
+    """Row j, column c: how often token ``columns[c]`` occurs in ``(prefix + block[:j])[start:]``."""
+    def occurrences(tokens: Sequence[int]) -> torch.Tensor:  # (len(tokens), m)
+        return (torch.as_tensor(list(tokens), dtype=torch.int64).unsqueeze(-1) == columns).to(torch.float64)
+
+    base = occurrences(prefix[start:]).sum(0)  # (m,)
+    counts = base.unsqueeze(0).repeat(len(block) + 1, 1)
     if block:
-        steps = torch.nn.functional.one_hot(torch.as_tensor(list(block), dtype=torch.int64), vocab).to(torch.float64)
-        counts[1:] += steps.cumsum(0)
+        counts[1:] += occurrences(block).cumsum(0)
     return counts
 
 
@@ -187,27 +189,37 @@ def _apply_penalties(
     block: Sequence[int],  # n - 1 tokens
     prompt_length: int,
     params: SamplingParams,
-) -> torch.Tensor:
+) -> None:
+    """In place: repetition (CTRL: divide a positive logit, multiply a negative one), presence and
+    frequency penalties (OpenAI: subtract ``presence * [count > 0] + frequency * count``).
+
+    Only the columns of tokens in the prefix or the block can change, so the work is
+    O(n x m) for the m distinct tokens seen, not O(n x V); every other column is kept
+    as is, which is what the full-width formulas give it bit for bit.
+    """
     vocab = scores.shape[-1]
+    seen_ids = sorted({t for t in [*prefix, *block] if t < vocab})
+    if not seen_ids:
+        return
+    columns = torch.tensor(seen_ids, dtype=torch.int64)  # (m,)
+    values = scores[:, columns]  # (n, m)
     if params.repetition_penalty != 1:
-        seen = _token_counts(prefix, block, 0, vocab) > 0
-        penalised = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
-        scores = torch.where(seen, penalised, scores)
+        seen = _token_counts(prefix, block, 0, columns) > 0
+        penalised = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+        values = torch.where(seen, penalised, values)
     if params.presence_penalty or params.frequency_penalty:
-        generated = _token_counts(prefix, block, prompt_length, vocab)
+        generated = _token_counts(prefix, block, prompt_length, columns)
         present = (generated > 0).to(torch.float64)  # float64: a bool tensor times 0.2 would round in float32
-        scores = scores - params.presence_penalty * present - params.frequency_penalty * generated
-    return scores
+        values = values - params.presence_penalty * present - params.frequency_penalty * generated
+    scores[:, columns] = values
 
 
-def _apply_bias(scores: torch.Tensor, logit_bias: Mapping[int, float]) -> torch.Tensor:  # (n, V) float64
+def _apply_bias(scores: torch.Tensor, logit_bias: Mapping[int, float]) -> None:  # (n, V) float64, in place
     vocab = scores.shape[-1]
     ids = torch.tensor(list(logit_bias), dtype=torch.int64)
     if ids.max() >= vocab:
         raise ValueError(f"logit_bias names token {int(ids.max())}, outside the vocabulary of size {vocab}")
-    scores = scores.clone()
     scores[:, ids] += torch.tensor(list(logit_bias.values()), dtype=torch.float64)
-    return scores
 
 
 def _apply_masks(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # (n, V) float64
