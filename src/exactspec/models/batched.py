@@ -71,9 +71,10 @@ class BatchedLean:
         cos, sin = rope_tables(cfg, max_len + MAX_BLOCK)
         self._cos = cos.to(self.device, self.dtype)  # (max_len + MAX_BLOCK, hd)
         self._sin = sin.to(self.device, self.dtype)
-        shape = (cfg.num_hidden_layers, 0 if invariant else slots, max_len + MAX_BLOCK, cfg.num_key_value_heads, cfg.head_size)
+        # Head-major: a run of slots' keys is a strided (B, nkv, len, hd) view that attention reads without a copy.
+        shape = (cfg.num_hidden_layers, 0 if invariant else slots, cfg.num_key_value_heads, max_len + MAX_BLOCK, cfg.head_size)
         kv_dtype = cache_dtype(self.dtype, self.device)
-        self._k = torch.zeros(shape, dtype=kv_dtype, device=self.device)  # (L, S, len, nkv, hd)
+        self._k = torch.zeros(shape, dtype=kv_dtype, device=self.device)  # (L, S, nkv, len, hd)
         self._v = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         self.lengths = [0] * slots
         self.feature_layers: tuple[int, ...] = ()
@@ -110,8 +111,8 @@ class BatchedLean:
                 dst._v[:, :, :, :length] = src._v[:, :, :, :length]
                 dst._pos = length
             else:
-                self._k[:, slot, :length] = self._k[:, source, :length]  # (L, S, len, nkv, hd)
-                self._v[:, slot, :length] = self._v[:, source, :length]
+                self._k[:, slot, :, :length] = self._k[:, source, :, :length]  # (L, S, nkv, len, hd)
+                self._v[:, slot, :, :length] = self._v[:, source, :, :length]
         self.lengths[slot] = length
 
     def forward(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
@@ -162,10 +163,10 @@ class BatchedLean:
         features = []
         for i, layer in enumerate(self.decoder.layers):
             q, k, v = layer._qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
-            self._k[i][index[:, None], positions] = k.transpose(1, 2).to(self._k.dtype)
-            self._v[i][index[:, None], positions] = v.transpose(1, 2).to(self._v.dtype)
-            keys, values = self._k[i, rows, :end], self._v[i, rows, :end]  # (B, end, nkv, hd)
-            y = grouped_attention(q.to(keys.dtype), keys.transpose(1, 2), values.transpose(1, 2), mask)  # (B, nh, T, hd)
+            self._k[i][index[:, None], :, positions] = k.transpose(1, 2).to(self._k.dtype)  # indexed as (B, T, nkv, hd)
+            self._v[i][index[:, None], :, positions] = v.transpose(1, 2).to(self._v.dtype)
+            keys, values = self._k[i, rows, :, :end], self._v[i, rows, :, :end]  # (B, nkv, end, hd)
+            y = grouped_attention(q.to(keys.dtype), keys, values, mask)  # (B, nh, T, hd)
             x = layer._finish(x, y.to(x.dtype))
             if i in self.feature_layers:
                 features.append(x)

@@ -31,8 +31,8 @@ class BatchedFeatureDraft:
         self.device, self.dtype = torch.device(device), dtype
         self.slots, self.max_len = slots, max_len
         cfg = draft.cfg.layer_config()
-        shape = (0 if invariant else slots, max_len + MAX_BLOCK, cfg.num_key_value_heads, cfg.head_size)
-        self._k = torch.zeros(shape, dtype=cache_dtype(dtype, self.device), device=self.device)  # (S, len, nkv, hd)
+        shape = (0 if invariant else slots, cfg.num_key_value_heads, max_len + MAX_BLOCK, cfg.head_size)  # head-major, as BatchedLean
+        self._k = torch.zeros(shape, dtype=cache_dtype(dtype, self.device), device=self.device)  # (S, nkv, len, hd)
         self._v = torch.zeros_like(self._k)
         self._cos = draft.rope_cos[: max_len + MAX_BLOCK].to(self.device, dtype)
         self._sin = draft.rope_sin[: max_len + MAX_BLOCK].to(self.device, dtype)
@@ -55,8 +55,8 @@ class BatchedFeatureDraft:
                 dst._v[:, :, :length] = src._v[:, :, :length]
                 dst.length = length
             else:
-                self._k[slot, :length] = self._k[source, :length]  # (S, len, nkv, hd)
-                self._v[slot, :length] = self._v[source, :length]
+                self._k[slot, :, :length] = self._k[source, :, :length]  # (S, nkv, len, hd)
+                self._v[slot, :, :length] = self._v[source, :, :length]
         self.lengths[slot] = length
 
     def project(self, features: torch.Tensor) -> torch.Tensor:  # (n, F) the target's features -> (n, C) inputs
@@ -109,11 +109,10 @@ class BatchedFeatureDraft:
         block = self.draft.block
         x = self.draft.inputs(u, ids)  # (B, T, C)
         q, k, v = block._qkv(x, self._cos[positions], self._sin[positions])  # (B, nh, T, hd), (B, nkv, T, hd) x 2
-        self._k[index[:, None], positions] = k.transpose(1, 2).to(self._k.dtype)
-        self._v[index[:, None], positions] = v.transpose(1, 2).to(self._v.dtype)
+        self._k[index[:, None], :, positions] = k.transpose(1, 2).to(self._k.dtype)  # indexed as (B, T, nkv, hd)
+        self._v[index[:, None], :, positions] = v.transpose(1, 2).to(self._v.dtype)
         rows = slot_rows(slots, device)
-        keys, values = self._k[rows, :end], self._v[rows, :end]  # (B, end, nkv, hd)
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (B, nkv, end, hd)
+        keys, values = self._k[rows, :, :end], self._v[rows, :, :end]  # (B, nkv, end, hd)
         y = grouped_attention(q.to(keys.dtype), keys, values, ragged_causal_mask(positions, end))  # (B, nh, T, hd)
         g = block._finish(x, y.to(x.dtype))  # (B, T, C)
         for slot, t in zip(slots, lengths):
