@@ -170,45 +170,49 @@ def block_probs(
 
 
 def _token_counts(
-    prefix: Sequence[int], block: Sequence[int], start: int, columns: torch.Tensor  # columns: (m,) token ids
+    prefix: Sequence[int], block: Sequence[int], start: int, column: Mapping[int, int]
 ) -> torch.Tensor:  # (len(block) + 1, m) float64
-    """Row j, column c: how often token ``columns[c]`` occurs in ``(prefix + block[:j])[start:]``."""
-    def occurrences(tokens: Sequence[int]) -> torch.Tensor:  # (len(tokens), m)
-        return (torch.as_tensor(list(tokens), dtype=torch.int64).unsqueeze(-1) == columns).to(torch.float64)
+    """Row j, column c: how often the token whose column is c occurs in ``(prefix + block[:j])[start:]``
+    (``column``: token id -> c in [0, m); tokens without a column are not counted)."""
+    width = len(column)
 
-    base = occurrences(prefix[start:]).sum(0)  # (m,)
+    def columns_of(tokens: Sequence[int]) -> torch.Tensor:  # (len(tokens),); ``width`` for a token without a column
+        return torch.tensor([column.get(t, width) for t in tokens], dtype=torch.int64)
+
+    base = torch.bincount(columns_of(prefix[start:]), minlength=width + 1)[:width].to(torch.float64)
     counts = base.unsqueeze(0).repeat(len(block) + 1, 1)
     if block:
-        counts[1:] += occurrences(block).cumsum(0)
+        steps = torch.nn.functional.one_hot(columns_of(block), width + 1)[:, :width].to(torch.float64)
+        counts[1:] += steps.cumsum(0)
     return counts
 
 
 def _apply_penalties(
-    scores: torch.Tensor,  # (n, V) float64
+    scores: torch.Tensor,  # (n, V) float64, changed in place
     prefix: Sequence[int],
     block: Sequence[int],  # n - 1 tokens
     prompt_length: int,
     params: SamplingParams,
 ) -> None:
-    """In place: repetition (CTRL: divide a positive logit, multiply a negative one), presence and
-    frequency penalties (OpenAI: subtract ``presence * [count > 0] + frequency * count``).
+    """Repetition (CTRL: divide a positive logit, multiply a negative one), presence and frequency penalties
+    (OpenAI: subtract ``presence * [count > 0] + frequency * count``), row j counting ``prefix + block[:j]``.
 
-    Only the columns of tokens in the prefix or the block can change, so the work is
-    O(n x m) for the m distinct tokens seen, not O(n x V); every other column is kept
-    as is, which is what the full-width formulas give it bit for bit.
+    Only the columns of tokens in the prefix or the block can change, so the work is O(n x m) for the m distinct
+    tokens seen, not O(n x V); every other column keeps its value, as the full-width formulas leave it.
     """
     vocab = scores.shape[-1]
     seen_ids = sorted({t for t in [*prefix, *block] if t < vocab})
     if not seen_ids:
         return
+    column = {token: c for c, token in enumerate(seen_ids)}
     columns = torch.tensor(seen_ids, dtype=torch.int64)  # (m,)
     values = scores[:, columns]  # (n, m)
     if params.repetition_penalty != 1:
-        seen = _token_counts(prefix, block, 0, columns) > 0
+        seen = _token_counts(prefix, block, 0, column) > 0
         penalised = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
         values = torch.where(seen, penalised, values)
     if params.presence_penalty or params.frequency_penalty:
-        generated = _token_counts(prefix, block, prompt_length, columns)
+        generated = _token_counts(prefix, block, prompt_length, column)
         present = (generated > 0).to(torch.float64)  # float64: a bool tensor times 0.2 would round in float32
         values = values - params.presence_penalty * present - params.frequency_penalty * generated
     scores[:, columns] = values
