@@ -92,3 +92,23 @@ def test_scoring_with_the_prompt_run_once_equals_a_whole_sequence_forward(monkey
     assert check()
     monkeypatch.setattr(certify_module, "continuation_mask", lambda p, w, device: torch.ones((w, p + w), dtype=torch.bool))
     assert not check()
+
+
+def test_scoring_keeps_a_prefix_distribution_only_where_the_goodness_of_fit_tests_it():
+    """A prefix's next-token distribution is kept for the first run that has it, and only when at least
+    MIN_PREFIX_COUNT runs share it (the goodness-of-fit tests nothing else; keeping every row held gigabytes at 10^5
+    tokens). Keeping none would break the test after the shared prefix; keeping all would show here."""
+    from exactspec.certification.certify import MIN_PREFIX_COUNT, run_tests, score_runs
+    from exactspec.sampling import SamplingParams
+
+    pair = load_pair(*default_pair_dirs())
+    prompt = default_prompts(pair.tokenizer)[0]
+    shared = [{"prompt": prompt, "tokens": [5, 6 + i % 3]} for i in range(MIN_PREFIX_COUNT)]
+    rare = [{"prompt": prompt, "tokens": [9, 10 + i, 4]} for i in range(3)]
+    scored = score_runs(pair, shared + rare, SamplingParams(), seed=0)
+    kept = [[row is not None for row in first_seen] for _, _, first_seen in scored["heads"]]
+    assert kept == [[True, True]] + [[False, False]] * (len(shared) - 1) + [[False, False, False]] * len(rare)
+    names = [test.name for test in run_tests("T=1", scored, gamma=2)]
+    assert sum("after a repeated 0-token prefix (1 prefixes)" in n for n in names) == 1
+    assert sum("after a repeated 1-token prefix (1 prefixes)" in n for n in names) == 1
+    assert not any("after a repeated 2-token prefix" in n for n in names)

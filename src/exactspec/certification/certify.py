@@ -24,6 +24,7 @@ default here, moves them by about 1e-5). ``self_check`` reruns the sampling with
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -193,6 +194,9 @@ def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed:
     generator = torch.Generator().manual_seed(seed)
     decoder, vocab = _unwrapped(pair.target).decoder, pair.target.vocab_size
     values, positions, kinds, heads, seen = {order: [] for order in ORDERS}, [], [], [], set()
+    # Only a prefix that enough runs share is tested (run_tests), so only its distribution is kept: at 10^5 tokens
+    # keeping every new prefix's (V,) row held gigabytes.
+    tested = {key for key, count in Counter(key for run in runs for key in _prefix_keys(run)).items() if count >= MIN_PREFIX_COUNT}
     by_prompt: dict[tuple[int, ...], list[dict]] = {}
     for run in runs:
         if run["tokens"]:
@@ -209,15 +213,21 @@ def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed:
                 values[order].append(pit.numpy())
             positions.append(run.get("positions") or [-1] * len(tokens))
             kinds.append(run.get("kinds") or ["unknown"] * len(tokens))
-            first_seen = []  # the distribution after each of its first prefixes, kept where no earlier run had that prefix
-            for depth in range(min(len(tokens), PREFIX_DEPTH + 1)):
-                key = (tuple(prompt), tuple(tokens[:depth]))
-                first_seen.append(None if key in seen else probs[depth].clone())
+            first_seen = []  # the distribution after each of its first prefixes, kept where the prefix is tested
+            for depth, key in enumerate(_prefix_keys(run)):  # and no earlier run had it
+                first_seen.append(probs[depth].clone() if key in tested and key not in seen else None)
                 seen.add(key)
             heads.append((tuple(prompt), tuple(tokens[:PREFIX_DEPTH + 1]), first_seen))
     joined = lambda parts: np.concatenate(parts) if parts else np.empty(0)  # noqa: E731 - no run produced a token
     return {"pit": {order: joined(v) for order, v in values.items()}, "position": joined(positions),
             "kind": joined(kinds), "heads": heads}
+
+
+def _prefix_keys(run: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(prompt, the first ``depth`` generated tokens) for each depth whose next token the run generated, up to
+    :data:`PREFIX_DEPTH`: the prefixes whose next-token law run_tests checks."""
+    prompt, tokens = tuple(run["prompt"]), run["tokens"]
+    return [(prompt, tuple(tokens[:depth])) for depth in range(min(len(tokens), PREFIX_DEPTH + 1))]
 
 
 def run_tests(name: str, scored: dict, gamma: int) -> list[TestResult]:
