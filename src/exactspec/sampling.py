@@ -205,14 +205,14 @@ def _apply_penalties(
     if not seen_ids:
         return
     column = {token: c for c, token in enumerate(seen_ids)}
-    columns = torch.tensor(seen_ids, dtype=torch.int64)  # (m,)
+    columns = torch.tensor(seen_ids, dtype=torch.int64, device=scores.device)  # (m,)
     values = scores[:, columns]  # (n, m)
     if params.repetition_penalty != 1:
-        seen = _token_counts(prefix, block, 0, column) > 0
+        seen = _token_counts(prefix, block, 0, column).to(scores.device) > 0
         penalised = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
         values = torch.where(seen, penalised, values)
     if params.presence_penalty or params.frequency_penalty:
-        generated = _token_counts(prefix, block, prompt_length, column)
+        generated = _token_counts(prefix, block, prompt_length, column).to(scores.device)
         present = (generated > 0).to(torch.float64)  # float64: a bool tensor times 0.2 would round in float32
         values = values - params.presence_penalty * present - params.frequency_penalty * generated
     scores[:, columns] = values
@@ -223,7 +223,7 @@ def _apply_bias(scores: torch.Tensor, logit_bias: Mapping[int, float]) -> None: 
     ids = torch.tensor(list(logit_bias), dtype=torch.int64)
     if ids.max() >= vocab:
         raise ValueError(f"logit_bias names token {int(ids.max())}, outside the vocabulary of size {vocab}")
-    scores[:, ids] += torch.tensor(list(logit_bias.values()), dtype=torch.float64)
+    scores[:, ids.to(scores.device)] += torch.tensor(list(logit_bias.values()), dtype=torch.float64, device=scores.device)
 
 
 def _apply_masks(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # (n, V) float64
