@@ -75,8 +75,11 @@ def _keyed_masses(probs: torch.Tensor, keys: torch.Tensor, own: torch.Tensor) ->
 
 
 def p_order_masses(probs: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # probs (n, V), tokens (n,)
-    """``(P_p(p(Y) < p(x)), P_p(p(Y) = p(x)))`` per row: the parts of the PIT in the order by p (key ``p``)."""
-    return _keyed_masses(probs, probs, probs.gather(1, tokens[:, None]))
+    """``(P_p(p(Y) < p(x)), P_p(p(Y) = p(x)))`` per row: the parts of the PIT in the order by p (key ``p``). Tokens
+    tied with x have x's probability, so their mass is ``p(x)`` times their count: one masked sum fewer."""
+    own = probs.gather(1, tokens[:, None])  # (n, 1)
+    below = torch.where(probs < own, probs, 0.0).sum(-1)
+    return below, own[:, 0] * (probs == own).sum(-1)
 
 
 def recency_pit_values(
