@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactspec.sampling import GREEDY, MAX_MAGNITUDE, SamplingParams, block_probs
+from exactspec.sampling import GREEDY, MAX_MAGNITUDE, SamplingParams, block_probs, full_width
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0]])  # (1, 4)
 
@@ -113,6 +113,32 @@ def test_penalties_touch_only_seen_columns_and_equal_the_full_width_formula_bit_
         expected = _full_width_penalties(logits, prefix, block, prompt_length, params).softmax(-1)
         assert torch.equal(block_probs(logits, prefix, block, prompt_length, params), expected), prompt_length
     assert torch.equal(logits, before)
+
+
+def test_a_vocabulary_subset_gives_the_full_vocabularys_law_of_logits_that_are_minus_infinity_outside_it():
+    """A feature draft's q is computed on its subset S's columns only (token_ids); under every processor it must
+    be the full-vocabulary result for logits -inf outside S: penalties, bias and masks naming tokens inside and
+    outside S, top-k wider than S, ties (greedy picks the lowest id), and a setting that excludes all of S."""
+    vocab, generator = 300, torch.Generator().manual_seed(5)
+    token_ids = torch.randperm(vocab, generator=generator)[:120].sort().values  # S, ascending
+    outside = sorted(set(range(vocab)) - set(token_ids.tolist()))
+    inside = token_ids.tolist()
+    logits = 2 * torch.randn(3, vocab, generator=generator, dtype=torch.float64)
+    logits[:, inside[40]] = logits[:, inside[7]] = logits.max() + 1  # a tie at the top, for greedy
+    masked = torch.full_like(logits, -torch.inf).index_copy(1, token_ids, logits[:, token_ids])
+    prefix, block = [inside[3], outside[0], inside[3], outside[5], inside[9]], [inside[9], outside[2]]
+    settings = [SamplingParams(), SamplingParams(temperature=0.7, top_k=20), SamplingParams(top_k=200), SamplingParams(top_p=0.8),
+                SamplingParams(temperature=1.3, min_p=0.1), GREEDY,
+                SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+                SamplingParams(logit_bias={inside[11]: 4.0, outside[1]: 50.0, inside[3]: -2.0}),
+                SamplingParams(banned_token_ids=frozenset({inside[7], outside[3]}), allowed_token_ids=frozenset(inside[:60] + outside[:9]))]
+    for params in settings:
+        expected = block_probs(masked, prefix, block, 2, params)
+        subset = block_probs(logits[:, token_ids], prefix, block, 2, params, token_ids=token_ids)
+        assert subset.shape == (3, len(token_ids))
+        torch.testing.assert_close(full_width(subset, token_ids, vocab), expected, rtol=0, atol=1e-15, msg=str(params))
+    with pytest.raises(ValueError, match="every token is excluded"):
+        block_probs(logits[:1, token_ids], prefix, [], 2, SamplingParams(allowed_token_ids=frozenset(outside)), token_ids=token_ids)
 
 
 def test_everything_banned_is_an_error():

@@ -189,8 +189,8 @@ def test_a_request_that_fails_inside_the_model_gets_500_and_the_server_goes_on(c
     import exactspec.serving.batching as module
 
     real = module.block_probs
-    monkeypatch.setattr(module, "block_probs", lambda logits, prefix, block, n, params: (
-        (_ for _ in ()).throw(RuntimeError("injected fault")) if params.top_k == 7 else real(logits, prefix, block, n, params)))
+    monkeypatch.setattr(module, "block_probs", lambda logits, prefix, block, n, params, **columns: (
+        (_ for _ in ()).throw(RuntimeError("injected fault")) if params.top_k == 7 else real(logits, prefix, block, n, params, **columns)))
     with pytest.raises(openai.InternalServerError, match="injected fault"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"top_k": 7})
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0).usage.completion_tokens == 8

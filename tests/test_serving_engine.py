@@ -130,10 +130,10 @@ def test_a_failing_sequence_ends_with_an_error_and_the_others_finish(pair, promp
 
     real = module.block_probs
 
-    def failing(logits, prefix, block, prompt_length, params):
+    def failing(logits, prefix, block, prompt_length, params, **columns):
         if params.top_k == 7:
             raise RuntimeError("injected fault")
-        return real(logits, prefix, block, prompt_length, params)
+        return real(logits, prefix, block, prompt_length, params, **columns)
 
     monkeypatch.setattr(module, "block_probs", failing)
     engine = build_engine(pair, slots=3, max_len=256, calibrated=False)

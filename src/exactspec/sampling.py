@@ -42,7 +42,7 @@ import torch
 
 from exactspec.verify import greedy_token
 
-__all__ = ["SamplingParams", "block_probs", "GREEDY", "MAX_MAGNITUDE"]
+__all__ = ["SamplingParams", "block_probs", "full_width", "GREEDY", "MAX_MAGNITUDE"]
 
 #: Largest penalty or bias magnitude (and inverse of the smallest non-zero temperature) accepted.
 MAX_MAGNITUDE = 1e30
@@ -134,11 +134,16 @@ def block_probs(
     block: Sequence[int],  # tokens appended after prefix; row j conditions on prefix + block[:j]
     prompt_length: int,  # how many leading tokens of prefix are the prompt
     params: SamplingParams,
+    token_ids: torch.Tensor | None = None,  # (V,) ascending: column c's token id; None: column c is token c
 ) -> torch.Tensor:  # (n, V) float64, each row a distribution
     """Effective distributions of ``n`` consecutive positions, each from its own prefix.
 
     Prefix-dependent processors (penalties) are evaluated per row, with the
     earlier tokens of the block counted: per token, never once per round.
+
+    With ``token_ids`` the columns are a subset S of the vocabulary (a draft's): the result is, column for
+    column, the distribution the full vocabulary gives with logits ``-inf`` outside S (every processor maps
+    ``-inf`` to ``-inf``, and ascending ids keep the ties' order), at the cost of S alone (:func:`full_width`).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must have shape (n, V), got {tuple(logits.shape)}")
@@ -147,11 +152,11 @@ def block_probs(
         raise ValueError(f"{rows} rows need at least {rows - 1} block tokens, got {len(block)}")
     scores = logits.to(torch.float64, copy=True)  # owned: bias and penalties write into it
     if params.logit_bias:
-        _apply_bias(scores, params.logit_bias)
+        _apply_bias(scores, params.logit_bias, token_ids)
     if params.uses_prefix:
-        _apply_penalties(scores, prefix, block[: rows - 1], prompt_length, params)
+        _apply_penalties(scores, prefix, block[: rows - 1], prompt_length, params, token_ids)
     if params.banned_token_ids or params.allowed_token_ids is not None:
-        scores = _apply_masks(scores, params)
+        scores = _apply_masks(scores, params, token_ids)
         if torch.isneginf(scores).all(-1).any():
             raise ValueError("every token is excluded by the allowed/banned sets or the bias: nothing can be sampled")
     if params.greedy:
@@ -167,6 +172,22 @@ def block_probs(
         probs = scores.softmax(-1)
         scores = scores.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, -math.inf)
     return scores.softmax(-1)
+
+
+def full_width(probs: torch.Tensor, token_ids: torch.Tensor | None, vocab: int) -> torch.Tensor:  # (n, |S|) -> (n, V)
+    """Distributions over the columns ``token_ids`` (:func:`block_probs`) as rows over the whole vocabulary, zero
+    outside them; unchanged when ``token_ids`` is None."""
+    if token_ids is None:
+        return probs
+    return probs.new_zeros((probs.shape[0], vocab)).index_copy_(1, token_ids.to(probs.device), probs)
+
+
+def _columns(ids: torch.Tensor, token_ids: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(column, present)`` ``(k,)`` each: the column of each token id in ``ids``, and whether it has one."""
+    if token_ids is None:
+        return ids, ids < width
+    columns = torch.searchsorted(token_ids, ids).clamp(max=len(token_ids) - 1)
+    return columns, token_ids[columns] == ids
 
 
 def _token_counts(
@@ -193,6 +214,7 @@ def _apply_penalties(
     block: Sequence[int],  # n - 1 tokens
     prompt_length: int,
     params: SamplingParams,
+    token_ids: torch.Tensor | None,  # see block_probs
 ) -> None:
     """Repetition (CTRL: divide a positive logit, multiply a negative one), presence and frequency penalties
     (OpenAI: subtract ``presence * [count > 0] + frequency * count``), row j counting ``prefix + block[:j]``.
@@ -200,12 +222,13 @@ def _apply_penalties(
     Only the columns of tokens in the prefix or the block can change, so the work is O(n x m) for the m distinct
     tokens seen, not O(n x V); every other column keeps its value, as the full-width formulas leave it.
     """
-    vocab = scores.shape[-1]
-    seen_ids = sorted({t for t in [*prefix, *block] if t < vocab})
+    seen = sorted({*prefix, *block})
+    scores_columns, present = _columns(torch.tensor(seen, dtype=torch.int64), token_ids, scores.shape[-1])
+    seen_ids = [token for token, has_column in zip(seen, present.tolist()) if has_column]
     if not seen_ids:
         return
     column = {token: c for c, token in enumerate(seen_ids)}
-    columns = torch.tensor(seen_ids, dtype=torch.int64, device=scores.device)  # (m,)
+    columns = scores_columns[present].to(scores.device)  # (m,)
     values = scores[:, columns]  # (n, m)
     if params.repetition_penalty != 1:
         seen = _token_counts(prefix, block, 0, column).to(scores.device) > 0
@@ -218,24 +241,22 @@ def _apply_penalties(
     scores[:, columns] = values
 
 
-def _apply_bias(scores: torch.Tensor, logit_bias: Mapping[int, float]) -> None:  # (n, V) float64, in place
+def _apply_bias(scores: torch.Tensor, logit_bias: Mapping[int, float], token_ids: torch.Tensor | None) -> None:  # (n, V) float64, in place
     vocab = scores.shape[-1]
     ids = torch.tensor(list(logit_bias), dtype=torch.int64)
-    if ids.max() >= vocab:
+    if token_ids is None and ids.max() >= vocab:
         raise ValueError(f"logit_bias names token {int(ids.max())}, outside the vocabulary of size {vocab}")
-    scores[:, ids.to(scores.device)] += torch.tensor(list(logit_bias.values()), dtype=torch.float64, device=scores.device)
+    columns, present = _columns(ids, token_ids, vocab)  # a biased token outside a subset stays at -inf
+    bias = torch.tensor(list(logit_bias.values()), dtype=torch.float64)
+    scores[:, columns[present].to(scores.device)] += bias[present].to(scores.device)
 
 
-def _apply_masks(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # (n, V) float64
-    vocab = scores.shape[-1]
-    excluded = set(params.banned_token_ids)
+def _apply_masks(scores: torch.Tensor, params: SamplingParams, token_ids: torch.Tensor | None) -> torch.Tensor:  # (n, V) float64
+    column_ids = torch.arange(scores.shape[-1]) if token_ids is None else token_ids.cpu()
+    excluded = torch.isin(column_ids, torch.tensor(sorted(params.banned_token_ids), dtype=torch.int64))
     if params.allowed_token_ids is not None:
-        excluded |= set(range(vocab)) - params.allowed_token_ids
-    excluded = {t for t in excluded if t < vocab}
-    if excluded:
-        scores = scores.clone()
-        scores[:, sorted(excluded)] = -math.inf
-    return scores
+        excluded |= ~torch.isin(column_ids, torch.tensor(sorted(params.allowed_token_ids), dtype=torch.int64))
+    return scores.masked_fill(excluded.to(scores.device), -math.inf)
 
 
 def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:  # (n, V) tempered logits

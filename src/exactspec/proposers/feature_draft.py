@@ -7,13 +7,13 @@ features of positions 0..n-2 are known; the draft's cache is rolled back to the 
 missing ones are fed in one call, and each further draft step feeds the draft's own output as the next feature.
 
 q of each step is the draft's distribution over its vocabulary subset S with the same sampling pipeline as the
-target's p (:func:`exactspec.sampling.block_probs`, on logits that are -inf outside S), so a sampled token is
-checked with min(1, p/q) and a greedy one as a point mass, as for any proposer.
+target's p (:func:`exactspec.sampling.block_probs` on S's columns, equal to the full vocabulary's with logits
+-inf outside S), so a sampled token is checked with min(1, p/q) and a greedy one as a point mass, as for any
+proposer.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Sequence
 
@@ -21,7 +21,7 @@ import torch
 
 from exactspec.models.eagle import FeatureDraftRunner
 from exactspec.proposers.base import Draft
-from exactspec.sampling import SamplingParams, block_probs
+from exactspec.sampling import SamplingParams, block_probs, full_width
 from exactspec.verify import greedy_token, sample_from
 
 __all__ = ["FeatureDraftProposer"]
@@ -74,20 +74,20 @@ class FeatureDraftProposer:
             if q is None:  # the sampling settings exclude all of S: propose what we have
                 break
             if self.params.greedy:
-                token = int(greedy_token(q))
+                column = greedy_token(q)
             else:
-                token = int(sample_from(q.unsqueeze(0), torch.rand((1,), dtype=torch.float64, generator=generator))[0])
+                column = sample_from(q.unsqueeze(0), torch.rand((1,), dtype=torch.float64, generator=generator))[0]
+            token = int(self._ids[column])
             tokens.append(token)
             rows.append(q)
             prefix.append(token)
             if step < gamma - 1:
                 g, logits = self.runner.step(g.unsqueeze(0), [token])
-        return Draft(tokens, None if self.params.greedy or not rows else torch.stack(rows), setup)
+        probs = None if self.params.greedy or not rows else full_width(torch.stack(rows), self._ids, self.vocab_size)
+        return Draft(tokens, probs, setup)
 
-    def _probs(self, subset_logits: torch.Tensor, prefix: list[int]) -> torch.Tensor | None:  # (|S|,) -> (V,) or None
-        full = torch.full((1, self.vocab_size), -math.inf)
-        full[0, self._ids] = subset_logits[: len(self._ids)].cpu()
+    def _probs(self, subset_logits: torch.Tensor, prefix: list[int]) -> torch.Tensor | None:  # (|S|,) -> (|S|,) or None
         try:
-            return block_probs(full, prefix, [], self.prompt_length, self.params)[0]
+            return block_probs(subset_logits[: len(self._ids)].cpu().unsqueeze(0), prefix, [], self.prompt_length, self.params, token_ids=self._ids)[0]
         except ValueError:
             return None

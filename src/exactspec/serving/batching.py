@@ -37,7 +37,7 @@ from exactspec.engine import verify_block
 from exactspec.models.batched import MAX_BLOCK, BatchedLean
 from exactspec.models.batched_feature_draft import BatchedFeatureDraft
 from exactspec.proposers.prompt_lookup import find_continuation
-from exactspec.sampling import SamplingParams, block_probs
+from exactspec.sampling import SamplingParams, block_probs, full_width
 from exactspec.serving.policy import BatchPolicy
 from exactspec.verify import greedy_token, sample_from
 
@@ -145,11 +145,12 @@ class BatchEngine:
         for model in (draft, feature_draft):
             if model is not None and model.slots < target.slots:
                 raise ValueError("the draft needs a slot for every target slot")
+        self._draft_ids = None  # the token ids of the draft's logit columns; None: column c is token c
         if feature_draft is not None:
             if draft is not None or tuple(target.feature_layers) != tuple(feature_draft.draft.cfg.feature_layers):
                 raise ValueError("a feature-level draft needs the target to capture its layers, and no draft model beside it")
             ids = feature_draft.draft.vocab_ids.cpu()
-            self._subset = ids[ids < target.vocab_size]  # the feature draft's vocabulary S within the target's
+            self._draft_ids = ids[ids < target.vocab_size]  # its vocabulary S within the target's, ascending
         self.target, self.draft, self.config = target, draft, config
         self.feature_draft = feature_draft
         self.policy = policy or BatchPolicy(max_gamma=config.max_gamma)
@@ -323,8 +324,8 @@ class BatchEngine:
 
     def _draft_batched(self, drafting: list[_Sequence], gammas: dict[int, int], drafts: dict) -> None:
         """The draft tokens of every drafting sequence, one batched draft call per draft position. Each token is
-        drawn (greedy: argmax) from q of :meth:`_draft_probs`; a sequence whose settings leave its draft nothing to
-        propose stops drafting there."""
+        drawn (greedy: argmax) from q of :meth:`_draft_probs` over the draft's columns; a sequence whose settings
+        leave its draft nothing to propose stops drafting there."""
         call = self._feature_draft_call if self.feature_draft is not None else self._draft_model_call
         step_seconds = []  # of steps that feed each row 1 or 2 tokens: a catch-up after plain steps is setup
         prefixes = {s.slot: list(s.context) for s in drafting}
@@ -343,9 +344,10 @@ class BatchEngine:
                 except ValueError:  # every token the draft has is excluded (allowed/banned sets, bias)
                     continue
                 if params.greedy:
-                    token = int(greedy_token(q))
+                    column = greedy_token(q)
                 else:
-                    token = int(sample_from(q.unsqueeze(0), torch.rand((1,), dtype=torch.float64, generator=s.generator))[0])
+                    column = sample_from(q.unsqueeze(0), torch.rand((1,), dtype=torch.float64, generator=s.generator))[0]
+                token = int(column) if self._draft_ids is None else int(self._draft_ids[column])
                 tokens[s.slot].append(token)
                 rows[s.slot].append(reported)
                 prefixes[s.slot].append(token)
@@ -353,7 +355,8 @@ class BatchEngine:
             if not live:
                 break
         for s in drafting:
-            drafts[s.slot] = (tokens[s.slot], None if s.request.params.greedy or not rows[s.slot] else torch.stack(rows[s.slot]))
+            reported = None if s.request.params.greedy or not rows[s.slot] else torch.stack(rows[s.slot])
+            drafts[s.slot] = (tokens[s.slot], None if reported is None else full_width(reported, self._draft_ids, self.target.vocab_size))
         if step_seconds:
             self.policy.observe_draft(len(drafting), statistics.median(step_seconds))
 
@@ -372,7 +375,7 @@ class BatchEngine:
         """As :meth:`_draft_model_call` for the feature-level draft (:mod:`exactspec.models.eagle`): the first step
         rolls each slot back to what the target's features built (dropping last round's predicted slots) and feeds
         the features the target computed since; each later step feeds the draft's own output and its last token.
-        Logits are -inf outside the draft's vocabulary S."""
+        Logits ``(1, |S|)`` cover the draft's vocabulary S (columns ``self._draft_ids``)."""
         draft = self.feature_draft
         if step == 0:
             rows = []
@@ -386,18 +389,17 @@ class BatchEngine:
         else:
             rows = [(s.slot, s.draft_output, tokens[s.slot][-1:]) for s in live]
         outputs, subset_logits = draft.forward(rows)
-        full = torch.full((len(live), self.target.vocab_size), -torch.inf)
-        full[:, self._subset] = subset_logits[:, : len(self._subset)].cpu()
         for s, output in zip(live, outputs):
             s.draft_output = output.unsqueeze(0)
-        return list(full.unsqueeze(1)), max(len(t) for _, _, t in rows) > 2
+        return list(subset_logits[:, : len(self._draft_ids)].cpu().unsqueeze(1)), max(len(t) for _, _, t in rows) > 2
 
     # The three rules of a round, as methods so that the certification's self-check can swap in known-wrong ones
     # (exactspec.certification.mutants); nothing else overrides them.
     def _draft_probs(self, logits: torch.Tensor, prefix: list[int], prompt_length: int, params: SamplingParams):
-        """``(q to draw the draft token from, q reported to the verifier)`` ``(V,)`` each: the same distribution,
-        from the same pipeline as the target's p."""
-        q = block_probs(logits, prefix, [], prompt_length, params)[0]
+        """``(q to draw the draft token from, q reported to the verifier)`` over the draft's columns each: the same
+        distribution, from the same pipeline as the target's p. ``logits`` ``(1, V)`` or, for a feature draft,
+        ``(1, |S|)``."""
+        q = block_probs(logits, prefix, [], prompt_length, params, token_ids=self._draft_ids)[0]
         return q, q
 
     def _target_probs(self, logits: torch.Tensor, context: list[int], block: list[int], prompt_length: int,
