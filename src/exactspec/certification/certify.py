@@ -72,7 +72,7 @@ class CertifyConfig:
     gamma: int = 4
     alpha: float = 1e-3  # family-wise false-positive rate
     seed: int = 0
-    slots: int = 16
+    slots: int = 128  # sequences sampled together: 32 to 128 sped SmolLM2 sampling up by a quarter (2 threads)
     self_check: bool = False
     mutants: tuple[str, ...] = tuple(MUTANTS)  # which known-wrong samplers the self-check runs
 
@@ -101,10 +101,12 @@ class _RecordsDraftProbs:
     recorded_q: dict
 
     def _round_end(self, s, row, logits, tokens, probs):
-        if probs is not None:
-            top = probs.topk(min(TOP_Q, probs.shape[-1]), dim=-1)
+        if probs is not None:  # (g, V), zero outside the draft's columns: only those are searched
+            columns = probs if self._draft_ids is None else probs[:, self._draft_ids]
+            top = columns.topk(min(TOP_Q, columns.shape[-1]), dim=-1)
+            ids = top.indices if self._draft_ids is None else self._draft_ids[top.indices]
             for k in range(len(tokens)):
-                self.recorded_q[(s.request.seed, len(s.context) + k)] = (top.indices[k], top.values[k])
+                self.recorded_q[(s.request.seed, len(s.context) + k)] = (ids[k], top.values[k])
         super()._round_end(s, row, logits, tokens, probs)
 
 
