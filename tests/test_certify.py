@@ -5,7 +5,7 @@ engine's pass fails with at most that probability; seeds are fixed, so each run 
 The sample here is small to keep the suite short: 160 x 32 tokens per configuration. It detects the residual
 drawn from p, the unprocessed q and the argmax draft. The penalties bug needs more tokens (rejected at 400 x 48
 tokens, p ~ 3e-8, see README), and the bf16 precision mismatch (about 0.002 TV per drafted token on this pair)
-is below the resolution of any sample certify draws in minutes."""
+is below the resolution of any sample certify draws in minutes: the draw replay catches it instead."""
 
 from __future__ import annotations
 
@@ -13,9 +13,14 @@ import json
 
 import pytest
 
-from exactspec.certification.certify import CertifyConfig, certify, default_prompts
+from tqdm import tqdm
+
+from exactspec.certification.certify import CertifyConfig, LocalSampler, _RecordsDraftProbs, _sample, certify, default_prompts
+from exactspec.certification.mutants import MUTANTS
 from exactspec.cli import main
 from exactspec.loading import default_pair_dirs, load_pair
+from exactspec.sampling import SamplingParams
+from exactspec.serving.batching import BatchEngine
 
 
 def test_the_command_passes_the_real_engine_and_writes_its_outputs(tmp_path):
@@ -34,10 +39,42 @@ def test_the_self_check_rejects_the_known_wrong_samplers():
     mutants = ("residual_from_p", "unprocessed_q", "argmax_draft_sampled_ratio")
     config = CertifyConfig(configs=("T=1",), sequences=160, max_tokens=32, self_check=True, mutants=mutants)
     report = certify(pair, default_prompts(pair.tokenizer), config, progress=False)
-    assert report["passed"]
+    assert report["passed"] and report["draws"]["mismatched"] == 0 < report["draws"]["replayed"]
     for name in mutants:
-        assert report["self_check"][name]["rejected"], (name, report["self_check"][name])
-        assert report["self_check"][name]["smallest_adjusted_p"] < 1e-6
+        check = report["self_check"][name]
+        assert check["rejected"] and check["smallest_adjusted_p"] < 1e-6, (name, check)
+        assert check.get("tests_adjusted_p", check["smallest_adjusted_p"]) < 1e-6, (name, check)  # the statistics alone too
+    # the two whose draft is not drawn from the q the verifier gets are caught by the draw replay as well
+    assert all(report["self_check"][name]["by"].startswith("draw replay") for name in ("unprocessed_q", "argmax_draft_sampled_ratio"))
+
+
+def recorded_draws(engine_class: type[BatchEngine], params: SamplingParams, sequences: int) -> dict:
+    """The draw replay's counts over ``sequences`` continuations of 5 tokens by the tiny target with a feature draft
+    whose vocabulary subset leaves a token out (q computed on the subset, widened for the verifier)."""
+    from test_serving_engine import tiny_feature_engine
+
+    engine = tiny_feature_engine(type("Recording", (_RecordsDraftProbs, engine_class), {}))
+    _sample(engine, [[1, 2]], params, CertifyConfig(configs=("T=1",), sequences=sequences, max_tokens=5), 0, tqdm(disable=True))
+    return engine.draws
+
+
+def test_the_draw_replay_never_fires_on_the_real_engine_and_catches_a_draft_drawn_from_another_q():
+    """Each sampled draft token must be the inverse-CDF draw, at the uniform its generator gave, from the q the
+    verifier got. The real engine with a feature draft (q on its subset, widened): never off. Drawn from the
+    processed q but reported raw (unprocessed q): caught."""
+    params = SamplingParams(temperature=0.7, top_k=3)
+    real = recorded_draws(BatchEngine, params, 200)
+    assert real["replayed"] > 300 and real["mismatched"] == 0
+    assert recorded_draws(MUTANTS["unprocessed_q"], params, 50)["mismatched"] > 0
+
+
+def test_the_draw_replay_catches_the_precision_mismatch_that_the_statistics_cannot_see():
+    """Drafts drawn from bfloat16-rounded logits and checked with the float32 q: about 0.002 TV per drafted token on
+    the shipped pair, but with the same uniform the two inverse CDFs part at a sizeable share of draws."""
+    pair = load_pair(*default_pair_dirs())
+    sampler = LocalSampler(pair, default_prompts(pair.tokenizer), CertifyConfig(configs=("T=1",), sequences=40, max_tokens=32))
+    real, wrong = sampler("T=1", None, 1, 1)["draws"], sampler("T=1", "precision_mismatch", 1, 1)["draws"]
+    assert real["mismatched"] == 0 < real["replayed"] and wrong["mismatched"] > 0
 
 
 def test_the_command_runs_only_the_mutants_it_is_given(tmp_path):

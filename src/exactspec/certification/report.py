@@ -29,6 +29,8 @@ def format_certify_table(report: dict) -> str:
     greedy = report["greedy"]
     lines.append(f"greedy: speculative equals plain on {greedy['equal']} of {greedy['prompts']} prompts")
     lines.append(f"numerics: largest logit difference, a position alone vs in a block: {report['numerics_max_logit_difference']:.3g}")
+    draws = report["draws"]
+    lines.append(f"draw replay: {draws['mismatched']} of {draws['replayed']} sampled draft tokens are not the draw of the q the verifier was given")
     for name, m in report.get("self_check", {}).items():
         if not m["applies"]:
             lines.append(f"self-check {name:>28}: {m['by']}")
