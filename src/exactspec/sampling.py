@@ -222,9 +222,9 @@ def _apply_penalties(
     Only the columns of tokens in the prefix or the block can change, so the work is O(n x m) for the m distinct
     tokens seen, not O(n x V); every other column keeps its value, as the full-width formulas leave it.
     """
-    seen = sorted({*prefix, *block})
-    scores_columns, present = _columns(torch.tensor(seen, dtype=torch.int64), token_ids, scores.shape[-1])
-    seen_ids = [token for token, has_column in zip(seen, present.tolist()) if has_column]
+    distinct = sorted({*prefix, *block})
+    scores_columns, present = _columns(torch.tensor(distinct, dtype=torch.int64), token_ids, scores.shape[-1])
+    seen_ids = [token for token, has_column in zip(distinct, present.tolist()) if has_column]
     if not seen_ids:
         return
     column = {token: c for c, token in enumerate(seen_ids)}
