@@ -31,6 +31,30 @@ def test_prompts_are_deterministic_and_held_out_apart():
     assert (train, held) == chat_prompts(0) and not set(train) & set(held) and len(held) * 15 < len(train)
 
 
+def test_answers_are_drawn_per_prompt_and_sample_and_a_rerun_adds_only_the_missing_ones(target, tmp_path):
+    import time
+
+    from exactspec.chat import chat_messages
+    from exactspec.tokenizer import TextTokenizer
+    from exactspec.training.draft_data import answer_key, generate_answers
+
+    prompts, out = [p for p in chat_prompts(0)[0] if len(p) < 60][:5], tmp_path / "answers.jsonl"
+    tokenizer = TextTokenizer.from_path(target)
+    assert generate_answers(target, prompts, out, time.monotonic() + 600, samples=2, slots=3, max_new_tokens=6) == 10
+    first = out.read_text()
+    rows = read_answers(out)
+    assert sorted(map(answer_key, rows)) == sorted((p, i) for p in prompts for i in range(2))
+    for row in rows:
+        prompt_ids, answer = row["ids"][: row["answer_start"]], row["ids"][row["answer_start"] :]
+        assert prompt_ids == tokenizer.encode_chat(chat_messages(row["prompt"]))
+        assert 1 <= len(answer) <= 6 and (len(answer) == 6 or answer[-1] in tokenizer.eos_token_ids)
+        assert not set(answer[:-1]) & set(tokenizer.eos_token_ids)  # an answer ends at its first stop token
+    assert generate_answers(target, prompts, out, time.monotonic() - 1, samples=3) == 10  # past the deadline: nothing
+    assert generate_answers(target, prompts, out, time.monotonic() + 600, samples=3, slots=4, max_new_tokens=6) == 15
+    assert out.read_text().startswith(first)  # earlier answers kept as they were
+    assert sorted(map(answer_key, read_answers(out))) == sorted((p, i) for p in prompts for i in range(3))
+
+
 def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.5", "--threads", "1",

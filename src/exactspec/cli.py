@@ -566,7 +566,7 @@ def _train_draft(args: argparse.Namespace) -> dict:
 
         target = check_local_checkpoint(resolve_checkpoint(args.target))
         config = TrainDraftArgs(target, Path(args.out), args.minutes, args.vocab_subset, args.ttt_steps,
-                                seed=args.seed, threads=args.threads)
+                                answers_per_prompt=args.answers_per_prompt, seed=args.seed, threads=args.threads)
         return train_draft(config)
     except (FileNotFoundError, ValueError, RuntimeError) as error:
         raise CliError(str(error)) from None
@@ -712,6 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True, help="the run's directory (data, checkpoints; the draft lands in OUT/draft)")
     train.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget for every phase together")
     train.add_argument("--vocab-subset", type=_integer(16), default=8192, help="tokens the draft's head covers (the most frequent in its data)")
+    train.add_argument("--answers-per-prompt", type=_integer(1), default=4, help="the target's answers per training prompt, each sampled with its own seed, as time allows: every prompt once before any twice")
     train.add_argument("--ttt-steps", type=_integer(1), default=3, help="training-time-test depth: steps trained on the draft's own features")
     train.add_argument("--threads", type=_integer(1), help="CPU threads for torch (default: torch's choice)")
     train.add_argument("--seed", type=_integer(0), default=0, help="seed of the prompts, data order and initialisation")

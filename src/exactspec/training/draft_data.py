@@ -3,10 +3,9 @@
 
 Prompts are generated from templates (general questions over a list of topics, coding tasks, and questions about
 stdlib code excerpts); every 20th is held out for the model card's acceptance figures. None of them is a
-benchmark prompt (:data:`exactspec.peers.CHAT_PROMPTS`). Answers are sampled from the target (temperature 0.7)
-through transformers' batched ``generate`` on the target's dense bfloat16 weights (the lean backend decodes one
-sequence at a time), written one JSON line per prompt as soon as a batch finishes, so an interrupted run continues
-where it stopped.
+benchmark prompt (:data:`exactspec.peers.CHAT_PROMPTS`). Answers are sampled from the target (temperature 0.7) by
+exactspec's continuous-batching engine on the target's dense bfloat16 weights, written one JSON line per answer as
+soon as it finishes, so an interrupted run continues where it stopped.
 """
 
 from __future__ import annotations
@@ -97,79 +96,84 @@ def read_answers(path: Path) -> list[dict]:
     return rows
 
 
+def answer_key(row: dict) -> tuple[str, int]:
+    """What identifies an answer: its prompt and its sample number (0 for a run that drew one per prompt)."""
+    return row["prompt"], row.get("sample", 0)
+
+
 def generate_answers(
-    target: Path,  # a .gguf file or a Hugging Face directory
+    target: Path,  # a .gguf file or a Llama directory
     prompts: list[str],
     out: Path,
     deadline: float,  # time.monotonic() value
-    batch_size: int = 64,
+    samples: int = 1,  # answers per prompt, each from its own seed
+    slots: int = 64,
     max_new_tokens: int = 256,
     temperature: float = 0.7,
+    seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> int:
-    """Sample the target's answers to ``prompts`` (skipping those already in ``out``) until done or ``deadline``;
-    returns how many answers ``out`` holds."""
+    """Sample the target's answers to ``prompts`` (``samples`` each, skipping those already in ``out``) until done or
+    ``deadline``; returns how many answers ``out`` holds. The target decodes in the continuous-batching engine
+    (dense bfloat16, speculation off): a finished answer frees its slot for the next prompt at once, and is written
+    as one JSON line when it finishes. Answer i of a prompt is seeded from the prompt and i, so a resumed run draws
+    what an uninterrupted one would have."""
+    import hashlib
+
     import torch
 
     from exactspec.chat import chat_messages
+    from exactspec.models.batched import BatchedLean
+    from exactspec.models.lean import LeanModel
+    from exactspec.sampling import SamplingParams
+    from exactspec.serving.batching import BatchEngine, SequenceRequest
     from exactspec.tokenizer import TextTokenizer
 
-    done = {row["prompt"] for row in read_answers(out)}
-    todo = [p for p in prompts if p not in done]
+    done = {answer_key(row) for row in read_answers(out)}
+    todo = [(p, i) for i in range(samples) for p in prompts if (p, i) not in done]  # every prompt once, then again
     if not todo or time.monotonic() > deadline:
         return len(done)
     tokenizer = TextTokenizer.from_path(target)
-    model = _batched_model(target)
-    eos = sorted(tokenizer.eos_token_ids)
-    window = model.config.max_position_embeddings
-    encoded = {p: tokenizer.encode_chat(chat_messages(p)) for p in todo}
-    todo = [p for p in todo if len(encoded[p]) + 32 <= window]  # room for an answer in the model's window
+    model = LeanModel.from_pretrained(target, dtype=torch.bfloat16, weights="dense")
+    window = model.cfg.max_position_embeddings
+    encoded = {p: tokenizer.encode_chat(chat_messages(p)) for p, _ in todo}
+    todo = [(p, i) for p, i in todo if len(encoded[p]) + 32 <= window]  # room for an answer in the model's window
+    if not todo:
+        return len(done)
+    longest = max(len(encoded[p]) for p, _ in todo)
+    engine = BatchEngine(BatchedLean.like(model, min(slots, len(todo)), min(window, longest + max_new_tokens)))
+    params = SamplingParams(temperature=temperature)
     out.parent.mkdir(parents=True, exist_ok=True)
+    failures: list[str] = []
+    submitted = 0
     with out.open("a") as sink:
-        for start in range(0, len(todo), batch_size):
-            if time.monotonic() > deadline:
-                break
-            batch = todo[start : start + batch_size]
-            ids = [encoded[p] for p in batch]
-            width = max(map(len, ids))
-            room = min(max_new_tokens, window - width)
-            inputs = torch.tensor([[0] * (width - len(x)) + x for x in ids])  # left padding
-            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-            with torch.inference_mode():
-                generated = model.generate(input_ids=inputs, attention_mask=mask, max_new_tokens=room,
-                                           do_sample=True, temperature=temperature, eos_token_id=eos, pad_token_id=eos[0])
-            for prompt, prompt_ids, row in zip(batch, ids, generated[:, width:].tolist()):
-                answer = []
-                for token in row:
-                    answer.append(token)
-                    if token in tokenizer.eos_token_ids:
-                        break
-                sink.write(json.dumps({"prompt": prompt, "ids": prompt_ids + answer, "answer_start": len(prompt_ids)}) + "\n")
-            sink.flush()
-            done.update(batch)
-            if progress:
-                progress(len(done), len(todo) - start - len(batch))
+        def submit(prompt: str, sample: int) -> None:
+            ids = encoded[prompt]
+            answer: list[int] = []
+            digest = hashlib.sha256(f"{seed}:{sample}:{prompt}".encode()).digest()
+            request = SequenceRequest(tuple(ids), params, min(max_new_tokens, window - len(ids)),
+                                      frozenset(tokenizer.eos_token_ids), int.from_bytes(digest[:7], "big"), "off")
+
+            def finished(handle) -> None:
+                if handle.finish_reason == "error":
+                    failures.append(handle.error)
+                    return
+                sink.write(json.dumps({"prompt": prompt, "sample": sample, "ids": ids + answer, "answer_start": len(ids)}) + "\n")
+                sink.flush()
+                done.add((prompt, sample))
+                if progress:
+                    progress(len(done), len(todo) - submitted + engine.batch_size + engine.queue_depth)
+
+            engine.submit(request, lambda events: answer.extend(e.token for e in events), finished)
+
+        while (submitted < len(todo) or engine.batch_size or engine.queue_depth) and time.monotonic() < deadline:
+            while submitted < len(todo) and engine.queue_depth < engine.target.slots:
+                submit(*todo[submitted])
+                submitted += 1
+            engine.step()
+            if failures:
+                raise RuntimeError(f"the target failed on a training prompt: {failures[0]}")
     return len(done)
-
-
-def _batched_model(target: Path):
-    """The target as a transformers model with dense bfloat16 weights (fast batched matmuls): a GGUF file's
-    weights dequantized by :mod:`exactspec.models.gguf` (transformers' own GGUF path keeps them packed and is several
-    times slower in batches), else the directory as transformers loads it."""
-    import torch
-    import transformers
-
-    from exactspec.models.base import is_gguf
-    from exactspec.models.gguf import hf_state_dict, llama_config, read_gguf
-
-    if not is_gguf(target):
-        return transformers.AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.bfloat16).eval()
-    gguf = read_gguf(target)
-    cfg = llama_config(gguf)
-    hf_config = {k: v for k, v in cfg.to_hf_dict("bfloat16").items() if k not in ("model_type", "architectures")}
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config))
-    model.load_state_dict(hf_state_dict(gguf, cfg), strict=False)  # a tied head has no tensor of its own
-    return model.to(torch.bfloat16).eval()
 
 
 def corpus_chunks(tokenizer, tokens: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -41,6 +41,7 @@ __all__ = ["TrainDraftArgs", "train_draft", "held_out_acceptance"]
 TOP_K = 16  # target probabilities kept per position
 PHASE_SHARES = {"answers": 0.35, "teacher": 0.2, "train": 0.45}
 SHARD_SEQUENCES = 64
+TEACHER_BATCH = 8  # sequences per teacher forward
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class TrainDraftArgs:
     window: int = 256  # tokens per training sequence
     max_sequence: int = 512
     corpus_share: float = 0.25  # of the teacher's tokens, standard-library source
+    answers_per_prompt: int = 4  # the answers phase draws up to this many per prompt, in rounds over all prompts
     lr: float = 1e-3
     seed: int = 0
     threads: int | None = None
@@ -61,6 +63,8 @@ class TrainDraftArgs:
     def __post_init__(self) -> None:
         if not self.minutes > 0 or self.vocab_subset < 16 or self.steps < 1 or self.batch_size < 1:
             raise ValueError("--minutes must be > 0, the vocabulary subset >= 16 tokens, steps and batch size >= 1")
+        if self.answers_per_prompt < 1:
+            raise ValueError("--answers-per-prompt must be >= 1")
 
 
 def _log(message: str) -> None:
@@ -88,14 +92,21 @@ def teacher_pass(model: LeanModel, layers: tuple[int, ...], sequences: list[tupl
     for index in range(done, math.ceil(len(sequences) / SHARD_SEQUENCES)):
         if time.monotonic() > deadline:
             break
-        rows = []
-        for ids, loss_from in sequences[index * SHARD_SEQUENCES : (index + 1) * SHARD_SEQUENCES]:
-            with torch.inference_mode():
-                logits, features = model.decoder.forward_train(torch.tensor([ids]), layers)
-            top = logits[0].float().softmax(-1).topk(TOP_K)
-            rows.append({"ids": torch.tensor(ids, dtype=torch.int32), "loss_from": loss_from,
-                         "features": features[0].to(torch.bfloat16), "top_probs": top.values.half(),
-                         "top_ids": top.indices.int()})
+        shard = sequences[index * SHARD_SEQUENCES : (index + 1) * SHARD_SEQUENCES]
+        rows = [None] * len(shard)
+        by_length = sorted(range(len(shard)), key=lambda i: len(shard[i][0]))
+        for start in range(0, len(shard), TEACHER_BATCH):  # similar lengths together: little padding
+            batch = by_length[start : start + TEACHER_BATCH]
+            width = len(shard[batch[-1]][0])
+            ids = torch.tensor([shard[i][0] + [0] * (width - len(shard[i][0])) for i in batch])  # right padding:
+            with torch.inference_mode():  # causal, so a position never reads the padding after it
+                logits, features = model.decoder.forward_train(ids, layers)
+            for row, i in enumerate(batch):
+                tokens, loss_from = shard[i]
+                top = logits[row, : len(tokens)].float().softmax(-1).topk(TOP_K)
+                rows[i] = {"ids": torch.tensor(tokens, dtype=torch.int32), "loss_from": loss_from,
+                           "features": features[row, : len(tokens)].to(torch.bfloat16), "top_probs": top.values.half(),
+                           "top_ids": top.indices.int()}
         torch.save(rows, shards / f"shard_{index:04d}.pt")
         done = index + 1
         _log(f"teacher: shard {done} ({SHARD_SEQUENCES * done} sequences)")
@@ -241,9 +252,10 @@ def train_draft(args: TrainDraftArgs) -> dict:
     tokenizer = TextTokenizer.from_path(args.target)
     train_prompts, held_prompts = chat_prompts(args.seed)
     answers_file = args.out / "answers.jsonl"
-    _log(f"answers: the target answers {len(held_prompts)} held-out and {len(train_prompts)} training prompts")
-    generate_answers(args.target, held_prompts + train_prompts, answers_file, deadline("answers"),
-                     progress=lambda done, left: _log(f"answers: {done} done, {left} left"))
+    _log(f"answers: the target answers {len(held_prompts)} held-out and {len(train_prompts)} training prompts, "
+         f"up to {args.answers_per_prompt} times each")
+    generate_answers(args.target, held_prompts + train_prompts, answers_file, deadline("answers"), args.answers_per_prompt,
+                     seed=args.seed, progress=lambda done, left: None if done % 64 else _log(f"answers: {done} done, {left} left"))
     answers = read_answers(answers_file)
     held_set = set(held_prompts)
     held = [r for r in answers if r["prompt"] in held_set]
