@@ -67,8 +67,20 @@ class TrainDraftArgs:
             raise ValueError("--answers-per-prompt must be >= 1")
 
 
+_bar = None  # the running train_draft's bar over its wall-clock budget, on a terminal; None elsewhere
+
+
 def _log(message: str) -> None:
-    print(f"[train-draft {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    """One time-stamped line per event (log files keep them); on a terminal, the bar shows the event's phase and
+    the share of the budget spent."""
+    line = f"[train-draft {time.strftime('%H:%M:%S')}] {message}"
+    if _bar is None:
+        print(line, file=sys.stderr, flush=True)
+        return
+    _bar.write(line, file=sys.stderr)
+    _bar.set_description(f"train-draft {message.split(':')[0]}", refresh=False)
+    _bar.n = min(_bar.total, round(_bar.format_dict["elapsed"]))
+    _bar.refresh()
 
 
 # ---- phase 2: the teacher ----------------------------------------------------------------------
@@ -244,6 +256,20 @@ def train_draft(args: TrainDraftArgs) -> dict:
     """Every phase in turn within ``args.minutes``; returns the model card (also written to ``args.out``)."""
     started = time.monotonic()
     budget = args.minutes * 60
+    global _bar
+    from tqdm import tqdm
+
+    bar = tqdm(total=round(budget), desc="train-draft", unit="s", disable=None, leave=False,
+               bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of the budget")
+    _bar = None if bar.disable else bar
+    try:
+        return _run_phases(args, started, budget)
+    finally:
+        bar.close()
+        _bar = None
+
+
+def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     deadline = lambda phase: started + budget * sum(  # noqa: E731
         share for name, share in PHASE_SHARES.items() if list(PHASE_SHARES).index(name) <= list(PHASE_SHARES).index(phase))
     if args.threads:
