@@ -116,8 +116,8 @@ def generate_answers(
     """Sample the target's answers to ``prompts`` (``samples`` each, skipping those already in ``out``) until done or
     ``deadline``; returns how many answers ``out`` holds. The target decodes in the continuous-batching engine
     (dense bfloat16, speculation off): a finished answer frees its slot for the next prompt at once, and is written
-    as one JSON line when it finishes. Answer i of a prompt is seeded from the prompt and i, so a resumed run draws
-    what an uninterrupted one would have."""
+    as one JSON line when it finishes. Answer i of a prompt is seeded from the prompt and i, whichever run draws it
+    (a resumed one included)."""
     import hashlib
 
     import torch
