@@ -46,6 +46,29 @@ def test_best_gamma_is_the_argmax_and_zero_when_speculation_does_not_pay():
     assert costmodel.best_gamma(0.1, 0.9).gamma == 0
 
 
+def test_chain_speedup_enumerates_rounds_with_acceptance_by_position():
+    """Per-position acceptance: brute force over the round's first rejection; a constant rate gives Theorem 3.8."""
+    acceptance, draft_ms = [0.6, 0.45, 0.3], 2.0
+    target_ms = {1: 10.0, 2: 12.0, 3: 15.0, 4: 19.0}
+    best = costmodel.chain_speedup(acceptance, draft_ms, target_ms)
+    speedups = [1.0]
+    for gamma in range(1, 4):
+        tokens, reach = 0.0, 1.0
+        for n in range(gamma + 1):  # n drafts accepted, then a rejection (or the end of the chain)
+            stop = 1 - acceptance[n] if n < gamma else 1.0
+            tokens += reach * stop * (n + 1)
+            reach *= acceptance[n] if n < gamma else 0.0
+        speedups.append(tokens * 10.0 / (gamma * draft_ms + target_ms[gamma + 1]))
+    assert best.gamma == max(range(4), key=speedups.__getitem__)
+    assert best.speedup == pytest.approx(max(speedups))
+    constant = costmodel.chain_speedup([0.8] * 6, 1.0, {n: 10.0 for n in range(1, 8)})
+    reference = costmodel.best_gamma(0.8, 0.1, max_gamma=6)
+    assert constant.gamma == reference.gamma and constant.speedup == pytest.approx(reference.speedup)
+    assert costmodel.chain_speedup([0.2, 0.1], 5.0, {1: 10.0, 2: 20.0, 3: 30.0}).gamma == 0  # drafting never pays
+    with pytest.raises(ValueError, match="call sizes \\[3\\]"):
+        costmodel.chain_speedup([0.5, 0.5], 1.0, {1: 10.0, 2: 11.0})
+
+
 def test_estimate_alpha_is_the_maximum_likelihood_estimate():
     rounds = [(4, 4), (4, 1), (4, 0), (2, 2)]  # 7 accepted, 2 rejections
     assert costmodel.estimate_alpha(rounds) == pytest.approx(7 / 9)

@@ -125,3 +125,31 @@ def test_a_broken_feature_draft_is_a_one_line_error(target, tmp_path, capsys):
     code = main(["generate", "x", "--target", str(target), "--draft", str(tmp_path / "draft")])
     err = capsys.readouterr().err
     assert code == 2 and "not a readable feature draft" in err and err.count("\n") == 1
+
+
+def test_the_architecture_ablation_trains_each_variant_for_its_steps_on_one_run(target, tmp_path, monkeypatch, capsys):
+    """benchmarks/draft_ablation.py on a train-draft run: every variant stops at --steps, reads the feature layers
+    and vocabulary it names, and gets acceptance by position, a draft step cost and a predicted speedup."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "run"
+    assert main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.3", "--threads", "1",
+                 "--vocab-subset", "128"]) == 0
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "draft_ablation.py"
+    monkeypatch.setattr(sys, "argv", [str(script), str(out), "--target", str(target), "--variants",
+                                      "shipped,last-layer,vocab-full,ttt-1", "--steps", "3", "--threads", "1", "--repeats", "2"])
+    runpy.run_path(str(script), run_name="__main__")
+    report = json.loads((out / "ablation" / "ablation.json").read_text())
+    by_name = {r["variant"]: r for r in report["variants"]}
+    assert set(by_name) == {"shipped", "last-layer", "vocab-full", "ttt-1"}
+    assert all(r["steps"] == 3 and r["draft_step_ms"] > 0 for r in by_name.values())
+    assert by_name["shipped"]["feature_layers"] == [0, 1] and by_name["last-layer"]["feature_layers"] == [1]
+    assert by_name["vocab-full"]["vocab_subset"] == 300 and by_name["vocab-full"]["subset_coverage"] == 1.0
+    assert by_name["ttt-1"]["ttt_steps"] == 1 and by_name["shipped"]["ttt_steps"] == 3
+    for r in by_name.values():
+        assert all(len(v) == 4 and all(0 <= a <= 1 for a in v) for v in r["acceptance"].values())
+        assert 0 <= r["predicted_greedy"]["gamma"] <= 4 and r["predicted_greedy"]["speedup"] >= 1.0
+    assert FeatureDraft.load(out / "ablation" / "last-layer" / "draft").cfg.feature_layers == (1,)
+    assert "| last-layer | [1] |" in capsys.readouterr().out

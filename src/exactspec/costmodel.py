@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping, Sequence
 
-__all__ = ["expected_tokens_per_round", "speedup", "ms_per_token", "best_gamma", "estimate_alpha", "BestGamma"]
+__all__ = ["expected_tokens_per_round", "speedup", "ms_per_token", "best_gamma", "estimate_alpha", "BestGamma",
+           "chain_speedup"]
 
 
 def _check(alpha: float, gamma: int, cost_ratio: float = 0.0, verify_cost: float = 1.0) -> None:
@@ -68,6 +69,31 @@ def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 32, verify_cost
     candidates = [(speedup(alpha, g, cost_ratio, verify_cost), -g) for g in range(max_gamma + 1)]
     value, negative_gamma = max(candidates)  # ties go to the smaller gamma
     return BestGamma(gamma=-negative_gamma, speedup=value)
+
+
+def chain_speedup(
+    acceptance: Sequence[float],  # a_k: P(draft position k accepted | positions 1..k-1 accepted), k = 1..K
+    draft_ms: float,  # one draft step
+    target_ms: Mapping[int, float],  # call size n in tokens -> ms, for n = 1..K+1
+) -> BestGamma:
+    """The best chain length gamma in ``0..K`` and its expected speedup over plain decoding, with acceptance that
+    varies by draft position (eq. 1 generalised): ``E[tokens] = 1 + sum_{k<=gamma} prod_{i<=k} a_i`` per round of
+    cost ``gamma * draft_ms + target_ms[gamma + 1]``, against ``target_ms[1]`` per token without drafting."""
+    if not all(math.isfinite(a) and 0 <= a <= 1 for a in acceptance):
+        raise ValueError(f"acceptance by position must be probabilities in [0, 1], got {list(acceptance)!r}")
+    if not (math.isfinite(draft_ms) and draft_ms >= 0):
+        raise ValueError(f"draft time must be a finite number >= 0, got {draft_ms!r}")
+    missing = [n for n in range(1, len(acceptance) + 2) if not (n in target_ms and target_ms[n] > 0)]
+    if missing:
+        raise ValueError(f"target call times are missing or not positive for call sizes {missing}")
+    best, tokens, reach = BestGamma(0, 1.0), 1.0, 1.0
+    for gamma, a in enumerate(acceptance, start=1):
+        reach *= a
+        tokens += reach
+        value = tokens * target_ms[1] / (gamma * draft_ms + target_ms[gamma + 1])
+        if value > best.speedup:
+            best = BestGamma(gamma, value)
+    return best
 
 
 def estimate_alpha(rounds: Iterable[tuple[int, int]]) -> float:

@@ -210,7 +210,10 @@ def held_out_acceptance(draft: FeatureDraft, rows: list[dict], steps: int, vocab
     return {"sampled": [s / max(1, c) for s, c in zip(sampled, counts)], "greedy": [g / max(1, c) for g, c in zip(greedy, counts)]}
 
 
-def _train(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict], vocab_size: int, deadline: float) -> dict:
+def _train(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict], vocab_size: int, deadline: float,
+           max_steps: int | None = None) -> dict:
+    """Train until ``deadline`` (or ``max_steps``, whichever comes first); the learning rate's cosine follows the
+    larger share of either budget spent. Checkpoints every two minutes and resumes from the last checkpoint."""
     checkpoint = args.out / "train_checkpoint.pt"
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -227,8 +230,8 @@ def _train(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict], vocab_si
     rng = random.Random(args.seed + state["step"])
     last_save = start = time.monotonic()
     seconds0 = state["seconds"]
-    while state["seconds"] < state["budget"]:
-        progress = state["seconds"] / state["budget"]
+    while state["seconds"] < state["budget"] and state["step"] < (max_steps or math.inf):
+        progress = max(state["seconds"] / state["budget"], state["step"] / (max_steps or math.inf))
         for group in optimizer.param_groups:
             group["lr"] = args.lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         feats, ids, probs, top, counted = _batch(rows, args.batch_size, args.window, rng)
@@ -244,7 +247,7 @@ def _train(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict], vocab_si
         if state["step"] % 20 == 0:
             _log(f"train: step {state['step']}, {state['tokens']} tokens, losses {[round(float(l.detach()), 3) for l in losses]}, "
                  f"{100 * progress:.0f}% of the time")
-        if time.monotonic() - last_save > 120 or state["seconds"] >= state["budget"]:
+        if time.monotonic() - last_save > 120 or state["seconds"] >= state["budget"] or state["step"] == max_steps:
             torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "state": state}, checkpoint)
             last_save = time.monotonic()
     return state

@@ -1,0 +1,157 @@
+"""Which feature-draft architecture to ship: variants trained on the same teacher data, compared by predicted speed.
+
+Reads a finished (or interrupted) `exactspec train-draft` run directory: its teacher shards (the target's
+features at three layers and top-16 next-token probabilities) and its held-out answers. Each variant is trained
+for the same number of steps from the same seed, then measured two ways:
+
+* held-out acceptance by draft position (T=1: sum_v min(p, q); greedy: argmax agreement), teacher-forced chains
+  as `train-draft`'s model card reports them;
+* one draft step's cost through the proposer the engine uses (T=1 sampling included), and the target's call
+  cost by call size, both measured here after training, with nothing else running.
+
+The predicted speedup over plain decoding combines them (`costmodel.chain_speedup`: acceptance by position,
+best chain length up to 4). The variants are the candidates issue 9 names: the fused low/middle/high features
+of EAGLE-3 against the last layer only (EAGLE), the head's vocabulary subset (FR-Spec) at 4k, 8k, 16k and the
+whole vocabulary, and the training-time test's depth.
+
+    python benchmarks/draft_ablation.py runs/smollm2_draft --steps 300 --threads 2
+    python benchmarks/draft_ablation.py runs/smollm2_draft --variants shipped,ttt-1 --steps 50   # a quick look
+
+Writes OUT/ablation.json and prints a table. States threads, dtype and weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from exactspec import costmodel
+from exactspec.calibration import calibrate
+from exactspec.loading import resolve_checkpoint
+from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig, FeatureDraftRunner
+from exactspec.models.lean import LeanModel
+from exactspec.proposers.feature_draft import FeatureDraftProposer
+from exactspec.sampling import SamplingParams
+from exactspec.tokenizer import TextTokenizer
+from exactspec.training.feature_draft import TrainDraftArgs, _train, held_out_acceptance, load_shards, vocabulary_subset
+
+# name -> (which of the stored feature layers: "all" or "last"), vocabulary subset (0 = whole vocabulary), TTT depth
+VARIANTS = {
+    "shipped": ("all", 8192, 3),
+    "last-layer": ("last", 8192, 3),
+    "vocab-4k": ("all", 4096, 3),
+    "vocab-16k": ("all", 16384, 3),
+    "vocab-full": ("all", 0, 3),
+    "ttt-1": ("all", 8192, 1),
+}
+POSITIONS = 4
+
+
+def _features(rows: list[dict], layers: str, width: int) -> list[dict]:
+    """``rows`` with only the last stored layer's features when ``layers == "last"``."""
+    return rows if layers == "all" else [{**r, "features": r["features"][:, -width:].contiguous()} for r in rows]
+
+
+def run_variant(name: str, run: Path, target: LeanModel, tokenizer: TextTokenizer, rows: list[dict],
+                held: list[dict], args: argparse.Namespace) -> dict:
+    layers, vocab, ttt = VARIANTS[name]
+    cfg = FeatureDraftConfig.for_target(target.cfg, vocab or target.cfg.vocab_size)
+    if layers == "last":
+        cfg = replace(cfg, feature_layers=cfg.feature_layers[-1:])
+    rows, held = _features(rows, layers, cfg.target_hidden_size), _features(held, layers, cfg.target_hidden_size)
+    if vocab:
+        subset, coverage = vocabulary_subset(rows, vocab, set(tokenizer.eos_token_ids))
+    else:
+        subset, coverage = torch.arange(target.cfg.vocab_size), 1.0
+    cfg = replace(cfg, vocab_subset_size=len(subset))
+    torch.manual_seed(args.seed)
+    draft = FeatureDraft(cfg)
+    draft.vocab_ids.copy_(subset)
+    draft.attach(target.decoder)
+    draft.embed, draft.head = draft.embed.float(), draft.head.float()
+    out = args.out / name
+    out.mkdir(parents=True, exist_ok=True)
+    train_args = TrainDraftArgs(target=run, out=out, steps=ttt, seed=args.seed)
+    began = time.monotonic()
+    state = _train(train_args, draft, rows, target.cfg.vocab_size, deadline=math.inf, max_steps=args.steps)
+    acceptance = held_out_acceptance(draft.eval(), held, POSITIONS, target.cfg.vocab_size)
+    draft.save(out / "draft")
+    return {"variant": name, "out": str(out), "feature_layers": list(cfg.feature_layers), "vocab_subset": len(subset),
+            "subset_coverage": coverage, "ttt_steps": ttt, "steps": state["step"],
+            "train_seconds": time.monotonic() - began, "acceptance": acceptance}
+
+
+def measure_costs(results: list[dict], target: LeanModel, context: list[int], repeats: int) -> dict[int, float]:
+    """Each variant's draft step (ms, T=1, median of ``repeats`` proposals of 4) into its result; the target's
+    call cost by size (ms, median over the variants' calibrations)."""
+    by_size: dict[int, list[float]] = {}
+    for result in results:
+        draft = FeatureDraft.load(Path(result["out"]) / "draft").attach(target.decoder)
+        runner = FeatureDraftRunner(draft, target.max_len, target.device, target.dtype)
+        target.capture_features(draft.cfg.feature_layers)
+        proposer = FeatureDraftProposer(runner, target.vocab_size, SamplingParams(temperature=1.0))
+        calibration = calibrate(target, proposer, context, POSITIONS, repeats)
+        result["draft_step_ms"] = calibration.draft_step_ms
+        for size, ms in calibration.target_ms.items():
+            by_size.setdefault(size, []).append(ms)
+    return {size: statistics.median(values) for size, values in by_size.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, help="an `exactspec train-draft` run directory (teacher/, held_out/)")
+    parser.add_argument("--target", default="smollm2", help="the target the run was made for")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--steps", type=int, default=300, help="training steps per variant (batch 8 x 256 tokens)")
+    parser.add_argument("--out", type=Path, help="where the variants go (default: RUN/ablation)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=20, help="timed proposals per variant")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    args.out = args.out or args.run / "ablation"
+    torch.set_num_threads(args.threads)
+    path = resolve_checkpoint(args.target)
+    tokenizer = TextTokenizer.from_path(path)
+    teacher = LeanModel.from_pretrained(path, dtype=torch.bfloat16)  # the weights train-draft reads
+    rows, held = load_shards(args.run / "teacher"), load_shards(args.run / "held_out")
+    results = []
+    for name in args.variants.split(","):
+        result = run_variant(name, args.run, teacher, tokenizer, rows, held, args)
+        print(json.dumps({k: v for k, v in result.items() if k != "out"}), flush=True)
+        results.append(result)
+    del teacher, rows
+    target = LeanModel.from_pretrained(path, dtype=torch.bfloat16, weights="auto")  # what generate decodes with
+    context = held[0]["ids"][:160].tolist()
+    target_ms = measure_costs(results, target, context, args.repeats)
+    for result in results:
+        for mode in ("sampled", "greedy"):
+            best = costmodel.chain_speedup(result["acceptance"][mode], result["draft_step_ms"], target_ms)
+            result[f"predicted_{mode}"] = {"gamma": best.gamma, "speedup": best.speedup}
+    report = {"threads": args.threads, "dtype": "bfloat16", "weights": "auto (q4 where the GGUF has it)",
+              "steps": args.steps, "target_ms_by_call_size": target_ms, "variants": results}
+    (args.out / "ablation.json").write_text(json.dumps(report, indent=2))
+    print(f"\n{args.steps} steps each; target {', '.join(f'{n} tok {ms:.1f} ms' for n, ms in target_ms.items())}; "
+          f"bfloat16, {args.threads} threads")
+    print("| variant | layers | |S| (coverage) | TTT | train s | T=1 acceptance by position | greedy | draft step ms "
+          "| predicted T=1 (gamma) | predicted greedy (gamma) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        acc = {m: " / ".join(f"{a:.2f}" for a in r["acceptance"][m]) for m in ("sampled", "greedy")}
+        print(f"| {r['variant']} | {r['feature_layers']} | {r['vocab_subset']} ({r['subset_coverage']:.3f}) | "
+              f"{r['ttt_steps']} | {r['train_seconds']:.0f} | {acc['sampled']} | {acc['greedy']} | {r['draft_step_ms']:.2f} | "
+              f"{r['predicted_sampled']['speedup']:.2f}x ({r['predicted_sampled']['gamma']}) | "
+              f"{r['predicted_greedy']['speedup']:.2f}x ({r['predicted_greedy']['gamma']}) |")
+
+
+if __name__ == "__main__":
+    main()
