@@ -10,12 +10,13 @@ for the same number of steps from the same seed, then measured two ways:
   cost by call size, both measured here after training, with nothing else running.
 
 The predicted speedup over plain decoding combines them (`costmodel.chain_speedup`: acceptance by position,
-best chain length up to 4). The variants are the candidates issue 9 names: the fused low/middle/high features
+best chain length up to 4), beside the ceiling that the call costs allow (every draft token accepted). The variants are the candidates issue 9 names: the fused low/middle/high features
 of EAGLE-3 against the last layer only (EAGLE), the head's vocabulary subset (FR-Spec) at 4k, 8k, 16k and the
 whole vocabulary, and the training-time test's depth.
 
     python benchmarks/draft_ablation.py runs/smollm2_draft --steps 300 --threads 2
     python benchmarks/draft_ablation.py runs/smollm2_draft --variants shipped,ttt-1 --steps 50   # a quick look
+    python benchmarks/draft_ablation.py runs/smollm2_draft --variants "" --compare packaged     # the shipped draft alone
 
 Writes OUT/ablation.json and prints a table. States threads, dtype and weights.
 """
@@ -34,7 +35,7 @@ import torch
 
 from exactspec import costmodel
 from exactspec.calibration import calibrate
-from exactspec.loading import resolve_checkpoint
+from exactspec.loading import PACKAGED_MODELS, resolve_checkpoint
 from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig, FeatureDraftRunner
 from exactspec.models.lean import LeanModel
 from exactspec.proposers.feature_draft import FeatureDraftProposer
@@ -83,9 +84,25 @@ def run_variant(name: str, run: Path, target: LeanModel, tokenizer: TextTokenize
     state = _train(train_args, draft, rows, target.cfg.vocab_size, deadline=math.inf, max_steps=args.steps)
     acceptance = held_out_acceptance(draft.eval(), held, POSITIONS, target.cfg.vocab_size)
     draft.save(out / "draft")
-    return {"variant": name, "out": str(out), "feature_layers": list(cfg.feature_layers), "vocab_subset": len(subset),
+    return {"variant": name, "draft_dir": str(out / "draft"), "feature_layers": list(cfg.feature_layers), "vocab_subset": len(subset),
             "subset_coverage": coverage, "ttt_steps": ttt, "steps": state["step"],
             "train_seconds": time.monotonic() - began, "acceptance": acceptance}
+
+
+def evaluate_given(directory: Path, target: LeanModel, held: list[dict]) -> dict:
+    """A draft trained elsewhere (the packaged one, a longer run), evaluated on this run's held-out answers."""
+    draft = FeatureDraft.load(directory).attach(target.decoder)
+    stored = FeatureDraftConfig.for_target(target.cfg, 1).feature_layers
+    if draft.cfg.feature_layers != stored:
+        raise SystemExit(f"{directory} reads layers {draft.cfg.feature_layers}; the run stored {stored}")
+    draft.embed, draft.head = draft.embed.float(), draft.head.float()
+    card = json.loads((directory / "feature_draft.json").read_text()).get("card", {})
+    return {"variant": f"given: {directory.name}", "draft_dir": str(directory),
+            "feature_layers": list(draft.cfg.feature_layers), "vocab_subset": draft.cfg.vocab_subset_size,
+            "subset_coverage": card.get("data", {}).get("vocabulary_subset_coverage", math.nan),
+            "ttt_steps": card.get("training", {}).get("ttt_steps", 0), "steps": card.get("training", {}).get("steps", 0),
+            "train_seconds": card.get("training", {}).get("seconds", math.nan),
+            "acceptance": held_out_acceptance(draft.eval(), held, POSITIONS, target.cfg.vocab_size)}
 
 
 def measure_costs(results: list[dict], target: LeanModel, context: list[int], repeats: int) -> dict[int, float]:
@@ -93,7 +110,7 @@ def measure_costs(results: list[dict], target: LeanModel, context: list[int], re
     call cost by size (ms, median over the variants' calibrations)."""
     by_size: dict[int, list[float]] = {}
     for result in results:
-        draft = FeatureDraft.load(Path(result["out"]) / "draft").attach(target.decoder)
+        draft = FeatureDraft.load(result["draft_dir"]).attach(target.decoder)
         runner = FeatureDraftRunner(draft, target.max_len, target.device, target.dtype)
         target.capture_features(draft.cfg.feature_layers)
         proposer = FeatureDraftProposer(runner, target.vocab_size, SamplingParams(temperature=1.0))
@@ -110,24 +127,32 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2", help="the target the run was made for")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=300, help="training steps per variant (batch 8 x 256 tokens)")
+    parser.add_argument("--compare", type=Path, action="append", default=[],
+                        help="a trained draft directory to evaluate beside the variants, untrained here ('packaged': the "
+                             "target's shipped draft); repeatable")
     parser.add_argument("--out", type=Path, help="where the variants go (default: RUN/ablation)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20, help="timed proposals per variant")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    unknown = sorted(set(filter(None, args.variants.split(","))) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     args.out = args.out or args.run / "ablation"
+    args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     path = resolve_checkpoint(args.target)
     tokenizer = TextTokenizer.from_path(path)
     teacher = LeanModel.from_pretrained(path, dtype=torch.bfloat16)  # the weights train-draft reads
     rows, held = load_shards(args.run / "teacher"), load_shards(args.run / "held_out")
     results = []
-    for name in args.variants.split(","):
+    for directory in args.compare:
+        packaged = PACKAGED_MODELS[args.target].shipped_draft() if str(directory) == "packaged" else directory
+        results.append(evaluate_given(packaged, teacher, held))
+        print(json.dumps(results[-1]), flush=True)
+    for name in filter(None, args.variants.split(",")):
         result = run_variant(name, args.run, teacher, tokenizer, rows, held, args)
-        print(json.dumps({k: v for k, v in result.items() if k != "out"}), flush=True)
+        print(json.dumps(result), flush=True)
         results.append(result)
     del teacher, rows
     target = LeanModel.from_pretrained(path, dtype=torch.bfloat16, weights="auto")  # what generate decodes with
@@ -137,20 +162,23 @@ def main() -> None:
         for mode in ("sampled", "greedy"):
             best = costmodel.chain_speedup(result["acceptance"][mode], result["draft_step_ms"], target_ms)
             result[f"predicted_{mode}"] = {"gamma": best.gamma, "speedup": best.speedup}
+        ceiling = costmodel.chain_speedup([1.0] * POSITIONS, result["draft_step_ms"], target_ms)
+        result["ceiling"] = {"gamma": ceiling.gamma, "speedup": ceiling.speedup}  # every draft token accepted
     report = {"threads": args.threads, "dtype": "bfloat16", "weights": "auto (q4 where the GGUF has it)",
               "steps": args.steps, "target_ms_by_call_size": target_ms, "variants": results}
     (args.out / "ablation.json").write_text(json.dumps(report, indent=2))
     print(f"\n{args.steps} steps each; target {', '.join(f'{n} tok {ms:.1f} ms' for n, ms in target_ms.items())}; "
           f"bfloat16, {args.threads} threads")
     print("| variant | layers | |S| (coverage) | TTT | train s | T=1 acceptance by position | greedy | draft step ms "
-          "| predicted T=1 (gamma) | predicted greedy (gamma) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| predicted T=1 (gamma) | predicted greedy (gamma) | all accepted (gamma) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         acc = {m: " / ".join(f"{a:.2f}" for a in r["acceptance"][m]) for m in ("sampled", "greedy")}
         print(f"| {r['variant']} | {r['feature_layers']} | {r['vocab_subset']} ({r['subset_coverage']:.3f}) | "
               f"{r['ttt_steps']} | {r['train_seconds']:.0f} | {acc['sampled']} | {acc['greedy']} | {r['draft_step_ms']:.2f} | "
               f"{r['predicted_sampled']['speedup']:.2f}x ({r['predicted_sampled']['gamma']}) | "
-              f"{r['predicted_greedy']['speedup']:.2f}x ({r['predicted_greedy']['gamma']}) |")
+              f"{r['predicted_greedy']['speedup']:.2f}x ({r['predicted_greedy']['gamma']}) | "
+              f"{r['ceiling']['speedup']:.2f}x ({r['ceiling']['gamma']}) |")
 
 
 if __name__ == "__main__":
