@@ -167,7 +167,7 @@ def main() -> None:
     report = {"threads": args.threads, "dtype": "bfloat16", "weights": "auto (q4 where the GGUF has it)",
               "steps": args.steps, "target_ms_by_call_size": target_ms, "variants": results}
     (args.out / "ablation.json").write_text(json.dumps(report, indent=2))
-    print(f"\n{args.steps} steps each; target {', '.join(f'{n} tok {ms:.1f} ms' for n, ms in target_ms.items())}; "
+    print(f"\n{args.steps} steps per variant trained here; target {', '.join(f'{n} tok {ms:.1f} ms' for n, ms in target_ms.items())}; "
           f"bfloat16, {args.threads} threads")
     print("| variant | layers | |S| (coverage) | TTT | train s | T=1 acceptance by position | greedy | draft step ms "
           "| predicted T=1 (gamma) | predicted greedy (gamma) | all accepted (gamma) |")
