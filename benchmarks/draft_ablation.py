@@ -91,7 +91,10 @@ def run_variant(name: str, run: Path, target: LeanModel, tokenizer: TextTokenize
 
 def evaluate_given(directory: Path, target: LeanModel, held: list[dict]) -> dict:
     """A draft trained elsewhere (the packaged one, a longer run), evaluated on this run's held-out answers."""
-    draft = FeatureDraft.load(directory).attach(target.decoder)
+    try:
+        draft = FeatureDraft.load(directory).attach(target.decoder)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     stored = FeatureDraftConfig.for_target(target.cfg, 1).feature_layers
     if draft.cfg.feature_layers != stored:
         raise SystemExit(f"{directory} reads layers {draft.cfg.feature_layers}; the run stored {stored}")
@@ -138,6 +141,9 @@ def main() -> None:
     unknown = sorted(set(filter(None, args.variants.split(","))) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    missing = [part for part in ("teacher", "held_out") if not any((args.run / part).glob("shard_*.pt"))]
+    if missing:
+        raise SystemExit(f"{args.run} has no {' or '.join(missing)} shards: give the directory of an `exactspec train-draft` run")
     args.out = args.out or args.run / "ablation"
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
