@@ -46,6 +46,22 @@ def test_best_gamma_is_the_argmax_and_zero_when_speculation_does_not_pay():
     assert costmodel.best_gamma(0.1, 0.9).gamma == 0
 
 
+def test_expected_tokens_by_gamma_enumerates_where_a_round_first_rejects():
+    """Entry g is the mean of committed tokens over every accept/reject pattern of g draft positions, with position k
+    accepted with probability a_k given that the earlier ones were; a constant rate gives eq. 1."""
+    acceptance = [0.9, 0.5, 0.3, 0.8]
+    totals = costmodel.expected_tokens_by_gamma(acceptance)
+    for gamma in range(len(acceptance) + 1):
+        mean, reach = 0.0, 1.0
+        for first_rejection in range(gamma):  # positions 0..first_rejection-1 accepted, then a rejection
+            mean += reach * (1 - acceptance[first_rejection]) * (first_rejection + 1)
+            reach *= acceptance[first_rejection]
+        mean += reach * (gamma + 1)  # every drafted token accepted, plus the bonus token
+        assert totals[gamma] == pytest.approx(mean)
+    constant = costmodel.expected_tokens_by_gamma([0.7] * 5)
+    assert constant == pytest.approx([costmodel.expected_tokens_per_round(0.7, g) for g in range(6)])
+
+
 def test_chain_speedup_enumerates_rounds_with_acceptance_by_position():
     """Per-position acceptance: brute force over the round's first rejection; a constant rate gives Theorem 3.8."""
     acceptance, draft_ms = [0.6, 0.45, 0.3], 2.0

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["expected_tokens_per_round", "speedup", "ms_per_token", "best_gamma", "estimate_alpha", "BestGamma",
+__all__ = ["expected_tokens_per_round", "expected_tokens_by_gamma", "speedup", "ms_per_token", "best_gamma", "estimate_alpha", "BestGamma",
            "chain_speedup"]
 
 
@@ -57,6 +57,18 @@ def ms_per_token(alpha: float, gamma: int, target_ms: float, draft_ms: float, ve
     return target_ms / speedup(alpha, gamma, draft_ms / target_ms, verify_cost)
 
 
+def expected_tokens_by_gamma(acceptance: Sequence[float]) -> list[float]:
+    """Expected committed tokens per round for every gamma in ``0..K``, with acceptance that varies by draft
+    position (eq. 1 generalised): entry g is ``1 + sum_{k<=g} prod_{i<=k} a_i``, where ``a_k`` is
+    P(draft position k accepted | positions 1..k-1 accepted). With a constant ``a_k = alpha`` entry g equals
+    :func:`expected_tokens_per_round`."""
+    totals, reach = [1.0], 1.0
+    for rate in acceptance:
+        reach *= rate
+        totals.append(totals[-1] + reach)
+    return totals
+
+
 @dataclass(frozen=True)
 class BestGamma:
     gamma: int
@@ -86,10 +98,8 @@ def chain_speedup(
     missing = [n for n in range(1, len(acceptance) + 2) if not (n in target_ms and target_ms[n] > 0)]
     if missing:
         raise ValueError(f"target call times are missing or not positive for call sizes {missing}")
-    best, tokens, reach = BestGamma(0, 1.0), 1.0, 1.0
-    for gamma, a in enumerate(acceptance, start=1):
-        reach *= a
-        tokens += reach
+    best = BestGamma(0, 1.0)
+    for gamma, tokens in enumerate(expected_tokens_by_gamma(acceptance)[1:], start=1):
         value = tokens * target_ms[1] / (gamma * draft_ms + target_ms[gamma + 1])
         if value > best.speedup:
             best = BestGamma(gamma, value)

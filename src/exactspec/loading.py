@@ -175,7 +175,7 @@ def check_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def _unwrapped(model: LanguageModel) -> LanguageModel:
+def unwrapped(model: LanguageModel) -> LanguageModel:
     """The backend model inside vocabulary restrictions."""
     while isinstance(model, RestrictedVocabulary):
         model = model.model
@@ -184,13 +184,13 @@ def _unwrapped(model: LanguageModel) -> LanguageModel:
 
 def model_capacity(model: LanguageModel) -> int | None:
     """How many positions the model's cache holds, where it has a fixed limit."""
-    return getattr(_unwrapped(model), "max_len", None)
+    return getattr(unwrapped(model), "max_len", None)
 
 
 def model_parameters(model: LanguageModel) -> int | None:
     """How many weights the model holds (4-bit ones counted once), where a torch module is inside (lean: its
     decoder; hf: the transformers model)."""
-    inner = _unwrapped(model)
+    inner = unwrapped(model)
     module = getattr(inner, "decoder", getattr(inner, "model", None))
     if not isinstance(module, torch.nn.Module):
         return None
@@ -214,7 +214,7 @@ class LoadedPair:
 
         if not isinstance(self.draft, FeatureDraft):
             return self.draft
-        target = _unwrapped(self.target)
+        target = unwrapped(self.target)
         runner = FeatureDraftRunner(self.draft, target.max_len, target.device, target.dtype)
         return LookupOrDraft(FeatureDraftProposer(runner, self.target.vocab_size, params))
 

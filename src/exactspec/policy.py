@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
+from exactspec.costmodel import expected_tokens_by_gamma
 from exactspec.stats import RoundRecord
 
 __all__ = ["AdaptiveConfig", "AdaptiveGamma", "GammaPolicy", "PolicyPriors", "RoutedPolicy", "RunningMean"]
@@ -189,7 +190,7 @@ class AdaptiveGamma:
         return n_bar, t_bar, max(slope, 0.0)
 
     def expected_tokens(self) -> list[float]:
-        """Entry g: ``1 + sum_{k<=g} prod_{i<=k} accept[i]``.
+        """Entry g: ``1 + sum_{k<=g} prod_{i<=k} accept[i]`` (:func:`exactspec.costmodel.expected_tokens_by_gamma`).
 
         Without an acceptance prior, position 0 is its running mean from the first round (a useless draft is
         dropped after a round or two), and a later position reached fewer than ``MIN_OBSERVATIONS`` times
@@ -197,8 +198,7 @@ class AdaptiveGamma:
         reached yet takes its prior scaled by how the evidence moved the last reached position (estimate over
         prior), so a draft that disappoints early loses its whole optimistic prior, not just the first position's.
         """
-        totals, survive = [1.0], 1.0
-        rate, level = self.config.prior_acceptance, 1.0
+        rates, rate, level = [], self.config.prior_acceptance, 1.0
         for i, mean in enumerate(self.accept):
             if not self.priors.acceptance:
                 if mean.count > MIN_OBSERVATIONS or i == 0:  # position 0: the generic prior is one observation
@@ -210,9 +210,8 @@ class AdaptiveGamma:
                     level = mean.value / start if start > 0 else 1.0
                 else:
                     rate = min(1.0, start * level)
-            survive *= rate
-            totals.append(totals[-1] + survive)
-        return totals
+            rates.append(rate)
+        return expected_tokens_by_gamma(rates)
 
     def next_gamma(self) -> int:
         if self.draft_ms is None or not self.target_ms:

@@ -43,7 +43,7 @@ from exactspec.certification.pit import (TestResult, binned_uniform, holm, ks_cr
                                          ratio_pit_values, recency_pit_values, token_goodness_of_fit)
 from exactspec.chat import chat_messages
 from exactspec.engine import GenerationConfig, SpeculativeDecoder
-from exactspec.loading import LoadedPair, _unwrapped
+from exactspec.loading import LoadedPair, unwrapped
 from exactspec.sampling import GREEDY, SamplingParams, block_probs
 from exactspec.serving.batching import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.serving.server import build_engine
@@ -198,13 +198,13 @@ def shared_prompt_logits(decoder, prompt: list[int], continuations: list[list[in
     mask = continuation_mask(p, width, device)
     for layer in decoder.layers:
         gqa = layer.n_kv != layer.n_head
-        q, k, v = layer._qkv(x_prompt, cos[:p], sin[:p])  # (1, nh, P, hd), (1, nkv, P, hd) x 2
-        x_prompt = layer._finish(x_prompt, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa))
+        q, k, v = layer.qkv(x_prompt, cos[:p], sin[:p])  # (1, nh, P, hd), (1, nkv, P, hd) x 2
+        x_prompt = layer.finish(x_prompt, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa))
         if width:
-            q_c, k_c, v_c = layer._qkv(x, cos[p:], sin[p:])
+            q_c, k_c, v_c = layer.qkv(x, cos[p:], sin[p:])
             keys, values = torch.cat([k.expand(b, -1, -1, -1), k_c], dim=2), torch.cat([v.expand(b, -1, -1, -1), v_c], dim=2)
-            x = layer._finish(x, F.scaled_dot_product_attention(q_c, keys, values, attn_mask=mask, enable_gqa=gqa))
-    return decoder._final(torch.cat([x_prompt[:, -1:].expand(b, 1, -1), x], dim=1))
+            x = layer.finish(x, F.scaled_dot_product_attention(q_c, keys, values, attn_mask=mask, enable_gqa=gqa))
+    return decoder.logits(torch.cat([x_prompt[:, -1:].expand(b, 1, -1), x], dim=1))
 
 
 def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed: int, batch: int = 32) -> dict:
@@ -215,7 +215,7 @@ def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed:
     A run is ``{"prompt": ids, "tokens": ids}``, with ``"positions"``, ``"kinds"`` (round positions and token kinds)
     and ``"q"`` (the recorded draft distributions) where the sampler is white-box."""
     generator = torch.Generator().manual_seed(seed)
-    decoder, vocab = _unwrapped(pair.target).decoder, pair.target.vocab_size
+    decoder, vocab = unwrapped(pair.target).decoder, pair.target.vocab_size
     values, positions, kinds, heads, seen = {order: [] for order in ORDERS}, [], [], [], set()
     # Only a prefix that enough runs share is tested (run_tests), so only its distribution is kept: at 10^5 tokens
     # keeping every new prefix's (V,) row held gigabytes.
@@ -325,7 +325,7 @@ def default_prompts(tokenizer: TextTokenizer, count: int = 8) -> list[list[int]]
 
 def precision_mode(pair: LoadedPair) -> str:
     """The target's numerics, as the certificate names them: dtype, and whether call-size invariant."""
-    target = _unwrapped(pair.target)
+    target = unwrapped(pair.target)
     dtype = str(getattr(target, "dtype", "unknown")).removeprefix("torch.")
     return f"{dtype}, {'call-size invariant' if getattr(target, 'invariant', False) else 'call-size dependent'}"
 

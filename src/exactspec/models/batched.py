@@ -106,10 +106,7 @@ class BatchedLean:
         check_rollback_length(length, self.lengths[source])
         with torch.inference_mode():
             if self._solo is not None:
-                src, dst = self._solo[source], self._solo[slot]
-                dst._k[:, :, :, :length] = src._k[:, :, :, :length]  # (L, 1, nkv, len, hd)
-                dst._v[:, :, :, :length] = src._v[:, :, :, :length]
-                dst._pos = length
+                self._solo[slot].copy_prefix(self._solo[source], length)
             else:
                 self._k[:, slot, :, :length] = self._k[:, source, :, :length]  # (L, S, nkv, len, hd)
                 self._v[:, slot, :, :length] = self._v[:, source, :, :length]
@@ -162,12 +159,12 @@ class BatchedLean:
         x = self.decoder.embed(batch)  # (B, T, C)
         features = []
         for i, layer in enumerate(self.decoder.layers):
-            q, k, v = layer._qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
+            q, k, v = layer.qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
             self._k[i][index[:, None], :, positions] = k.transpose(1, 2).to(self._k.dtype)  # indexed as (B, T, nkv, hd)
             self._v[i][index[:, None], :, positions] = v.transpose(1, 2).to(self._v.dtype)
             keys, values = self._k[i, rows, :, :end], self._v[i, rows, :, :end]  # (B, nkv, end, hd)
             y = grouped_attention(q.to(keys.dtype), keys, values, mask)  # (B, nh, T, hd)
-            x = layer._finish(x, y.to(x.dtype))
+            x = layer.finish(x, y.to(x.dtype))
             if i in self.feature_layers:
                 features.append(x)
         logits = self.decoder.lm_head(self.decoder.final_norm(x))  # (B, T, V)

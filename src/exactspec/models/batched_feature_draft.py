@@ -48,13 +48,10 @@ class BatchedFeatureDraft:
         """Give ``slot`` the first ``length`` slots of ``source`` (copied): a prompt sequences share is drafted once."""
         if not 0 <= length <= self.lengths[source]:
             raise ValueError(f"cannot copy {length} slots of draft slot {source} (it holds {self.lengths[source]})")
-        with torch.inference_mode():
-            if self._solo is not None:
-                src, dst = self._solo[source], self._solo[slot]
-                dst._k[:, :, :length] = src._k[:, :, :length]  # (1, nkv, len, hd)
-                dst._v[:, :, :length] = src._v[:, :, :length]
-                dst.length = length
-            else:
+        if self._solo is not None:
+            self._solo[slot].copy_prefix(self._solo[source], length)
+        else:
+            with torch.inference_mode():
                 self._k[slot, :, :length] = self._k[source, :, :length]  # (S, nkv, len, hd)
                 self._v[slot, :, :length] = self._v[source, :, :length]
         self.lengths[slot] = length
@@ -108,13 +105,13 @@ class BatchedFeatureDraft:
         index = torch.tensor(slots, device=device)
         block = self.draft.block
         x = self.draft.inputs(u, ids)  # (B, T, C)
-        q, k, v = block._qkv(x, self._cos[positions], self._sin[positions])  # (B, nh, T, hd), (B, nkv, T, hd) x 2
+        q, k, v = block.qkv(x, self._cos[positions], self._sin[positions])  # (B, nh, T, hd), (B, nkv, T, hd) x 2
         self._k[index[:, None], :, positions] = k.transpose(1, 2).to(self._k.dtype)  # indexed as (B, T, nkv, hd)
         self._v[index[:, None], :, positions] = v.transpose(1, 2).to(self._v.dtype)
         rows = slot_rows(slots, device)
         keys, values = self._k[rows, :, :end], self._v[rows, :, :end]  # (B, nkv, end, hd)
         y = grouped_attention(q.to(keys.dtype), keys, values, ragged_causal_mask(positions, end))  # (B, nh, T, hd)
-        g = block._finish(x, y.to(x.dtype))  # (B, T, C)
+        g = block.finish(x, y.to(x.dtype))  # (B, T, C)
         for slot, t in zip(slots, lengths):
             self.lengths[slot] += t
         return g[torch.arange(len(slots), device=device), torch.tensor(lengths, device=device) - 1]

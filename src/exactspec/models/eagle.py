@@ -110,13 +110,13 @@ class FeatureDraft(nn.Module):
         keys, values, outputs = [], [], []
         for k in range(1, steps + 1):
             x = self.inputs(u, next_tokens)
-            q, key, value = self.block._qkv(x, cos, sin)
+            q, key, value = self.block.qkv(x, cos, sin)
             keys.append(key)
             values.append(value)
             mask = ttt_mask(t, k, features.device)
             y = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
                                                enable_gqa=self.block.n_kv != self.block.n_head)
-            g = self.block._finish(x, y)
+            g = self.block.finish(x, y)
             outputs.append(g)
             u = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)  # slot j reads g_{j-1}
         return outputs
@@ -182,6 +182,17 @@ class FeatureDraftRunner:
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll the draft back to {length} slots (it holds {self.length})")
+        self.length = length
+
+    def copy_prefix(self, source: "FeatureDraftRunner", length: int) -> None:
+        """Hold the first ``length`` slots of ``source`` (a runner of the same draft), copied."""
+        if source.draft is not self.draft:
+            raise ValueError("copy_prefix needs a runner of the same draft")
+        if not 0 <= length <= source.length:
+            raise ValueError(f"cannot copy {length} slots of a draft cache that holds {source.length}")
+        with torch.inference_mode():
+            self._k[:, :, :length] = source._k[:, :, :length]  # (1, nkv, len, hd)
+            self._v[:, :, :length] = source._v[:, :, :length]
         self.length = length
 
     def project(self, features: torch.Tensor) -> torch.Tensor:  # (n, F) -> (n, C)

@@ -113,7 +113,7 @@ class Block(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * xf.to(x.dtype)
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         b, t, _ = x.shape
         qkv = self.wqkv(self._norm(x, self.attn_norm))  # (B, T, (nh + 2 nkv) hd)
         qk, v = qkv.split([(self.n_head + self.n_kv) * self.hd, self.n_kv * self.hd], dim=-1)
@@ -123,16 +123,16 @@ class Block(nn.Module):
         v = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         return q, k, v
 
-    def _finish(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def finish(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         x = x + self.wo(y.transpose(1, 2).reshape(b, t, self.n_head * self.hd))  # (B, T, C)
         gate, up = self.w13(self._norm(x, self.mlp_norm)).chunk(2, dim=-1)  # (B, T, I) each
         return x + self.w2(F.silu(gate) * up)  # (B, T, C)
 
     def forward_train(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v = self.qkv(x, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
-        return self._finish(x, y)
+        return self.finish(x, y)
 
     def forward_cached(
         self,
@@ -144,7 +144,7 @@ class Block(nn.Module):
         pos: int,
         mask: torch.Tensor | None,  # (T, pos + T) bool, True = attend; None when T == 1
     ) -> torch.Tensor:
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v = self.qkv(x, cos, sin)
         end = pos + x.shape[1]
         k_cache[:, :, pos:end] = k
         v_cache[:, :, pos:end] = v
@@ -152,7 +152,7 @@ class Block(nn.Module):
             q.to(k_cache.dtype), k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
             enable_gqa=self.n_kv != self.n_head,
         )  # (1, nh, T, hd)
-        return self._finish(x, y.to(x.dtype))
+        return self.finish(x, y.to(x.dtype))
 
 
     def forward_invariant(
@@ -168,11 +168,11 @@ class Block(nn.Module):
         """As :meth:`forward_cached`, with every matmul at the fixed row count R and attention in fixed-shape key
         chunks (:func:`chunked_attention`), so that a position's result never depends on how many tokens its call
         carries. Padding rows never reach the cache or another row."""
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v = self.qkv(x, cos, sin)
         k_cache[:, :, pos : pos + t] = k[:, :, :t]
         v_cache[:, :, pos : pos + t] = v[:, :, :t]
         y = chunked_attention(q, k_cache, v_cache, pos, pos + t)
-        return self._finish(x, y)
+        return self.finish(x, y)
 
 
 class LlamaDecoder(nn.Module):
@@ -208,7 +208,7 @@ class LlamaDecoder(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return self.norm * xf.to(x.dtype)
 
-    def _final(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # (..., C) last hidden states -> (..., V)
         return self.lm_head(self.final_norm(x))
 
     def forward_train(self, idx: torch.Tensor, feature_layers: Sequence[int] = ()):
@@ -225,7 +225,7 @@ class LlamaDecoder(nn.Module):
             x = layer.forward_train(x, cos, sin)
             if i in feature_layers:
                 features.append(x)
-        logits = self._final(x)  # (B, T, V)
+        logits = self.logits(x)  # (B, T, V)
         return (logits, torch.cat(features, dim=-1)) if feature_layers else logits
 
     forward = forward_train
@@ -466,6 +466,17 @@ class LeanModel:
         check_rollback_length(length, self._pos)
         self._pos = length
 
+    def copy_prefix(self, source: "LeanModel", length: int) -> None:
+        """Hold the first ``length`` cached positions of ``source`` (a model over the same decoder), copied: a prompt
+        that several sequences share is prefilled once."""
+        if source.decoder is not self.decoder:
+            raise ValueError("copy_prefix needs a model over the same decoder")
+        check_rollback_length(length, source.length)
+        with torch.inference_mode():
+            self._k[:, :, :, :length] = source._k[:, :, :, :length]  # (L, 1, nkv, len, hd)
+            self._v[:, :, :, :length] = source._v[:, :, :, :length]
+        self._pos = length
+
     def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
         ids = check_token_ids(token_ids, self.cfg.vocab_size)
         pos, t = self._pos, len(ids)
@@ -508,7 +519,7 @@ class LeanModel:
             if i in self._feature_layers:
                 features.append(x[0, :t])
         self.last_features = torch.cat(features, dim=-1) if features else None
-        return self.decoder._final(x)[0, :t]
+        return self.decoder.logits(x)[0, :t]
 
     def __repr__(self) -> str:
         c = self.cfg

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+from exactspec.costmodel import expected_tokens_per_round
 from exactspec.policy import RunningMean
 
 __all__ = ["BatchPolicy", "CostLine"]
@@ -70,8 +71,8 @@ class BatchPolicy:
         self.draft.observe(sequences, seconds_per_step)
 
     def expected_tokens(self, source: str, gamma: int) -> float:
-        alpha = min(self.acceptance[source].value, 0.999) if source in self.acceptance else 0.5
-        return sum(alpha**k for k in range(gamma + 1))
+        alpha = self.acceptance[source].value if source in self.acceptance else 0.5
+        return expected_tokens_per_round(alpha, gamma)
 
     def rates(self, sources: list[str], fixed_rows: int = 0, fixed_tokens: float = 0.0) -> list[float]:
         """Expected committed tokens per second of the step for gamma = 0..max_gamma, given the auto sequences'

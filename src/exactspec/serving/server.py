@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from exactspec.loading import LoadedPair, _unwrapped
+from exactspec.loading import LoadedPair, unwrapped
 from exactspec.models.batched import BatchedLean
 from exactspec.models.lean import LeanModel
 from exactspec.serving.batching import BatchEngine, EngineConfig, calibrate
@@ -19,7 +19,7 @@ def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfi
     from exactspec.models.batched_feature_draft import BatchedFeatureDraft
     from exactspec.models.eagle import FeatureDraft
 
-    target = _unwrapped(pair.target)
+    target = unwrapped(pair.target)
     if not isinstance(target, LeanModel):
         raise ValueError("serve runs the lean backend (Llama-family checkpoints); --backend hf is for generate and bench")
     batched = BatchedLean.like(target, slots, max_len, pair.target.vocab_size)
@@ -28,7 +28,7 @@ def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfi
         batched.capture_features(pair.draft.cfg.feature_layers)
         feature_draft = BatchedFeatureDraft(pair.draft, slots, batched.max_len, target.device, target.dtype, target.invariant)
     elif pair.draft is not None:
-        draft = BatchedLean.like(_unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size)
+        draft = BatchedLean.like(unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size)
     engine = engine_class(batched, draft, config, feature_draft=feature_draft)
     if calibrated:
         calibrate(engine)
