@@ -20,9 +20,8 @@ import torch
 
 from exactspec import __version__, costmodel, verify
 from exactspec.engine import Generation, GenerationConfig, SpeculativeDecoder
-from exactspec.calibration import calibrate
-from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors, RoutedPolicy
-from exactspec.priors import PolicyCache, acceptance_prior, fingerprint, mode_key, shipped_prior
+from exactspec.coldstart import cold_start
+from exactspec.priors import PolicyCache, shipped_prior
 from exactspec.sampling import SamplingParams
 from exactspec.chat import chat_messages
 from exactspec.loading import PACKAGED_MODELS, default_pair_dirs, resolve_checkpoint
@@ -52,8 +51,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-#: Prompt tokens the load-time calibration runs on (call costs barely depend on the context here).
-CALIBRATION_TOKENS = 64
 SMALL_MODEL_PARAMETERS = 20_000_000  # below this a target call is too short for a second thread to pay (toy pair: 1 thread ~ 2)
 LOOKUP = "lookup"  # --draft value: prompt-lookup drafting, no draft model
 
@@ -277,7 +274,9 @@ def _generate(args: argparse.Namespace) -> dict:
     generation = Generation(tokens=[], stop_reason="max_new_tokens")
     lookup = _uses_lookup(args) and not args.no_speculation
     decoder = SpeculativeDecoder(pair.target, PromptLookupProposer() if lookup else pair.proposer(params), params)
-    cold_start = _cold_start(args, decoder, prompt, params) if args.gamma == "auto" and decoder.proposer else None
+    started = None
+    if args.gamma == "auto" and decoder.proposer:
+        started = cold_start(decoder, prompt, params, *_pair_dirs(args), cache=None if args.no_policy_cache else PolicyCache())
     pieces = []
     try:
         tokens = (generation.tokens.append(t) or t for t in decoder.stream(prompt, config, generation))
@@ -290,9 +289,8 @@ def _generate(args: argparse.Namespace) -> dict:
     stats = generation.stats
     if args.record:
         _write_generate_record(args, pair, decoder, params, seed, generation)
-    if cold_start is not None and cold_start["cache"] is not None and not isinstance(decoder.proposer, LookupOrDraft):
-        # the next run with this pair starts here (not for a combined proposer, whose rounds mix two sources)
-        cold_start["cache"].save(cold_start["pair"], mode_key(params), *stats.position_counts())
+    if started is not None:
+        started.remember(stats)  # the next run with this pair starts here
     return {
         "prompt": text,
         "threads": torch.get_num_threads(),
@@ -304,7 +302,7 @@ def _generate(args: argparse.Namespace) -> dict:
         "sampling": "greedy" if params.greedy else "sampled",
         "stop_reason": generation.stop_reason,
         "tokens_per_second": stats.committed / stats.total_seconds if stats.total_seconds else 0.0,
-        "policy": cold_start["record"] if cold_start else None,
+        "policy": started.record if started else None,
         **stats.summary(),
     }
 
@@ -376,26 +374,6 @@ def _proposer_name(proposer) -> str:
     if isinstance(proposer, LookupOrDraft):
         return "trained draft + prompt lookup"
     return "prompt lookup" if isinstance(proposer, PromptLookupProposer) else "draft model"
-
-
-def _cold_start(args: argparse.Namespace, decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams) -> dict:
-    """Give ``decoder`` an adaptive policy that starts from measured costs and an acceptance prior (for a draft
-    combined with prompt lookup, one policy per source; lookup's steps cost next to nothing and its acceptance is
-    learnt)."""
-    config = AdaptiveConfig()
-    combined = isinstance(decoder.proposer, LookupOrDraft)
-    drafting = decoder.proposer.draft if combined else decoder.proposer
-    calibration = calibrate(decoder.target, drafting, prompt[:CALIBRATION_TOKENS], config.max_gamma)
-    target_dir, draft_dir = _pair_dirs(args)
-    cache = None if args.no_policy_cache else PolicyCache()
-    acceptance, source = acceptance_prior(target_dir, draft_dir, params, cache)
-    priors = PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance, source=source)
-    decoder.policy = AdaptiveGamma(config, priors)
-    if combined:
-        lookup = AdaptiveGamma(config, PolicyPriors(calibration.target_ms, 0.0))
-        decoder.policy = RoutedPolicy({"lookup": lookup, "draft": decoder.policy})
-    record = {"calibration": calibration.as_dict(), "acceptance_prior": list(acceptance), "prior_source": source}
-    return {"record": record, "cache": cache, "pair": fingerprint(target_dir, draft_dir)}
 
 
 def _print_generate(r: dict) -> None:

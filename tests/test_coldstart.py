@@ -1,0 +1,56 @@
+"""The adaptive policy's cold start as library code: what `generate --gamma auto` runs, callable without the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exactspec import GenerationConfig, SpeculativeDecoder
+from exactspec.coldstart import ColdStart, cold_start
+from exactspec.loading import default_pair_dirs, load_pair
+from exactspec.policy import AdaptiveGamma, RoutedPolicy
+from exactspec.priors import PolicyCache, shipped_prior
+from exactspec.proposers import DraftModelProposer, LookupOrDraft
+from exactspec.sampling import GREEDY
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.set_num_threads(1)
+    return load_pair(*default_pair_dirs())
+
+
+def test_the_policy_starts_from_calibrated_costs_and_the_shipped_prior_then_the_cache(pair, tmp_path):
+    target_dir, draft_dir = default_pair_dirs()
+    prompt = pair.tokenizer.encode_prompt("def parse_args(argv):\n")
+    cache = PolicyCache(tmp_path)
+    decoder = SpeculativeDecoder(pair.target, pair.proposer(GREEDY), GREEDY)
+    started = cold_start(decoder, prompt, GREEDY, target_dir, draft_dir, cache)
+    assert isinstance(started, ColdStart) and isinstance(decoder.policy, AdaptiveGamma)
+    priors = decoder.policy.priors
+    assert sorted(priors.target_ms) == list(range(1, 10)) and priors.draft_step_ms > 0  # every call size gamma <= 8 uses
+    assert priors.source == "shipped" and priors.acceptance == shipped_prior(draft_dir, target_dir, "greedy")
+    assert started.record["prior_source"] == "shipped" and started.record["calibration"]["target_ms"] == priors.target_ms
+
+    generation = decoder.generate(prompt, GenerationConfig(max_new_tokens=96))
+    started.remember(generation.stats)  # the next run of the pair starts from this one
+    again = SpeculativeDecoder(pair.target, pair.proposer(GREEDY), GREEDY)
+    assert cold_start(again, prompt, GREEDY, target_dir, draft_dir, cache).record["prior_source"] == "cache"
+    assert cold_start(again, prompt, GREEDY, target_dir, draft_dir, None).record["prior_source"] == "shipped"  # no cache
+
+
+def test_a_draft_combined_with_lookup_gets_a_policy_per_source_and_is_not_cached(pair, tmp_path):
+    target_dir, draft_dir = default_pair_dirs()
+    decoder = SpeculativeDecoder(pair.target, LookupOrDraft(DraftModelProposer(pair.draft, GREEDY)), GREEDY)
+    prompt = pair.tokenizer.encode_prompt("import os\n")
+    cache = PolicyCache(tmp_path)
+    started = cold_start(decoder, prompt, GREEDY, target_dir, draft_dir, cache)
+    assert isinstance(decoder.policy, RoutedPolicy) and set(decoder.policy.policies) == {"lookup", "draft"}
+    assert decoder.policy.policies["lookup"].priors.draft_step_ms == 0.0  # lookup costs next to nothing
+    started.remember(decoder.generate(prompt, GenerationConfig(max_new_tokens=16)).stats)
+    assert list(cache.entries()) == []  # its rounds mix two sources' acceptance
+
+
+def test_plain_decoding_has_no_cold_start(pair):
+    with pytest.raises(ValueError, match="needs a decoder with a proposer"):
+        cold_start(SpeculativeDecoder(pair.target, None, GREEDY), [1, 2, 3], GREEDY, *default_pair_dirs())
