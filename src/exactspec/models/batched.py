@@ -104,10 +104,10 @@ class BatchedLean:
         """Give ``slot`` the first ``length`` cached positions of ``source`` (the same values, copied): a prompt that
         several sequences share is prefilled once."""
         check_rollback_length(length, self.lengths[source])
-        with torch.inference_mode():
-            if self._solo is not None:
-                self._solo[slot].copy_prefix(self._solo[source], length)
-            else:
+        if self._solo is not None:
+            self._solo[slot].copy_prefix(self._solo[source], length)
+        else:
+            with torch.inference_mode():
                 self._k[:, slot, :, :length] = self._k[:, source, :, :length]  # (L, S, nkv, len, hd)
                 self._v[:, slot, :, :length] = self._v[:, source, :, :length]
         self.lengths[slot] = length
