@@ -36,7 +36,7 @@ import torch
 from exactspec import costmodel
 from exactspec.calibration import calibrate
 from exactspec.loading import PACKAGED_MODELS, resolve_checkpoint
-from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig, FeatureDraftRunner
+from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig
 from exactspec.models.lean import LeanModel
 from exactspec.proposers.feature_draft import FeatureDraftProposer
 from exactspec.sampling import SamplingParams
@@ -114,10 +114,9 @@ def measure_costs(results: list[dict], target: LeanModel, context: list[int], re
     by_size: dict[int, list[float]] = {}
     for result in results:
         draft = FeatureDraft.load(result["draft_dir"]).attach(target.decoder)
-        runner = FeatureDraftRunner(draft, target.max_len, target.device, target.dtype)
         target.capture_features(draft.cfg.feature_layers)
-        proposer = FeatureDraftProposer(runner, target.vocab_size, SamplingParams(temperature=1.0))
-        calibration = calibrate(target, proposer, context, POSITIONS, repeats)
+        proposer = FeatureDraftProposer.solo(draft, target.vocab_size, target.max_len, target.device, target.dtype)
+        calibration = calibrate(target, proposer, context, POSITIONS, repeats, params=SamplingParams(temperature=1.0))
         result["draft_step_ms"] = calibration.draft_step_ms
         for size, ms in calibration.target_ms.items():
             by_size.setdefault(size, []).append(ms)

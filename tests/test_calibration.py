@@ -42,7 +42,7 @@ def test_every_size_is_timed_after_a_warm_up_call():
 
 def test_draft_steps_are_timed_through_the_proposer_without_its_setup():
     draft = SleepyModel(0.003, 0.001, first_call_extra=0.0)
-    proposer = DraftModelProposer(draft, SamplingParams())
+    proposer = DraftModelProposer(draft)
     result = calibrate(SleepyModel(0.0, 0.0, 0.0), proposer, list(range(5)) * 8, max_gamma=3, repeats=1)
     # a step is a one-token call, 4 ms; the first proposal's 43 ms prefill of the context is warm-up, never timed
     assert 4 <= result.draft_step_ms < 14

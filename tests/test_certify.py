@@ -20,7 +20,7 @@ from exactspec.certification.mutants import MUTANTS
 from exactspec.cli import main
 from exactspec.loading import default_pair_dirs, load_pair
 from exactspec.sampling import SamplingParams
-from exactspec.serving.batching import BatchEngine
+from exactspec.engine import BatchEngine
 
 
 def test_the_command_passes_the_real_engine_and_writes_its_outputs(tmp_path):

@@ -24,7 +24,7 @@ def test_the_policy_starts_from_calibrated_costs_and_the_shipped_prior_then_the_
     target_dir, draft_dir = default_pair_dirs()
     prompt = pair.tokenizer.encode_prompt("def parse_args(argv):\n")
     cache = PolicyCache(tmp_path)
-    decoder = SpeculativeDecoder(pair.target, pair.proposer(GREEDY), GREEDY)
+    decoder = SpeculativeDecoder(pair.target, pair.proposer(), GREEDY)
     started = cold_start(decoder, prompt, GREEDY, target_dir, draft_dir, cache)
     assert isinstance(started, ColdStart) and isinstance(decoder.policy, AdaptiveGamma)
     priors = decoder.policy.priors
@@ -34,14 +34,14 @@ def test_the_policy_starts_from_calibrated_costs_and_the_shipped_prior_then_the_
 
     generation = decoder.generate(prompt, GenerationConfig(max_new_tokens=96))
     started.remember(generation.stats)  # the next run of the pair starts from this one
-    again = SpeculativeDecoder(pair.target, pair.proposer(GREEDY), GREEDY)
+    again = SpeculativeDecoder(pair.target, pair.proposer(), GREEDY)
     assert cold_start(again, prompt, GREEDY, target_dir, draft_dir, cache).record["prior_source"] == "cache"
     assert cold_start(again, prompt, GREEDY, target_dir, draft_dir, None).record["prior_source"] == "shipped"  # no cache
 
 
 def test_a_draft_combined_with_lookup_gets_a_policy_per_source_and_is_not_cached(pair, tmp_path):
     target_dir, draft_dir = default_pair_dirs()
-    decoder = SpeculativeDecoder(pair.target, LookupOrDraft(DraftModelProposer(pair.draft, GREEDY)), GREEDY)
+    decoder = SpeculativeDecoder(pair.target, LookupOrDraft(DraftModelProposer(pair.draft)), GREEDY)
     prompt = pair.tokenizer.encode_prompt("import os\n")
     cache = PolicyCache(tmp_path)
     started = cold_start(decoder, prompt, GREEDY, target_dir, draft_dir, cache)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
-from exactspec.models.eagle import FeatureDraftRunner
 from exactspec.models.lean import LeanModel
 from exactspec.policy import AdaptiveConfig, AdaptiveGamma, RoutedPolicy
-from exactspec.proposers import Draft, LookupOrDraft
+from exactspec.proposers import Draft, DraftRequest, LookupOrDraft
+from exactspec.proposers.base import processed_q
 from exactspec.proposers.feature_draft import FeatureDraftProposer
 from exactspec.stats import RoundRecord
 from test_exactness import ALPHA, N, g_test_p_value
@@ -24,9 +24,7 @@ from test_feature_draft import GAMMA, NEW_TOKENS, PROMPT, VOCAB, exact_law, tiny
 
 
 class Recorder:
-    """A proposer that remembers what it was asked."""
-
-    reads_target_features = False
+    """A single-sequence proposer that remembers what it was asked."""
 
     def __init__(self, token: int = 7) -> None:
         self.calls, self.token = 0, token
@@ -45,11 +43,14 @@ def test_routes_to_lookup_only_on_a_long_enough_repeat():
     proposer = LookupOrDraft(Recorder(), min_match=3, max_ngram=4)
     assert proposer.route([1, 2, 3, 4, 1, 2]) == "draft"  # a 2-token repeat is not enough
     assert proposer.route([1, 2, 3, 4, 1, 2, 3]) == "lookup"
-    generator = torch.Generator()
-    assert proposer.propose([1, 2, 3, 4, 1, 2, 3], 2, generator).tokens == [4, 1]
-    assert proposer.draft.calls == 0
-    assert proposer.propose([1, 2, 3, 4, 1, 2], 2, generator).tokens == [7, 7]
-    assert proposer.draft.calls == 1
+    def proposed(context):
+        (draft,) = proposer.propose([DraftRequest(0, context, 1, 2, SamplingParams(), torch.Generator())], processed_q)
+        return draft.tokens
+
+    assert proposed([1, 2, 3, 4, 1, 2, 3]) == [4, 1]
+    assert proposer.draft.proposer.calls == 0
+    assert proposed([1, 2, 3, 4, 1, 2]) == [7, 7]
+    assert proposer.draft.proposer.calls == 1
     with pytest.raises(ValueError, match="min_match"):
         LookupOrDraft(Recorder(), min_match=0)
 
@@ -96,16 +97,14 @@ def test_engine_selects_the_routed_policy_per_round():
 class LookupAsSampled(LookupOrDraft):
     """Bug: lookup tokens are handed to the verifier as if sampled from a uniform q (checked with min(1, p/q))."""
 
-    def propose(self, context, gamma, generator):
-        draft = super().propose(context, gamma, generator)
-        if draft.probs is None and draft.tokens:
-            return Draft(draft.tokens, torch.full((len(draft.tokens), VOCAB), 1.0 / VOCAB, dtype=torch.float64))
-        return draft
+    def propose(self, requests, draft_rule):
+        uniform = lambda n: torch.full((n, VOCAB), 1.0 / VOCAB, dtype=torch.float64)  # noqa: E731
+        return [Draft(d.tokens, uniform(len(d.tokens))) if d.probs is None and d.tokens else d for d in super().propose(requests, draft_rule)]
 
 
 def combined_counts(params: SamplingParams, proposer_class=LookupOrDraft):
     target = tiny_target()
-    feature = FeatureDraftProposer(FeatureDraftRunner(tiny_draft(target), 32), VOCAB, params)
+    feature = FeatureDraftProposer.solo(tiny_draft(target), VOCAB, 32)
     proposer = proposer_class(feature, min_match=1, max_ngram=2)
     routes = {"lookup": 0, "draft": 0}
     route = proposer.route

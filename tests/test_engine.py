@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from exactspec import GREEDY, GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
-from exactspec.proposers import Draft
+from exactspec.proposers import Draft, DraftRequest
+from exactspec.proposers.base import processed_q
 from exactspec.sampling import block_probs
 
 
@@ -73,14 +74,16 @@ def test_each_round_is_one_target_call_of_gamma_plus_one_tokens():
 
 
 def test_rejected_tokens_never_stay_in_the_caches():
-    """After every rollback, each cache holds a prefix of the final committed history: no stale drafts."""
+    """After every rollback, each cache holds a prefix of the final committed history: no stale drafts. Every round
+    that rejected a draft token rolls the target back (a fully accepted round has nothing to drop)."""
     base_target, base_draft = pair(noise=2.0)
     target, draft = RecordingModel(base_target), RecordingModel(base_draft)
     prompt = [3]
     result = SpeculativeDecoder(target, draft, SamplingParams()).generate(prompt, GenerationConfig(max_new_tokens=60, gamma=3, seed=2))
     history = prompt + result.tokens
     assert 0 < result.stats.acceptance_rate < 1
-    assert len(target.after_rollback) == len(result.stats.rounds) - 1 and draft.after_rollback
+    rejected = sum(r.accepted < r.drafted for r in result.stats.rounds)
+    assert len(target.after_rollback) == rejected > 0 and draft.after_rollback
     for snapshot in target.after_rollback + draft.after_rollback:
         assert snapshot == history[: len(snapshot)]
 
@@ -177,8 +180,9 @@ def test_draft_probabilities_are_exactly_the_float64_rows_the_tokens_were_sample
     target, draft = pair()
     params = SamplingParams(temperature=0.8, top_k=4, repetition_penalty=1.2)
     proposer = SpeculativeDecoder(target, draft, params).proposer
-    proposer.reset([1, 2])
-    proposed = proposer.propose([1, 2, 3], 3, torch.Generator().manual_seed(0))
+    proposer.start(0, [1, 2])
+    request = DraftRequest(0, [1, 2, 3], 2, 3, params, torch.Generator().manual_seed(0))
+    (proposed,) = proposer.propose([request], processed_q)
     assert proposed.probs.dtype == torch.float64
     prefix = [1, 2, 3]
     for token, row in zip(proposed.tokens, proposed.probs):
@@ -207,9 +211,17 @@ def test_sharing_a_cache_is_refused_instead_of_corrupting_the_law():
     target, draft = pair()
     with pytest.raises(ValueError, match="different object"):
         SpeculativeDecoder(target, target)
-    decoder = SpeculativeDecoder(target, draft, SamplingParams())
     config = GenerationConfig(max_new_tokens=20, gamma=3)
-    first, second = decoder.stream([1], config), decoder.stream([2], config)
-    with pytest.raises(RuntimeError, match="changed outside this generation"):
-        for _ in zip(first, second):
+    first, second = SpeculativeDecoder(target, draft, SamplingParams()), SpeculativeDecoder(target, MarkovLM(draft.table, draft.order), SamplingParams())
+    with pytest.raises(RuntimeError, match="changed outside this engine"):
+        for _ in zip(first.stream([1], config), second.stream([2], config)):
             pass
+
+
+def test_two_streams_of_one_decoder_queue_for_its_slot_and_each_keeps_its_own_law():
+    """A decoder is one slot: a second stream waits for the first (stepping it on), it never mixes the caches."""
+    decoder = SpeculativeDecoder(*pair(), SamplingParams())
+    config = GenerationConfig(max_new_tokens=20, gamma=3, seed=4)
+    alone = [decoder.generate(prompt, config).tokens for prompt in ([1], [2])]
+    together = list(zip(decoder.stream([1], config), decoder.stream([2], config)))
+    assert [a for a, _ in together] == alone[0] and [b for _, b in together] == alone[1]

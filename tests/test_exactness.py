@@ -38,7 +38,7 @@ from scipy import stats
 import exactspec.engine as engine_module
 from conftest import SyntheticClock
 from exactspec import GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
-from exactspec.proposers import Draft, DraftModelProposer, PromptLookupProposer
+from exactspec.proposers import Draft, PromptLookupProposer
 from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
 from exactspec.sampling import block_probs
 from exactspec.verify import VerifyResult, sample_from, verify_with_uniforms
@@ -144,28 +144,40 @@ def penalty_once_per_round(logits, prefix, block, prompt_length, params):
     return torch.cat([block_probs(logits[j : j + 1], prefix, [], prompt_length, params) for j in range(logits.shape[0])])
 
 
-class DraftProbsBeforeProcessors(DraftModelProposer):
+class WrongDraft:
+    """A single-sequence draft over a Markov model's next-token logits, whose :meth:`propose` gets a bug."""
+
+    def __init__(self, model: MarkovLM, params: SamplingParams) -> None:
+        self.model, self.params, self.prompt_length = model, params, 0
+
+    def reset(self, prompt) -> None:
+        self.prompt_length = len(prompt)
+
+    def q(self, prefix: list[int]) -> torch.Tensor:  # (V,) the exact rule's q
+        return block_probs(self.model.next_logits(prefix).unsqueeze(0), prefix, [], self.prompt_length, self.params)[0]
+
+
+class DraftProbsBeforeProcessors(WrongDraft):
     """Bug: tokens are sampled from the processed q, but the verifier is handed the raw softmax."""
 
     def propose(self, context, gamma, generator):
-        draft = super().propose(context, gamma, generator)
-        raw = []
-        prefix = list(context)
-        for token in draft.tokens:
+        tokens, raw, prefix = [], [], list(context)
+        for _ in range(gamma):
+            uniform = torch.rand((1,), dtype=torch.float64, generator=generator)
+            tokens.append(int(sample_from(self.q(prefix).unsqueeze(0), uniform)[0]))
             raw.append(self.model.next_logits(prefix).double().softmax(-1))
-            prefix.append(token)
-        return Draft(draft.tokens, torch.stack(raw))
+            prefix.append(tokens[-1])
+        return Draft(tokens, torch.stack(raw))
 
 
-class ArgmaxWithSampledRatio(DraftModelProposer):
+class ArgmaxWithSampledRatio(WrongDraft):
     """Bug: the draft proposes its top token but reports q, so the ratio p/q meant for sampled drafts is used."""
 
     def propose(self, context, gamma, generator):
         tokens, rows, prefix = [], [], list(context)
         for _ in range(gamma):
-            q = block_probs(self.model.next_logits(prefix).unsqueeze(0), prefix, [], self.prompt_length, self.params)[0]
-            tokens.append(int(q.argmax()))
-            rows.append(q)
+            rows.append(self.q(prefix))
+            tokens.append(int(rows[-1].argmax()))
             prefix.append(tokens[-1])
         return Draft(tokens, torch.stack(rows))
 

@@ -18,7 +18,6 @@ import exactspec.engine as engine_module
 from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
 from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig, FeatureDraftRunner, ttt_mask
 from exactspec.models.lean import LeanModel, LlamaConfig, LlamaDecoder
-from exactspec.proposers import Draft
 from exactspec.proposers.feature_draft import FeatureDraftProposer
 from exactspec.sampling import block_probs
 from test_exactness import ALPHA, N, g_test_p_value, replacement_from_target
@@ -90,16 +89,16 @@ def test_a_target_without_features_is_refused():
 
     draft = tiny_draft(tiny_target())
     with pytest.raises(ValueError, match="hidden states"):
-        SpeculativeDecoder(MarkovLM.random(VOCAB, 2, seed=0), FeatureDraftProposer(FeatureDraftRunner(draft, 16), VOCAB, SamplingParams()))
+        SpeculativeDecoder(MarkovLM.random(VOCAB, 2, seed=0), FeatureDraftProposer.solo(draft, VOCAB, 16))
 
 
 def test_greedy_equals_plain_greedy_and_drafts_come_from_the_subset():
     target = tiny_target()
     params = SamplingParams(temperature=0)
-    proposer = FeatureDraftProposer(FeatureDraftRunner(tiny_draft(target), 32), VOCAB, params)
+    proposer = FeatureDraftProposer.solo(tiny_draft(target), VOCAB, 32)
     drafted = []
     propose = proposer.propose
-    proposer.propose = lambda *a: drafted.append(propose(*a)) or drafted[-1]
+    proposer.propose = lambda *a: drafted.extend(propose(*a)) or drafted[-len(a[0]) :]
     config = GenerationConfig(max_new_tokens=20, gamma=3, seed=0)
     speculative = SpeculativeDecoder(LeanModel(target), proposer, params).generate(PROMPT, config)
     plain = SpeculativeDecoder(LeanModel(tiny_target()), None, params).generate(PROMPT, config)
@@ -127,24 +126,16 @@ def exact_law(model: LeanModel, params: SamplingParams) -> dict[tuple[int, ...],
 class RawProbsReported(FeatureDraftProposer):
     """Bug: tokens are sampled from the processed q, the verifier is handed the unprocessed softmax over S."""
 
-    def _probs(self, subset_logits, prefix):
-        self._raw = getattr(self, "_raw", [])
-        full = torch.full((VOCAB,), float("-inf"))
-        full[self._ids] = subset_logits
-        self._raw.append(full.double().softmax(-1))
-        return super()._probs(subset_logits, prefix)
+    def propose(self, requests, draft_rule):
+        def raw_reported(logits, *args):  # logits (1, |S|)
+            return draft_rule(logits, *args)[0], logits[0].double().softmax(-1)
 
-    def propose(self, context, gamma, generator):
-        self._raw = []
-        draft = super().propose(context, gamma, generator)
-        if draft.probs is None:
-            return draft
-        return Draft(draft.tokens, torch.stack(self._raw[: len(draft.tokens)]))
+        return super().propose(requests, raw_reported)
 
 
 def counts_and_law(params: SamplingParams, proposer_class=FeatureDraftProposer):
     target = tiny_target()
-    proposer = proposer_class(FeatureDraftRunner(tiny_draft(target), 32), VOCAB, params)
+    proposer = proposer_class.solo(tiny_draft(target), VOCAB, 32)
     decoder = SpeculativeDecoder(LeanModel(target), proposer, params)
     counts: dict[tuple[int, ...], int] = {}
     for seed in range(N):

@@ -186,7 +186,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server, client):
 
 
 def test_a_request_that_fails_inside_the_model_gets_500_and_the_server_goes_on(client, monkeypatch):
-    import exactspec.serving.batching as module
+    import exactspec.engine as module
 
     real = module.block_probs
     monkeypatch.setattr(module, "block_probs", lambda logits, prefix, block, n, params, **columns: (

@@ -1,4 +1,4 @@
-"""Continuous batching with ragged speculative verification (exactspec.serving.batching).
+"""Continuous batching with ragged speculative verification (exactspec.engine).
 
 * Greedy: every sequence of a mixed batch (speculation off, draft, lookup, auto; different prompts, lengths and
   budgets, joining as slots free up) equals plain decoding of the same prompt alone (shipped pair, float32).
@@ -21,9 +21,9 @@ from exactspec import GREEDY, GenerationConfig, SamplingParams, SpeculativeDecod
 from exactspec.loading import default_pair_dirs, load_pair
 from exactspec.models.batched import BatchedLean
 from exactspec.models.lean import LeanModel
-from exactspec.proposers import PromptLookupProposer
+from exactspec.proposers import DraftModelProposer, PromptLookupProposer
 from exactspec.sampling import block_probs
-from exactspec.serving.batching import BatchEngine, EngineConfig, SequenceRequest
+from exactspec.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.serving.server import build_engine
 from exactspec.workloads import workload_prompts
 from test_exactness import ALPHA, N, g_test_p_value
@@ -126,7 +126,7 @@ def test_a_prompt_an_active_sequence_shares_is_copied_from_its_cache(pair, promp
 
 
 def test_a_failing_sequence_ends_with_an_error_and_the_others_finish(pair, prompts, monkeypatch):
-    import exactspec.serving.batching as module
+    import exactspec.engine as module
 
     real = module.block_probs
 
@@ -166,35 +166,30 @@ NEIGHBOURS = [((3, 0, 1), "lookup", 0.5), ((2,), "off", 1.0), ((0, 0, 3, 2), "dr
 
 def tiny_engine(slots: int = 4) -> BatchEngine:
     target, draft = LeanModel(tiny_target(3)), LeanModel(tiny_target(11))
-    return BatchEngine(BatchedLean.like(target, slots, 32), BatchedLean.like(draft, slots, 32), EngineConfig(gamma=3))
+    return BatchEngine(BatchedLean.like(target, slots, 32), DraftModelProposer(BatchedLean.like(draft, slots, 32)), EngineConfig(gamma=3))
 
 
 def tiny_feature_engine(engine_class: type[BatchEngine] = BatchEngine, slots: int = 4, invariant: bool = False) -> BatchEngine:
     """The tiny target with a trained-style feature-level draft (random weights, a vocabulary subset), batched."""
     from exactspec.models.batched_feature_draft import BatchedFeatureDraft
+    from exactspec.proposers.feature_draft import FeatureDraftProposer
     from test_feature_draft import tiny_draft
 
     decoder = tiny_target(3)
-    batched = BatchedLean.like(LeanModel(decoder, invariant=invariant), slots, 32)
-    draft = tiny_draft(decoder)
-    batched.capture_features(draft.cfg.feature_layers)
-    return engine_class(batched, None, EngineConfig(gamma=3), feature_draft=BatchedFeatureDraft(draft, slots, 32, invariant=invariant))
+    proposer = FeatureDraftProposer(BatchedFeatureDraft(tiny_draft(decoder), slots, 32, invariant=invariant), VOCAB)
+    return engine_class(BatchedLean.like(LeanModel(decoder, invariant=invariant), slots, 32), proposer, EngineConfig(gamma=3))
 
 
 def solo_feature_decode(engine: BatchEngine, request: SequenceRequest, draft_probs=None) -> list[int]:
     """What the single-sequence decoder draws with the engine's target (invariant mode) and feature draft, the
-    request's seed and gamma 3; ``draft_probs`` wraps its proposer's q."""
-    from exactspec.models.eagle import FeatureDraftRunner
+    request's seed and gamma 3; ``draft_probs`` wraps its draft rule."""
     from exactspec.proposers.feature_draft import FeatureDraftProposer
 
-    draft = engine.feature_draft.draft
-    target = LeanModel(engine.target.decoder, invariant=True)
-    target.capture_features(draft.cfg.feature_layers)
-    solo = FeatureDraftProposer(FeatureDraftRunner(draft, 32), VOCAB, request.params)
+    solo = FeatureDraftProposer.solo(engine.proposer.draft.draft, VOCAB, 32)
+    decoder = SpeculativeDecoder(LeanModel(engine.target.decoder, invariant=True), solo, request.params)
     if draft_probs is not None:
-        solo._probs = draft_probs(solo._probs)
-    return SpeculativeDecoder(target, solo, request.params).generate(
-        list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens, gamma=3, seed=request.seed)).tokens
+        decoder.engine._draft_probs = draft_probs(decoder.engine._draft_probs)
+    return decoder.generate(list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens, gamma=3, seed=request.seed)).tokens
 
 
 def law_counts(engine: BatchEngine, params: SamplingParams = SamplingParams()) -> dict[tuple[int, ...], int]:
@@ -266,13 +261,13 @@ def test_in_invariant_mode_batched_sequences_are_bit_identical_to_solo_runs(prom
 
 
 def same_q_as_the_engine(engine_q: dict):
-    """Wraps a solo proposer's q: each must equal, bit for bit, the engine's q after the same prefix."""
-    def wrap(solo_probs):
-        def probs(subset_logits, prefix):
-            q = solo_probs(subset_logits, prefix)
+    """Wraps a solo decoder's draft rule: each q must equal, bit for bit, the engine's q after the same prefix."""
+    def wrap(solo_rule):
+        def rule(logits, prefix, *rest):
+            q, reported = solo_rule(logits, prefix, *rest)
             assert torch.equal(q, engine_q[tuple(prefix)]), f"the engine's q after {prefix} differs"
-            return q
-        return probs
+            return q, reported
+        return rule
     return wrap
 
 

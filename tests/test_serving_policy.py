@@ -4,6 +4,7 @@ row cost as much as it brings."""
 from __future__ import annotations
 
 from exactspec.serving.policy import BatchPolicy, CostLine
+from exactspec.stats import RoundRecord
 
 
 def policy_with_costs(per_call: float, per_row: float, draft_step: float, alpha: float) -> BatchPolicy:
@@ -32,7 +33,7 @@ def test_rates_follow_the_cost_model():
 def test_acceptance_is_learnt_per_source():
     policy = BatchPolicy(prior_acceptance={"draft": 0.9, "lookup": 0.9})
     for _ in range(100):
-        policy.observe_round("lookup", drafted=4, accepted=0)
+        policy.observe_round("lookup", RoundRecord(drafted=4, accepted=0, committed=1, draft_seconds=0.0, target_seconds=0.01, verify_seconds=0.0))
     assert policy.acceptance["lookup"].value < 0.2 and policy.acceptance["draft"].value == 0.9
 
 

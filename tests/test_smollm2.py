@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")  # transformers reads GGUF files through it
 
 from exactspec.cli import main  # noqa: E402
-from exactspec.engine import GenerationConfig, SpeculativeDecoder  # noqa: E402
+from exactspec.decoder import GenerationConfig, SpeculativeDecoder  # noqa: E402
 from exactspec.models.lean import LeanModel  # noqa: E402
 from exactspec.sampling import SamplingParams  # noqa: E402
 from exactspec.tokenizer import TextTokenizer  # noqa: E402

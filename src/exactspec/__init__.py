@@ -6,7 +6,7 @@ output follow the target's sampling law exactly (Leviathan et al. 2023;
 Chen et al. 2023).
 """
 
-from exactspec.engine import Generation, GenerationConfig, SpeculativeDecoder
+from exactspec.decoder import Generation, GenerationConfig, SpeculativeDecoder
 from exactspec.models.markov import MarkovLM
 from exactspec.sampling import GREEDY, SamplingParams
 from exactspec.stats import GenerationStats, RoundRecord

@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Iterator
 
 from exactspec.loading import LoadedPair
 from exactspec.sampling import SamplingParams
-from exactspec.serving.batching import BatchEngine, EngineConfig, SequenceRequest
+from exactspec.engine import BatchEngine, EngineConfig, SequenceRequest
 
 __all__ = ["BatchJobConfig", "build_batch_engine", "generate_batch", "parse_request", "run_job", "completed_lines"]
 

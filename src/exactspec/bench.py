@@ -34,7 +34,7 @@ import torch
 
 from exactspec import costmodel
 from exactspec.calibration import calibrate, measure_call_ms
-from exactspec.engine import GenerationConfig, SpeculativeDecoder
+from exactspec.decoder import GenerationConfig, SpeculativeDecoder
 from exactspec.loading import model_capacity
 from exactspec.models.base import LanguageModel
 from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
@@ -226,7 +226,7 @@ def run_bench(
     try:
         for mode in config.modes:
             # the adaptive arm starts as `generate --gamma auto` does: calibrated costs and the draft's shipped prior
-            calibration = calibrate(target, DraftModelProposer(draft, MODES[mode]), context[:64], AdaptiveConfig().max_gamma)
+            calibration = calibrate(target, DraftModelProposer(draft), context[:64], AdaptiveConfig().max_gamma, params=MODES[mode])
             acceptance = (acceptance_priors or {}).get(mode_key(MODES[mode]), ())
             priors = PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance)
             for workload in config.workloads:

@@ -22,9 +22,12 @@ from typing import Sequence
 import torch
 
 from exactspec.models.base import LanguageModel
-from exactspec.proposers import Proposer
+from exactspec.models.runtime import Runtime, SequenceSlots
+from exactspec.proposers.base import DraftRequest, Proposer, processed_q
+from exactspec.proposers.combined import LookupOrDraft
+from exactspec.sampling import SamplingParams
 
-__all__ = ["Calibration", "calibrate", "measure_call_ms", "SLOW_CALL_MS"]
+__all__ = ["Calibration", "calibrate", "calibrate_engine", "draft_step_seconds", "measure_call_ms", "SLOW_CALL_MS"]
 
 SLOW_CALL_MS = 5.0  # a one-token call slower than this: time a few call sizes and interpolate the rest
 
@@ -63,6 +66,7 @@ def calibrate(
     context: Sequence[int],  # a few dozen tokens are enough: the prompt's start
     max_gamma: int,
     repeats: int = 2,
+    params: SamplingParams = SamplingParams(),  # the settings the draft's q is built with
 ) -> Calibration:
     """Median cost of target calls of 1..max_gamma+1 tokens and of one draft step, after warm-up calls.
 
@@ -83,18 +87,8 @@ def calibrate(
     target_ms = _interpolated(target_ms, largest)
     draft_step_ms = None
     if proposer is not None and max_gamma > 0:
-        generator = torch.Generator().manual_seed(0)  # never the generation's own
-        proposer.reset(context)
-        if getattr(proposer, "reads_target_features", False):  # it drafts from the target's features of the context
-            target.prefill(context[:-1])
-            proposer.observe_target(target.last_features)
-        steps = []
-        for _ in range(repeats + 1):  # the first proposal includes the lazy prefill and the warm-up
-            began = time.perf_counter()
-            draft = proposer.propose(context, max_gamma, generator)
-            spent = time.perf_counter() - began - draft.setup_seconds
-            steps.append(1000 * spent / max(1, len(draft.tokens)))
-        draft_step_ms = statistics.median(steps[1:])
+        runtime = SequenceSlots([target])
+        draft_step_ms = 1000 * draft_step_seconds(proposer, runtime, [0], context, max_gamma, repeats, params)
     return Calibration(target_ms, draft_step_ms, time.perf_counter() - start)
 
 
@@ -108,3 +102,61 @@ def _interpolated(measured: dict[int, float], largest: int) -> dict[int, float]:
         weight = 0.0 if above == below else (n - below) / (above - below)
         out[n] = measured[below] + weight * (measured[above] - measured[below])
     return out
+
+
+def draft_step_seconds(proposer: Proposer, target: Runtime, slots: list[int], context: Sequence[int], gamma: int,
+                       repeats: int = 2, params: SamplingParams = SamplingParams()) -> float:
+    """Median seconds of one draft step of ``proposer`` for ``slots`` drafting together after ``context``: the
+    difference between proposals of ``gamma`` and of 1 token over ``gamma - 1``, so that the first step's catch-up
+    on the context (each proposal starts the slots afresh) cancels out. A feature-reading proposer is handed the
+    target's features of the context first, untimed. The first repeat is an untimed warm-up."""
+    if gamma < 2:
+        raise ValueError(f"timing a draft step needs gamma >= 2, got {gamma}")
+    context = list(context)
+    generator = torch.Generator().manual_seed(0)  # never a generation's own
+    times: dict[int, list[float]] = {1: [], gamma: []}
+    for repeat in range(repeats + 1):
+        for tokens in times:
+            for slot in slots:
+                proposer.start(slot, context)
+                if proposer.feature_layers:
+                    target.capture_features(proposer.feature_layers)
+                    target.rollback(slot, 0)
+                    target.forward([(slot, context[:-1])])
+                    proposer.observe(slot, target.last_features[0])
+            began = time.perf_counter()
+            proposer.propose([DraftRequest(slot, context, len(context), tokens, params, generator) for slot in slots], processed_q)
+            if repeat:
+                times[tokens].append(time.perf_counter() - began)
+    return max(0.0, (statistics.median(times[gamma]) - statistics.median(times[1])) / (gamma - 1))
+
+
+def calibrate_engine(engine, repeats: int = 2) -> None:
+    """Give a :class:`exactspec.engine.BatchEngine`'s batch policy call costs before the first request: target calls
+    of 1 and ``max_gamma + 1`` tokens per row, and draft steps of its proposer, for one sequence and for a full
+    batch (each after an untimed warm-up). Leaves every slot empty."""
+    target, history = engine.target, [0] * 8  # a short history, as in a running batch
+    drafting = engine.proposer.draft if isinstance(engine.proposer, LookupOrDraft) else engine.proposer  # [0] * 8 routes to lookup
+
+    def timed(rows: list[tuple[int, list[int]]]) -> float:
+        for slot, _ in rows:
+            target.rollback(slot, 0)
+        target.forward([(slot, history) for slot, _ in rows])
+        times = []
+        for call in range(repeats + 1):
+            began = time.perf_counter()
+            target.forward(rows)
+            if call:
+                times.append(time.perf_counter() - began)
+            for slot, _ in rows:
+                target.rollback(slot, len(history))
+        return statistics.median(times)
+
+    for batch in sorted({1, target.slots}):
+        for tokens in (1, engine.config.max_gamma + 1):
+            engine.policy.observe_target(batch * tokens, timed([(slot, [0] * tokens) for slot in range(batch)]))
+        if drafting is not None:
+            slots = list(range(batch))
+            engine.policy.observe_draft(batch, draft_step_seconds(drafting, target, slots, history, 3, repeats))
+    for slot in range(target.slots):
+        target.rollback(slot, 0)

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from exactspec import __version__, costmodel, verify
-from exactspec.engine import Generation, GenerationConfig, SpeculativeDecoder
+from exactspec.decoder import Generation, GenerationConfig, SpeculativeDecoder
 from exactspec.coldstart import cold_start
 from exactspec.priors import PolicyCache, shipped_prior
 from exactspec.sampling import SamplingParams
@@ -273,7 +273,7 @@ def _generate(args: argparse.Namespace) -> dict:
         config = GenerationConfig(config.max_new_tokens, config.gamma, pair.tokenizer.eos_token_ids, config.seed)
     generation = Generation(tokens=[], stop_reason="max_new_tokens")
     lookup = _uses_lookup(args) and not args.no_speculation
-    decoder = SpeculativeDecoder(pair.target, PromptLookupProposer() if lookup else pair.proposer(params), params)
+    decoder = SpeculativeDecoder(pair.target, PromptLookupProposer() if lookup else pair.proposer(), params)
     started = None
     if args.gamma == "auto" and decoder.proposer:
         started = cold_start(decoder, prompt, params, *_pair_dirs(args), cache=None if args.no_policy_cache else PolicyCache())
@@ -504,7 +504,7 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
 def _serve(args: argparse.Namespace) -> dict:
     try:
         from exactspec.serving.api import ServerSettings, create_app
-        from exactspec.serving.batching import BatchEngine, EngineConfig
+        from exactspec.engine import BatchEngine, EngineConfig
         from exactspec.serving.server import build_engine, run_server
     except ImportError as error:
         raise CliError(f"serve needs the server extras ({error.name} is missing): pip install 'exactspec[serve]'") from None

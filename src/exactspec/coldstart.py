@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from exactspec.calibration import calibrate
-from exactspec.engine import SpeculativeDecoder
+from exactspec.decoder import SpeculativeDecoder
 from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors, RoutedPolicy
 from exactspec.priors import PolicyCache, acceptance_prior, fingerprint, mode_key
 from exactspec.proposers import LookupOrDraft
@@ -59,7 +59,7 @@ def cold_start(
         raise ValueError("a cold start needs a decoder with a proposer: plain decoding has no gamma to choose")
     routed = isinstance(decoder.proposer, LookupOrDraft)
     drafting = decoder.proposer.draft if routed else decoder.proposer
-    calibration = calibrate(decoder.target, drafting, list(prompt)[:CALIBRATION_TOKENS], config.max_gamma)
+    calibration = calibrate(decoder.target, drafting, list(prompt)[:CALIBRATION_TOKENS], config.max_gamma, params=decoder.params)
     acceptance, source = acceptance_prior(target_dir, draft_dir, params, cache)
     policy = AdaptiveGamma(config, PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance, source=source))
     if routed:

@@ -204,19 +204,18 @@ class LoadedPair:
     draft: "LanguageModel | FeatureDraft | None"
     tokenizer: TextTokenizer
 
-    def proposer(self, params) -> "LanguageModel | Proposer | None":
-        """What the engine drafts with: the draft model itself (the engine wraps it), or a feature-level draft's
-        proposer (:mod:`exactspec.proposers.feature_draft`, sampling with ``params``) combined with prompt lookup
-        where the context repeats itself (:class:`exactspec.proposers.LookupOrDraft`)."""
-        from exactspec.models.eagle import FeatureDraft, FeatureDraftRunner
+    def proposer(self) -> "LanguageModel | Proposer | None":
+        """What a :class:`exactspec.decoder.SpeculativeDecoder` drafts with: the draft model itself (the decoder wraps
+        it), or a feature-level draft's proposer (:mod:`exactspec.proposers.feature_draft`) combined with prompt
+        lookup where the context repeats itself (:class:`exactspec.proposers.LookupOrDraft`)."""
+        from exactspec.models.eagle import FeatureDraft
         from exactspec.proposers import LookupOrDraft
         from exactspec.proposers.feature_draft import FeatureDraftProposer
 
         if not isinstance(self.draft, FeatureDraft):
             return self.draft
         target = unwrapped(self.target)
-        runner = FeatureDraftRunner(self.draft, target.max_len, target.device, target.dtype)
-        return LookupOrDraft(FeatureDraftProposer(runner, self.target.vocab_size, params))
+        return LookupOrDraft(FeatureDraftProposer.solo(self.draft, self.target.vocab_size, target.max_len, target.device, target.dtype))
 
 
 def load_pair(

@@ -191,7 +191,7 @@ class PolicyCache:
 
 def measure_acceptance(decoder, prompts: Sequence[Sequence[int]], gamma: int, max_new_tokens: int) -> list[float]:
     """Acceptance by draft position (conditional on reaching it) over fixed-gamma runs of ``decoder`` on ``prompts``."""
-    from exactspec.engine import GenerationConfig
+    from exactspec.decoder import GenerationConfig
     from exactspec.stats import GenerationStats
 
     rounds = []
@@ -206,7 +206,7 @@ def _main() -> None:
 
     import torch
 
-    from exactspec.engine import SpeculativeDecoder
+    from exactspec.decoder import SpeculativeDecoder
     from exactspec.loading import default_pair_dirs, load_pair
     from exactspec.sampling import GREEDY
     from exactspec.workloads import code_prompts, third_party_sources

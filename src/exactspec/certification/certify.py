@@ -3,7 +3,7 @@
 Per sampling configuration:
 
 1. sample: ``sequences`` continuations of ``max_tokens`` tokens with the draft at a fixed gamma, through the
-   server's batch engine (:mod:`exactspec.serving.batching`), each sequence seeded; every token is tagged with its
+   server's batch engine (:mod:`exactspec.engine`), each sequence seeded; every token is tagged with its
    position in its round and whether it was an accepted draft token or the round's replacement/bonus token;
 2. score: a plain cache-free target forward of each whole sequence (the prompt's positions computed once for all
    its sequences, :func:`shared_prompt_logits`) gives the target's processed distribution at every generated position (:func:`exactspec.sampling.block_probs` on the prefix of that position), and each token's
@@ -42,10 +42,10 @@ from exactspec.certification.mutants import MUTANTS, applies
 from exactspec.certification.pit import (TestResult, binned_uniform, holm, ks_critical_value, ks_uniform, p_order_masses, pit_values,
                                          ratio_pit_values, recency_pit_values, token_goodness_of_fit)
 from exactspec.chat import chat_messages
-from exactspec.engine import GenerationConfig, SpeculativeDecoder
+from exactspec.decoder import GenerationConfig, SpeculativeDecoder
 from exactspec.loading import LoadedPair, unwrapped
 from exactspec.sampling import GREEDY, SamplingParams, block_probs
-from exactspec.serving.batching import BatchEngine, EngineConfig, SequenceRequest
+from exactspec.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.serving.server import build_engine
 from exactspec.peers import PEER_WORKLOADS
 from exactspec.tokenizer import TextTokenizer
@@ -117,11 +117,13 @@ class _RecordsDraftProbs:
         self._draft_states = {s.slot: s.generator.get_state() for s in sequences}
         return super()._draft(sequences, gammas)
 
-    def _round_end(self, s, row, logits, tokens, probs):
+    def _round_end(self, s, row, logits, round_):
+        tokens, probs = round_.draft.tokens, round_.draft.probs
         if probs is not None:  # (g, V), zero outside the draft's columns: only those are searched
-            columns = probs if self._draft_ids is None else probs[:, self._draft_ids]
+            ids = getattr(s.proposer, "token_ids", None)
+            columns = probs if ids is None else probs[:, ids]
             top = columns.topk(min(TOP_Q, columns.shape[-1]), dim=-1)
-            ids = top.indices if self._draft_ids is None else self._draft_ids[top.indices]
+            ids = top.indices if ids is None else ids[top.indices]
             for k in range(len(tokens)):
                 self.recorded_q[(s.request.seed, len(s.context) + k)] = (ids[k], top.values[k])
             replay = torch.Generator()
@@ -129,7 +131,7 @@ class _RecordsDraftProbs:
             uniforms = torch.cat([torch.rand((1,), dtype=torch.float64, generator=replay) for _ in tokens])
             self.draws["replayed"] += len(tokens)
             self.draws["mismatched"] += int((sample_from(probs, uniforms) != torch.tensor(tokens)).sum())
-        super()._round_end(s, row, logits, tokens, probs)
+        super()._round_end(s, row, logits, round_)
 
 
 def _recording_engine(pair: LoadedPair, config: "CertifyConfig", max_len: int, engine_class: type[BatchEngine] = BatchEngine) -> BatchEngine:
@@ -145,7 +147,7 @@ def _sample(engine: BatchEngine, prompts: list[list[int]], params: SamplingParam
     engine.draws.update(replayed=0, mismatched=0)
     indices = range(config.sequences) if indices is None else indices
     runs = [{"prompt": prompts[i % len(prompts)], "seed": seed + i, "events": []} for i in indices]
-    speculation = "lookup" if engine.draft is None and engine.feature_draft is None else "draft"
+    speculation = "lookup" if engine.proposer is None else "draft"
     handles = []
     for run in runs:
         request = SequenceRequest(tuple(run["prompt"]), params, config.max_tokens, seed=run["seed"], speculation=speculation)
@@ -294,7 +296,7 @@ def run_tests(name: str, scored: dict, gamma: int) -> list[TestResult]:
 
 def _greedy_check(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig) -> dict:
     """Speculative greedy against plain greedy, token for token."""
-    plain, speculative = SpeculativeDecoder(pair.target, None, GREEDY), SpeculativeDecoder(pair.target, pair.proposer(GREEDY), GREEDY)
+    plain, speculative = SpeculativeDecoder(pair.target, None, GREEDY), SpeculativeDecoder(pair.target, pair.proposer(), GREEDY)
     generation = GenerationConfig(max_new_tokens=config.max_tokens, gamma=config.gamma)
     equal = sum(plain.generate(p, generation).tokens == speculative.generate(p, generation).tokens for p in prompts)
     return {"prompts": len(prompts), "equal": equal}

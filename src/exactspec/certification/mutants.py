@@ -1,6 +1,6 @@
 """Known-wrong speculative samplers, kept for the certification's self-check and for tests only.
 
-Each is a :class:`exactspec.serving.batching.BatchEngine` with one rule of a round replaced by a bug that real
+Each is a :class:`exactspec.engine.BatchEngine` with one rule of a round replaced by a bug that real
 engines have shipped (see the reference texts): the certification must reject every one of them at the sample
 size it runs, which shows its power on the pair and settings at hand. ``needs`` says what a mutant's bug lives in:
 a draft's distribution q (a draft model's or a trained feature-level draft's, both drafted through the engine's
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from exactspec.sampling import SamplingParams, block_probs
-from exactspec.serving.batching import BatchEngine
+from exactspec.engine import BatchEngine
 from exactspec.verify import VerifyResult, sample_from, verify_stochastic
 
 __all__ = ["MUTANTS", "applies"]
@@ -41,8 +41,8 @@ class UnprocessedDraft(BatchEngine):
 
     needs = "draft distribution"
 
-    def _draft_probs(self, logits, prefix, prompt_length, params):
-        q, _ = super()._draft_probs(logits, prefix, prompt_length, params)
+    def _draft_probs(self, logits, prefix, prompt_length, params, token_ids=None):
+        q, _ = super()._draft_probs(logits, prefix, prompt_length, params, token_ids)
         return q, torch.softmax(logits[0].double(), dim=-1)
 
 
@@ -61,8 +61,8 @@ class ArgmaxDraftSampledRatio(BatchEngine):
 
     needs = "draft distribution"
 
-    def _draft_probs(self, logits, prefix, prompt_length, params):
-        q, _ = super()._draft_probs(logits, prefix, prompt_length, params)
+    def _draft_probs(self, logits, prefix, prompt_length, params, token_ids=None):
+        q, _ = super()._draft_probs(logits, prefix, prompt_length, params, token_ids)
         return torch.nn.functional.one_hot(q.argmax(), q.shape[0]).double(), q
 
 
@@ -72,9 +72,9 @@ class PrecisionMismatch(BatchEngine):
 
     needs = "draft distribution"
 
-    def _draft_probs(self, logits, prefix, prompt_length, params: SamplingParams):
-        rounded, _ = super()._draft_probs(logits.to(torch.bfloat16).float(), prefix, prompt_length, params)
-        q, _ = super()._draft_probs(logits, prefix, prompt_length, params)
+    def _draft_probs(self, logits, prefix, prompt_length, params: SamplingParams, token_ids=None):
+        rounded, _ = super()._draft_probs(logits.to(torch.bfloat16).float(), prefix, prompt_length, params, token_ids)
+        q, _ = super()._draft_probs(logits, prefix, prompt_length, params, token_ids)
         return rounded, q
 
 

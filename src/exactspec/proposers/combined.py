@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from exactspec.proposers.base import Draft, Proposer
+from exactspec.proposers.base import Draft, DraftRequest, DraftRule, Proposer, SequenceProposer, as_proposer
 from exactspec.proposers.prompt_lookup import find_continuation
 
 __all__ = ["LookupOrDraft"]
@@ -26,27 +26,34 @@ __all__ = ["LookupOrDraft"]
 class LookupOrDraft:
     SOURCES = ("lookup", "draft")
 
-    def __init__(self, draft: Proposer, min_match: int = 3, max_ngram: int = 8) -> None:
+    def __init__(self, draft: "Proposer | SequenceProposer", min_match: int = 3, max_ngram: int = 8) -> None:
         if not 1 <= min_match <= max_ngram:
             raise ValueError(f"need 1 <= min_match <= max_ngram, got {min_match} and {max_ngram}")
-        self.draft = draft
+        self.draft = draft = as_proposer(draft)
         self.min_match = min_match
         self.max_ngram = max_ngram
-        self.reads_target_features = getattr(draft, "reads_target_features", False)
-        self.feature_layers = getattr(draft, "feature_layers", ())
+        self.feature_layers = draft.feature_layers
+        self.slots = getattr(draft, "slots", None)
 
     def route(self, context: Sequence[int]) -> str:
         """``lookup`` if a suffix of at least ``min_match`` tokens has an earlier continuation, else ``draft``."""
         return "lookup" if find_continuation(context, 1, self.min_match, self.max_ngram) else "draft"
 
-    def reset(self, prompt: Sequence[int]) -> None:
-        self.draft.reset(prompt)
+    def propose(self, requests: Sequence[DraftRequest], draft_rule: DraftRule) -> list[Draft]:
+        drafts = {r.slot: Draft(find_continuation(r.context, r.gamma, self.min_match, self.max_ngram), None) for r in requests}
+        drafting = [r for r in requests if not drafts[r.slot].tokens]
+        if drafting:
+            drafts.update(zip((r.slot for r in drafting), self.draft.propose(drafting, draft_rule)))
+        return [drafts[r.slot] for r in requests]
 
-    def observe_target(self, features: torch.Tensor) -> None:  # (n, F)
-        self.draft.observe_target(features)
+    def start(self, slot: int, prompt: Sequence[int]) -> None:
+        self.draft.start(slot, prompt)
 
-    def propose(self, context: Sequence[int], gamma: int, generator: torch.Generator) -> Draft:
-        if gamma <= 0:
-            return Draft([], None)
-        tokens = find_continuation(context, gamma, self.min_match, self.max_ngram)
-        return Draft(tokens, None) if tokens else self.draft.propose(context, gamma, generator)
+    def observe(self, slot: int, features: torch.Tensor) -> None:  # (n, F)
+        self.draft.observe(slot, features)
+
+    def reusable(self, donor: int | None, shared: int) -> int:
+        return self.draft.reusable(donor, shared)
+
+    def copy_prefix(self, donor: int, slot: int, length: int) -> None:
+        self.draft.copy_prefix(donor, slot, length)

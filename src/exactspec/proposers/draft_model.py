@@ -1,8 +1,16 @@
-"""Draft tokens from a smaller language model.
+"""Draft tokens from a smaller language model, for a batch of slots.
 
-The draft's distribution ``q`` of each position is built by the same pipeline
-as the target's ``p`` (:func:`exactspec.sampling.block_probs`), from the prefix
-that position conditions on: the context plus the draft tokens drawn so far.
+:class:`ModelDraft` is the drafting loop every model-based proposer shares: one batched draft call per draft
+position for all the sequences that draft in the round; each token drawn (greedy: argmax) from q of the engine's
+``draft_rule`` over the draft's columns, built by the same pipeline as the target's p from the prefix that
+position conditions on (the context plus the draft tokens drawn so far). A sequence whose settings leave the
+draft nothing to propose stops drafting there. Random numbers: one float64 uniform per sampled draft token, from
+the sequence's generator, in order; none in greedy mode.
+
+:class:`DraftModelProposer` runs it over a draft model (any :class:`exactspec.models.runtime.Runtime`, or a
+single-sequence model as one slot). Each slot's cache holds a prefix of the tokens it was fed; at a round's first
+step it is rolled back to the longest prefix the context shares with them and the missing tokens are fed (after
+a fully accepted round, the last drafted token and the bonus token).
 """
 
 from __future__ import annotations
@@ -12,76 +20,105 @@ from typing import Sequence
 
 import torch
 
-from exactspec.models.base import LanguageModel
-from exactspec.proposers.base import Draft
-from exactspec.sampling import SamplingParams, block_probs
+from exactspec.models.batched import MAX_BLOCK
+from exactspec.models.runtime import as_runtime
+from exactspec.proposers.base import Draft, DraftRequest, DraftRule, ReadsNothing
+from exactspec.sampling import full_width
 from exactspec.verify import greedy_token, sample_from
 
+__all__ = ["DraftModelProposer", "ModelDraft"]
 
-class DraftModelProposer:
-    """Samples ``gamma`` tokens autoregressively from ``model``.
 
-    The model's cache always holds a prefix of the tokens this proposer fed it
-    (``self._fed``); at each call the cache is rolled back to the longest prefix
-    that the new context shares with it and the missing tokens are fed in one
-    call. After a fully accepted round that is how the draft catches up on its
-    last token. Random numbers: one float64 uniform per sampled draft token,
-    from the engine's generator, in order; none in greedy mode.
-    """
+class ModelDraft(ReadsNothing):
+    """The drafting loop of a model-based proposer. A subclass gives :meth:`_step`, and ``token_ids`` when its
+    logits cover a subset S of the vocabulary (column c is token ``token_ids[c]``), and ``vocab_size``."""
 
-    def __init__(self, model: LanguageModel, params: SamplingParams) -> None:
-        self.model = model
-        self.params = params
-        self.prompt_length = 0  # set by reset(); penalties count generated tokens after it
-        self._fed: list[int] = []  # the tokens in the model's cache
-        self._committed = 0  # a prefix of _fed known to be committed (contexts only grow)
-        self._caught_up_from = 0  # cache length before the last catch-up
+    token_ids: torch.Tensor | None = None
+    vocab_size: int
 
-    def reset(self, prompt: Sequence[int]) -> None:
-        """Start a sequence. The prompt is prefilled lazily, at the first proposal, so a generation
-        that never speculates (the adaptive policy chose plain decoding) never pays for it."""
-        self.prompt_length = len(prompt)
-        self._fed, self._committed = [], 0
+    def route(self, context: Sequence[int]) -> str:
+        return "draft"
 
-    def _catch_up(self, context: Sequence[int]) -> torch.Tensor:  # (V,) logits after context
-        limit = min(len(self._fed), len(context) - 1)  # feed at least the last context token
-        keep = min(self._committed, limit)
-        if self._fed[:keep] != list(context[:keep]):  # not a continuation (no reset between sequences)
-            keep = 0
-        while keep < limit and self._fed[keep] == context[keep]:
-            keep += 1
-        missing = list(context[keep:])
-        self._caught_up_from = keep
-        if keep == 0:
-            logits = self.model.prefill(missing)
+    def _step(self, step: int, live: list[DraftRequest], tokens: dict[int, list[int]]) -> tuple[list[torch.Tensor], bool]:
+        """Logits ``(1, W)`` per live request after its context and its draft tokens so far, and whether the call
+        was setup (feeding more than 2 tokens to a row: a prompt, a catch-up after plain rounds)."""
+        raise NotImplementedError
+
+    def propose(self, requests: Sequence[DraftRequest], draft_rule: DraftRule) -> list[Draft]:
+        prefixes = {r.slot: list(r.context) for r in requests}
+        tokens = {r.slot: [] for r in requests}
+        rows = {r.slot: [] for r in requests}
+        setup = 0.0
+        live = list(requests)
+        for step in range(max(r.gamma for r in requests)):
+            began = time.perf_counter()
+            logits, is_setup = self._step(step, live, tokens)
+            if is_setup:
+                setup += time.perf_counter() - began
+            for r, row in zip(live, logits):
+                try:
+                    q, reported = draft_rule(row, prefixes[r.slot], r.prompt_length, r.params, self.token_ids)
+                except ValueError:  # every token the draft has is excluded (allowed/banned sets, bias)
+                    continue
+                if r.params.greedy:
+                    column = greedy_token(q)
+                else:
+                    column = sample_from(q.unsqueeze(0), torch.rand((1,), dtype=torch.float64, generator=r.generator))[0]
+                token = int(column) if self.token_ids is None else int(self.token_ids[column])
+                tokens[r.slot].append(token)
+                rows[r.slot].append(reported)
+                prefixes[r.slot].append(token)
+            live = [r for r in live if len(tokens[r.slot]) == step + 1 < r.gamma]
+            if not live:
+                break
+        drafts = []
+        for r in requests:
+            probs = None if r.params.greedy or not rows[r.slot] else full_width(torch.stack(rows[r.slot]), self.token_ids, self.vocab_size)
+            drafts.append(Draft(tokens[r.slot], probs, setup))
+        return drafts
+
+
+class DraftModelProposer(ModelDraft):
+    """Samples draft tokens autoregressively from a draft model with the target's vocabulary."""
+
+    def __init__(self, model) -> None:
+        self.model = as_runtime(model)
+        self.slots, self.vocab_size = self.model.slots, self.model.vocab_size
+        self._fed: list[list[int]] = [[] for _ in range(self.slots)]  # the tokens in each slot's cache
+
+    def start(self, slot: int, prompt: Sequence[int]) -> None:
+        self._fed[slot] = []  # fed lazily at the first proposal: a sequence that never drafts never pays for it
+
+    def _step(self, step: int, live: list[DraftRequest], tokens: dict[int, list[int]]) -> tuple[list[torch.Tensor], bool]:
+        if step == 0:
+            feeds = [(r.slot, self._catch_up(r.slot, r.context)) for r in live]
         else:
-            self.model.rollback(keep)
-            logits = self.model.forward(missing)
-        self._fed = list(context)
-        self._committed = len(context)
-        return logits[-1]
+            feeds = [(r.slot, tokens[r.slot][-1:]) for r in live]
+            for r in live:
+                self._fed[r.slot].append(tokens[r.slot][-1])
+        is_setup = max(len(feed) for _, feed in feeds) > 2
+        if len(feeds) > 1:  # a row longer than a batched call allows (a prompt) is fed alone first
+            for slot, feed in feeds:
+                if len(feed) > MAX_BLOCK:
+                    self.model.forward([(slot, feed[:-1])])
+            feeds = [(slot, feed[-1:] if len(feed) > MAX_BLOCK else feed) for slot, feed in feeds]
+        logits = self.model.forward(feeds)
+        return [row[-1:] for row in logits], is_setup
 
-    def propose(self, context: Sequence[int], gamma: int, generator: torch.Generator) -> Draft:
-        if gamma <= 0:
-            return Draft([], None)
-        prefix = list(context)
-        start = time.perf_counter()
-        logits = self._catch_up(prefix)
-        # feeding more than the usual 1-2 tokens (a prefill, or catching up after plain rounds) is setup
-        setup = time.perf_counter() - start if len(prefix) - self._caught_up_from > 2 else 0.0
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        for step in range(gamma):
-            q = block_probs(logits.unsqueeze(0), prefix, [], self.prompt_length, self.params)[0]  # (V,)
-            if self.params.greedy:
-                token = int(greedy_token(q))
-            else:
-                uniform = torch.rand((1,), dtype=torch.float64, generator=generator)
-                token = int(sample_from(q.unsqueeze(0), uniform)[0])
-            tokens.append(token)
-            rows.append(q)
-            prefix.append(token)
-            if step < gamma - 1:
-                logits = self.model.forward([token])[-1]
-                self._fed.append(token)
-        return Draft(tokens, None if self.params.greedy else torch.stack(rows), setup)
+    def _catch_up(self, slot: int, context: list[int]) -> list[int]:
+        """Roll the slot back to what it shares with the context; the tokens it still has to read (at least the
+        newest one, whose logits give the first draft position)."""
+        keep = _common_prefix(self._fed[slot], context[:-1])
+        self.model.rollback(slot, keep)
+        self._fed[slot] = list(context)
+        return context[keep:]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -11,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
-
-from exactspec.proposers.base import Draft
+from exactspec.proposers.base import Draft, DraftRequest, DraftRule, ReadsNothing
 
 __all__ = ["PromptLookupProposer", "find_continuation"]
 
@@ -31,8 +29,9 @@ def find_continuation(context: Sequence[int], gamma: int, min_ngram: int, max_ng
 
 
 @dataclass
-class PromptLookupProposer:
-    """Drafts by n-gram lookup in prompt + generated text (Saxena 2023, "prompt lookup decoding")."""
+class PromptLookupProposer(ReadsNothing):
+    """Drafts by n-gram lookup in prompt + generated text (Saxena 2023, "prompt lookup decoding"), for any number
+    of slots: it keeps no state."""
 
     min_ngram: int = 1
     max_ngram: int = 4
@@ -41,10 +40,8 @@ class PromptLookupProposer:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}")
 
-    def reset(self, prompt: Sequence[int]) -> None:
-        pass
+    def route(self, context: Sequence[int]) -> str:
+        return "lookup"
 
-    def propose(self, context: Sequence[int], gamma: int, generator: torch.Generator) -> Draft:
-        if gamma <= 0:
-            return Draft([], None)
-        return Draft(find_continuation(context, gamma, self.min_ngram, self.max_ngram), None)
+    def propose(self, requests: Sequence[DraftRequest], draft_rule: DraftRule | None = None) -> list[Draft]:
+        return [Draft(find_continuation(r.context, r.gamma, self.min_ngram, self.max_ngram), None) for r in requests]

@@ -8,7 +8,7 @@ Limits (:class:`ServerSettings`): request body bytes, ``max_tokens``, ``n``, and
 running); past them a request gets a 4xx with an OpenAI-style error body and nothing runs. With an API key every
 request but ``/health`` needs ``Authorization: Bearer KEY``.
 
-The engine runs in one background thread (:meth:`exactspec.serving.batching.BatchEngine.run`); request handlers
+The engine runs in one background thread (:meth:`exactspec.engine.BatchEngine.run`); request handlers
 hand it sequences and receive tokens through asyncio queues. A client that disconnects mid-stream cancels its
 sequences: they leave the batch at the next step and their slots are freed.
 """
@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
 from exactspec.sampling import SamplingParams
-from exactspec.serving.batching import BatchEngine, SequenceHandle, SequenceRequest, TokenEvent
+from exactspec.engine import BatchEngine, SequenceHandle, SequenceRequest, TokenEvent
 from exactspec.serving.protocol import ChatRequest, CompletionRequest
 from exactspec.tokenizer import TextTokenizer
 

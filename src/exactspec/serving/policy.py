@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from exactspec.costmodel import expected_tokens_per_round
 from exactspec.policy import RunningMean
+from exactspec.stats import RoundRecord
 
 __all__ = ["BatchPolicy", "CostLine"]
 
@@ -59,10 +60,11 @@ class BatchPolicy:
     def __post_init__(self) -> None:
         self.acceptance = {source: RunningMean(alpha, self.smoothing, 1) for source, alpha in self.prior_acceptance.items()}
 
-    def observe_round(self, source: str, drafted: int, accepted: int) -> None:
+    def observe_round(self, source: str, record: RoundRecord) -> None:
+        """Learn a source's acceptance from one sequence's round (a plain round, drafting nothing, teaches nothing)."""
         mean = self.acceptance.setdefault(source, RunningMean(0.5, self.smoothing, 1))
-        for position in range(min(drafted, accepted + 1)):  # positions that were reached
-            mean.update(float(accepted > position))
+        for position in range(min(record.drafted, record.accepted + 1)):  # positions that were reached
+            mean.update(float(record.accepted > position))
 
     def observe_target(self, rows: int, seconds: float) -> None:
         self.target.observe(rows, seconds)

@@ -14,7 +14,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from exactspec.serving.batching import SPECULATION_MODES
+from exactspec.engine import SPECULATION_MODES
 
 __all__ = ["ChatRequest", "CompletionRequest", "ChatMessage"]
 

@@ -7,7 +7,8 @@ import sys
 from exactspec.loading import LoadedPair, unwrapped
 from exactspec.models.batched import BatchedLean
 from exactspec.models.lean import LeanModel
-from exactspec.serving.batching import BatchEngine, EngineConfig, calibrate
+from exactspec.calibration import calibrate_engine
+from exactspec.engine import BatchEngine, EngineConfig
 
 __all__ = ["build_engine", "run_server"]
 
@@ -18,20 +19,22 @@ def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfi
     model is batched like the target, and so is a feature-level draft (its one layer's slot cache)."""
     from exactspec.models.batched_feature_draft import BatchedFeatureDraft
     from exactspec.models.eagle import FeatureDraft
+    from exactspec.proposers import DraftModelProposer
+    from exactspec.proposers.feature_draft import FeatureDraftProposer
 
     target = unwrapped(pair.target)
     if not isinstance(target, LeanModel):
         raise ValueError("serve runs the lean backend (Llama-family checkpoints); --backend hf is for generate and bench")
     batched = BatchedLean.like(target, slots, max_len, pair.target.vocab_size)
-    draft, feature_draft = None, None
+    proposer = None
     if isinstance(pair.draft, FeatureDraft):
-        batched.capture_features(pair.draft.cfg.feature_layers)
-        feature_draft = BatchedFeatureDraft(pair.draft, slots, batched.max_len, target.device, target.dtype, target.invariant)
+        proposer = FeatureDraftProposer(BatchedFeatureDraft(pair.draft, slots, batched.max_len, target.device, target.dtype, target.invariant),
+                                        pair.target.vocab_size)
     elif pair.draft is not None:
-        draft = BatchedLean.like(unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size)
-    engine = engine_class(batched, draft, config, feature_draft=feature_draft)
+        proposer = DraftModelProposer(BatchedLean.like(unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size))
+    engine = engine_class(batched, proposer, config)
     if calibrated:
-        calibrate(engine)
+        calibrate_engine(engine)
     return engine
 
 

@@ -25,7 +25,7 @@ SETTINGS = ("off", "draft", "auto")
 
 def _cell(engine, prompts: list[list[int]], concurrency: int, mode: str, requests: int, max_tokens: int) -> dict:
     from exactspec.sampling import GREEDY
-    from exactspec.serving.batching import SequenceRequest
+    from exactspec.engine import SequenceRequest
 
     on, off = engine.metrics.speculation_on, engine.metrics.speculation_off
     started, latencies, tokens, submitted, live = time.perf_counter(), [], [0], 0, []

@@ -126,7 +126,7 @@ def generate_answers(
     from exactspec.models.batched import BatchedLean
     from exactspec.models.lean import LeanModel
     from exactspec.sampling import SamplingParams
-    from exactspec.serving.batching import BatchEngine, SequenceRequest
+    from exactspec.engine import BatchEngine, SequenceRequest
     from exactspec.tokenizer import TextTokenizer
 
     done = {answer_key(row) for row in read_answers(out)}

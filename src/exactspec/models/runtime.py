@@ -1,0 +1,124 @@
+"""The runtime interface the engine drives: a model's KV cache for a batch of slots.
+
+A runtime holds ``slots`` sequences, each with its own length. The engine (:mod:`exactspec.engine`) talks to it
+only through:
+
+* ``forward(rows)``      feed each (slot, tokens) row its tokens; get their logits ``(t_i, V)`` per row;
+* ``rollback(slot, n)``  keep only the first ``n`` positions of a slot;
+* ``copy_prefix(source, slot, n)``  give a slot another slot's first ``n`` positions (a shared prompt);
+* ``lengths``            positions held per slot; ``slots``, ``max_len``, ``vocab_size``;
+* ``capture_features(layers)`` / ``last_features``  the outputs of target layers for each row of the last call,
+  for a proposer that reads them (:mod:`exactspec.models.eagle`); a runtime without hidden states has none
+  (``features = False``).
+
+:class:`exactspec.models.batched.BatchedLean` implements it with one cache in which the batch is a dimension.
+:class:`SequenceSlots` implements it over single-sequence models (:class:`exactspec.models.base.LanguageModel`:
+the lean model, the Hugging Face adapter, :class:`exactspec.models.markov.MarkovLM`), one model per slot, so a
+generation of one sequence runs the same loop as a served batch, on the model's own cache and numerics.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from .base import LanguageModel, check_rollback_length
+
+__all__ = ["Runtime", "SequenceSlots", "as_runtime"]
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    slots: int
+    max_len: int
+    lengths: list[int]
+    last_features: list[torch.Tensor]
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def forward(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]: ...
+
+    def rollback(self, slot: int, length: int) -> None: ...
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> None: ...
+
+    def capture_features(self, layers: Sequence[int]) -> None: ...
+
+
+class SequenceSlots:
+    """Slots over single-sequence models, one model (and its cache) per slot.
+
+    Rows of a call run one after another. ``copy_prefix`` uses the model's own copy where it has one and otherwise
+    feeds the source's tokens again. A model's cache changed by someone else while a slot holds a sequence (another
+    decoder on the same model) is an error, not a silent mix of two sequences; an empty slot starts with a prefill,
+    so what the model held before does not matter."""
+
+    features = True  # whether last_features can be asked for: the models' own capture_features decides
+
+    def __init__(self, models: Sequence[LanguageModel]) -> None:
+        if not models or len({id(m) for m in models}) != len(models):
+            raise ValueError("SequenceSlots needs one distinct model per slot")
+        if len({m.vocab_size for m in models}) != 1:
+            raise ValueError("the models of SequenceSlots must share one vocabulary size")
+        self.models = list(models)
+        self.slots = len(models)
+        self.max_len = min(getattr(m, "max_len", 2**31) for m in models)
+        self.invariant = all(getattr(m, "invariant", False) for m in models)
+        self.feature_layers: tuple[int, ...] = ()
+        self.last_features: list[torch.Tensor] = []
+        self._tokens: list[list[int]] = [[] for _ in models]  # what each slot holds, for copy_prefix and the guard
+
+    @property
+    def vocab_size(self) -> int:
+        return self.models[0].vocab_size
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(tokens) for tokens in self._tokens]
+
+    def capture_features(self, layers: Sequence[int]) -> None:
+        for model in self.models:
+            if not hasattr(model, "capture_features"):
+                raise ValueError("this proposer reads the target's hidden states, which only the lean backend provides")
+            model.capture_features(layers)
+        self.feature_layers = tuple(layers)
+
+    def forward(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+        slots = [slot for slot, _ in rows]
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
+            raise ValueError(f"rows need distinct slots in [0, {self.slots}), got {slots}")
+        out, features = [], []
+        for slot, tokens in rows:
+            model, held = self.models[slot], self._tokens[slot]
+            if held and model.length != len(held):  # an empty slot prefills, whatever the model held
+                raise RuntimeError("the model's cache was changed outside this engine (another decoder on the same model?)")
+            logits = model.forward(list(tokens)) if held else model.prefill(list(tokens))
+            held.extend(int(t) for t in tokens)
+            out.append(logits)
+            if self.feature_layers:
+                features.append(model.last_features)
+        self.last_features = features
+        return out
+
+    def rollback(self, slot: int, length: int) -> None:
+        held = len(self._tokens[slot])
+        check_rollback_length(length, held)
+        if length < held and self.models[slot].length == held:  # else forward reports the outside change
+            self.models[slot].rollback(length)
+        del self._tokens[slot][length:]
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        check_rollback_length(length, len(self._tokens[source]))
+        tokens = self._tokens[source][:length]
+        if hasattr(self.models[slot], "copy_prefix"):
+            self.models[slot].copy_prefix(self.models[source], length)
+        elif length:
+            self.models[slot].prefill(tokens)
+        self._tokens[slot] = tokens
+
+
+def as_runtime(model: "LanguageModel | Runtime") -> "Runtime":
+    """A runtime as it is; a single-sequence model as a runtime of one slot."""
+    return model if isinstance(model, Runtime) else SequenceSlots([model])
