@@ -42,7 +42,7 @@ import torch
 from exactspec.models.base import LanguageModel, check_token_ids
 from exactspec.models.batched import MAX_BLOCK
 from exactspec.models.runtime import Runtime, as_runtime
-from exactspec.proposers.base import Draft, DraftRequest, Proposer, processed_q
+from exactspec.proposers.base import Draft, DraftRequest, Proposer, common_prefix, processed_q
 from exactspec.proposers.prompt_lookup import PromptLookupProposer
 from exactspec.sampling import SamplingParams, block_probs
 from exactspec.serving.policy import BatchPolicy
@@ -314,7 +314,7 @@ class BatchEngine:
         prompt's last token to feed, whose logits draw the first token. Returns the positions copied."""
         best, donor = 0, None
         for other in donors:
-            shared = _common_prefix(other.context[: self.target.lengths[other.slot]], s.context[:-1])
+            shared = common_prefix(other.context[: self.target.lengths[other.slot]], s.context[:-1])
             if s.proposer is not None:
                 shared = s.proposer.reusable(other.slot if other.proposer is s.proposer else None, shared)
             if shared > best:
@@ -487,12 +487,3 @@ class BatchEngine:
                 self._finish(s, "error", error)
             return None
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

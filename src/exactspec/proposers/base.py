@@ -22,7 +22,7 @@ import torch
 
 from exactspec.sampling import SamplingParams, block_probs
 
-__all__ = ["Draft", "DraftRequest", "DraftRule", "OneSequence", "Proposer", "SequenceProposer", "as_proposer", "processed_q"]
+__all__ = ["Draft", "DraftRequest", "DraftRule", "OneSequence", "Proposer", "SequenceProposer", "as_proposer", "common_prefix", "processed_q"]
 
 
 @dataclass(frozen=True)
@@ -142,3 +142,13 @@ class OneSequence(ReadsNothing):
 def as_proposer(proposer: "Proposer | SequenceProposer") -> Proposer:
     """A :class:`Proposer` as it is; a single-sequence one in :class:`OneSequence`."""
     return proposer if hasattr(proposer, "start") else OneSequence(proposer)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -22,7 +22,7 @@ import torch
 
 from exactspec.models.batched import MAX_BLOCK
 from exactspec.models.runtime import as_runtime
-from exactspec.proposers.base import Draft, DraftRequest, DraftRule, ReadsNothing
+from exactspec.proposers.base import Draft, DraftRequest, DraftRule, ReadsNothing, common_prefix
 from exactspec.sampling import full_width
 from exactspec.verify import greedy_token, sample_from
 
@@ -108,17 +108,8 @@ class DraftModelProposer(ModelDraft):
     def _catch_up(self, slot: int, context: list[int]) -> list[int]:
         """Roll the slot back to what it shares with the context; the tokens it still has to read (at least the
         newest one, whose logits give the first draft position)."""
-        keep = _common_prefix(self._fed[slot], context[:-1])
+        keep = common_prefix(self._fed[slot], context[:-1])
         self.model.rollback(slot, keep)
         self._fed[slot] = list(context)
         return context[keep:]
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
