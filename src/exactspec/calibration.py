@@ -115,12 +115,13 @@ def draft_step_seconds(proposer: Proposer, target: Runtime, slots: list[int], co
     context = list(context)
     generator = torch.Generator().manual_seed(0)  # never a generation's own
     times: dict[int, list[float]] = {1: [], gamma: []}
+    if proposer.feature_layers:
+        target.capture_features(proposer.feature_layers)
     for repeat in range(repeats + 1):
         for tokens in times:
             for slot in slots:
                 proposer.start(slot, context)
                 if proposer.feature_layers:
-                    target.capture_features(proposer.feature_layers)
                     target.rollback(slot, 0)
                     target.forward([(slot, context[:-1])])
                     proposer.observe(slot, target.last_features[0])

@@ -8,8 +8,9 @@ only through:
 * ``copy_prefix(source, slot, n)``  give a slot another slot's first ``n`` positions (a shared prompt);
 * ``lengths``            positions held per slot; ``slots``, ``max_len``, ``vocab_size``;
 * ``capture_features(layers)`` / ``last_features``  the outputs of target layers for each row of the last call,
-  for a proposer that reads them (:mod:`exactspec.models.eagle`); a runtime without hidden states has none
-  (``features = False``).
+  for a proposer that reads them (:mod:`exactspec.models.eagle`); a runtime without hidden states refuses
+  ``capture_features`` with a ValueError;
+* ``invariant``          whether a row's logits are the bits it gets alone, whatever the batch.
 
 :class:`exactspec.models.batched.BatchedLean` implements it with one cache in which the batch is a dimension.
 :class:`SequenceSlots` implements it over single-sequence models (:class:`exactspec.models.base.LanguageModel`:
@@ -54,8 +55,6 @@ class SequenceSlots:
     feeds the source's tokens again. A model's cache changed by someone else while a slot holds a sequence (another
     decoder on the same model) is an error, not a silent mix of two sequences; an empty slot starts with a prefill,
     so what the model held before does not matter."""
-
-    features = True  # whether last_features can be asked for: the models' own capture_features decides
 
     def __init__(self, models: Sequence[LanguageModel]) -> None:
         if not models or len({id(m) for m in models}) != len(models):
