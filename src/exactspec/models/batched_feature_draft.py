@@ -37,7 +37,7 @@ class BatchedFeatureDraft:
         self._cos = draft.rope_cos[: max_len + MAX_BLOCK].to(self.device, dtype)
         self._sin = draft.rope_sin[: max_len + MAX_BLOCK].to(self.device, dtype)
         self.lengths = [0] * slots
-        self._solo = [FeatureDraftRunner(draft, max_len, device, dtype) for _ in range(slots)] if invariant else None
+        self._solo = [FeatureDraftRunner(draft, max_len, device, dtype, invariant=True) for _ in range(slots)] if invariant else None
 
     def rollback(self, slot: int, length: int) -> None:
         if not 0 <= length <= self.lengths[slot]:
@@ -57,6 +57,8 @@ class BatchedFeatureDraft:
         self.lengths[slot] = length
 
     def project(self, features: torch.Tensor) -> torch.Tensor:  # (n, F) the target's features -> (n, C) inputs
+        if self._solo is not None:
+            return self._solo[0].project(features)  # at the fixed row count: the same bits whatever the call
         with torch.inference_mode():
             return self.draft.fc(features.to(device=self.device, dtype=self.dtype))
 
