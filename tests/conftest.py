@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import tempfile
 
-from dataclasses import replace
-
 import torch
 
 # The adaptive policy's per-pair cache: never the user's own, for every test and the processes they start.
@@ -84,16 +82,25 @@ def tiny_tokenizer_json(extra_text: str = "") -> str:
 
 
 class SyntheticClock:
-    """Passes rounds to a policy with costs from a formula instead of the (microsecond, noisy) Markov timings."""
+    """A policy as the engine sees it, told call costs from a formula instead of the (microsecond, noisy) Markov
+    timings; ``chosen`` records every gamma it picked."""
 
     def __init__(self, policy, draft_ms: float, target_ms_of) -> None:
         self.policy, self.draft_ms, self.target_ms_of = policy, draft_ms, target_ms_of
         self.chosen: list[int] = []
 
-    def next_gamma(self) -> int:
-        self.chosen.append(self.policy.next_gamma())
+    def choose(self, sources, fixed_rows=0, fixed_tokens=0.0) -> int:
+        self.chosen.append(self.policy.choose(sources, fixed_rows, fixed_tokens))
         return self.chosen[-1]
 
-    def observe(self, record) -> None:
-        self.policy.observe(replace(record, draft_seconds=record.drafted * self.draft_ms / 1000, draft_setup_seconds=0.0,
-                                    target_seconds=self.target_ms_of(record.drafted + 1) / 1000))
+    def expected_tokens(self, source, gamma) -> float:
+        return self.policy.expected_tokens(source, gamma)
+
+    def observe_round(self, source, record) -> None:
+        self.policy.observe_round(source, record)
+
+    def observe_target(self, rows, seconds) -> None:
+        self.policy.observe_target(rows, self.target_ms_of(rows) / 1000)
+
+    def observe_draft(self, sources, seconds_per_step) -> None:
+        self.policy.observe_draft(sources, self.draft_ms / 1000)

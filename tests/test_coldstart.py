@@ -8,7 +8,7 @@ import torch
 from exactspec import GenerationConfig, SpeculativeDecoder
 from exactspec.coldstart import ColdStart, cold_start
 from exactspec.loading import default_pair_dirs, load_pair
-from exactspec.policy import AdaptiveGamma, RoutedPolicy
+from exactspec.policy import AdaptiveGamma
 from exactspec.priors import PolicyCache, shipped_prior
 from exactspec.proposers import DraftModelProposer, LookupOrDraft
 from exactspec.sampling import GREEDY
@@ -28,8 +28,8 @@ def test_the_policy_starts_from_calibrated_costs_and_the_shipped_prior_then_the_
     started = cold_start(decoder, prompt, GREEDY, target_dir, draft_dir, cache)
     assert isinstance(started, ColdStart) and isinstance(decoder.policy, AdaptiveGamma)
     priors = decoder.policy.priors
-    assert sorted(priors.target_ms) == list(range(1, 10)) and priors.draft_step_ms > 0  # every call size gamma <= 8 uses
-    assert priors.source == "shipped" and priors.acceptance == shipped_prior(draft_dir, target_dir, "greedy")
+    assert sorted(priors.target_ms) == list(range(1, 10)) and priors.draft_step_ms[1] > 0  # every call size gamma <= 8 uses
+    assert priors.source == "shipped" and priors.acceptance["draft"] == shipped_prior(draft_dir, target_dir, "greedy")
     assert started.record["prior_source"] == "shipped" and started.record["calibration"]["target_ms"] == priors.target_ms
 
     generation = decoder.generate(prompt, GenerationConfig(max_new_tokens=96))
@@ -39,14 +39,13 @@ def test_the_policy_starts_from_calibrated_costs_and_the_shipped_prior_then_the_
     assert cold_start(again, prompt, GREEDY, target_dir, draft_dir, None).record["prior_source"] == "shipped"  # no cache
 
 
-def test_a_draft_combined_with_lookup_gets_a_policy_per_source_and_is_not_cached(pair, tmp_path):
+def test_a_draft_combined_with_lookup_gets_estimates_per_source_and_is_not_cached(pair, tmp_path):
     target_dir, draft_dir = default_pair_dirs()
     decoder = SpeculativeDecoder(pair.target, LookupOrDraft(DraftModelProposer(pair.draft)), GREEDY)
     prompt = pair.tokenizer.encode_prompt("import os\n")
     cache = PolicyCache(tmp_path)
     started = cold_start(decoder, prompt, GREEDY, target_dir, draft_dir, cache)
-    assert isinstance(decoder.policy, RoutedPolicy) and set(decoder.policy.policies) == {"lookup", "draft"}
-    assert decoder.policy.policies["lookup"].priors.draft_step_ms == 0.0  # lookup costs next to nothing
+    assert decoder.policy.sources["lookup"].step_ms(1) == 0.0 < decoder.policy.sources["draft"].step_ms(1)  # lookup: next to nothing
     started.remember(decoder.generate(prompt, GenerationConfig(max_new_tokens=16)).stats)
     assert list(cache.entries()) == []  # its rounds mix two sources' acceptance
 

@@ -1,5 +1,5 @@
 """Prompt lookup combined with a trained feature draft (exactspec.proposers.combined) and one gamma policy per source
-(exactspec.policy.RoutedPolicy).
+(exactspec.policy.AdaptiveGamma keeps its estimates per source).
 
 Statistical tests as in test_exactness.py (G-test, N = 8000, ALPHA = 1e-3 each, fixed seeds), on the tiny Llama
 target and feature draft of test_feature_draft.py. With min_match = 1 over 4 tokens most rounds after the first
@@ -14,7 +14,7 @@ import torch
 
 from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
 from exactspec.models.lean import LeanModel
-from exactspec.policy import AdaptiveConfig, AdaptiveGamma, RoutedPolicy
+from exactspec.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.proposers import Draft, DraftRequest, LookupOrDraft
 from exactspec.proposers.base import processed_q
 from exactspec.proposers.feature_draft import FeatureDraftProposer
@@ -55,38 +55,23 @@ def test_routes_to_lookup_only_on_a_long_enough_repeat():
         LookupOrDraft(Recorder(), min_match=0)
 
 
-def test_routed_policy_gives_each_source_its_own_estimates():
-    config = AdaptiveConfig(max_gamma=4, initial_gamma=2)
-    policy = RoutedPolicy({"lookup": AdaptiveGamma(config), "draft": AdaptiveGamma(config)})
-    policy.select("draft")
-    for _ in range(20):  # the draft is useless: every drafted token rejected
-        policy.observe(RoundRecord(2, 0, 1, 0.002, 0.010, 0.0))
-    policy.select("lookup")
-    for _ in range(20):  # lookup is free and always right
-        policy.observe(RoundRecord(4, 4, 5, 0.0, 0.011, 0.0))
-    assert policy.next_gamma() == 4
-    policy.select("draft")
-    assert policy.next_gamma() == 0
-    with pytest.raises(ValueError, match="no policy for proposal source 'tree'"):
-        policy.select("tree")
-
-
-def test_engine_selects_the_routed_policy_per_round():
-    """The engine asks the policy of the source each context routes to, and that policy learns from the round."""
+def test_engine_asks_and_teaches_the_policy_per_source():
+    """The engine asks the policy for the source each context routes to, that source learns from the round, and
+    the draft model is never called for a round routed to lookup."""
     seen = {"lookup": 0, "draft": 0}
 
     class Counting(AdaptiveGamma):
-        def __init__(self, name):
-            super().__init__(AdaptiveConfig(max_gamma=2, initial_gamma=2))
-            self.name = name
+        def choose(self, sources, fixed_rows=0, fixed_tokens=0.0):
+            self.asked = list(sources)
+            return super().choose(sources, fixed_rows, fixed_tokens)
 
-        def observe(self, record):
-            seen[self.name] += 1
-            super().observe(record)
+        def observe_round(self, source, record):
+            seen[source] += 1
+            super().observe_round(source, record)
 
-    policy = RoutedPolicy({"lookup": Counting("lookup"), "draft": Counting("draft")})
+    policy = Counting(AdaptiveConfig(max_gamma=2, initial_gamma=2))
     recorder = Recorder(token=3)
-    recorder.on_call = lambda: seen.__setitem__("draft_calls_under_lookup", seen.get("draft_calls_under_lookup", 0) + (policy.selected != "draft"))
+    recorder.on_call = lambda: seen.__setitem__("draft_calls_under_lookup", seen.get("draft_calls_under_lookup", 0) + (policy.asked != ["draft"]))
     decoder = SpeculativeDecoder(LeanModel(tiny_target()), LookupOrDraft(recorder, min_match=2, max_ngram=3),
                                  SamplingParams(temperature=0.0), policy=policy)
     decoder.generate([1, 2, 1, 2, 1], GenerationConfig(max_new_tokens=12))
@@ -110,8 +95,7 @@ def combined_counts(params: SamplingParams, proposer_class=LookupOrDraft):
     route = proposer.route
     proposer.route = lambda context: routes.__setitem__(r := route(context), routes[r] + 1) or r
     config = AdaptiveConfig(max_gamma=GAMMA, initial_gamma=GAMMA)
-    policy = RoutedPolicy({"lookup": AdaptiveGamma(config), "draft": AdaptiveGamma(config)})
-    decoder = SpeculativeDecoder(LeanModel(target), proposer, params, policy=policy)
+    decoder = SpeculativeDecoder(LeanModel(target), proposer, params, policy=AdaptiveGamma(config))
     counts: dict[tuple[int, ...], int] = {}
     for seed in range(N):
         tokens = tuple(decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, seed=seed)).tokens)

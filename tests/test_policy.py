@@ -1,5 +1,6 @@
-"""The adaptive gamma policy: it follows the cost model on its estimates, drops to plain decoding
-when speculation does not pay, probes again with a growing wait, and keeps the output law."""
+"""The gamma policy (exactspec.policy), for one sequence and for a batch: it follows the cost model on its
+estimates, drops to plain decoding when speculation does not pay (alone or because the batch makes drafted rows
+dear), probes again with a growing wait, learns acceptance per proposal source, and keeps the output law."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from conftest import SyntheticClock
 from exactspec import GREEDY, GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
 from exactspec.costmodel import best_gamma, expected_tokens_per_round
-from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors, RunningMean
+from exactspec.policy import AdaptiveConfig, AdaptiveGamma, CostCurve, PolicyPriors
 from exactspec.stats import RoundRecord
 
 
@@ -25,16 +26,12 @@ def feed(policy: AdaptiveGamma, rounds: int, alpha_pattern, draft_ms: float, tar
 
 def test_matches_the_cost_model_optimum_for_iid_acceptance():
     """With acceptance alpha at every position and flat verify cost, the choice is costmodel.best_gamma."""
-    policy = AdaptiveGamma(AdaptiveConfig(max_gamma=8, smoothing=0.02))
-    for i in range(8):
-        for _ in range(500):
-            policy.accept[i].update(0.8)
-    policy.draft_ms = RunningMean(0.1, 0.02)
-    policy.target_ms = {n: RunningMean(1.0, 0.02, count=10) for n in range(1, 10)}
-    expected = best_gamma(policy.accept[0].value, 0.1, max_gamma=8).gamma
-    assert expected == 6 and policy.next_gamma() == expected
-    policy.draft_ms = RunningMean(0.6, 0.02)  # a dearer draft: shorter drafts
-    assert policy.next_gamma() == best_gamma(policy.accept[0].value, 0.6, max_gamma=8).gamma < 6
+    def policy(draft_ms: float) -> AdaptiveGamma:
+        return AdaptiveGamma(priors=PolicyPriors({n: 1.0 for n in range(1, 10)}, draft_ms, (0.8,)))
+
+    expected = best_gamma(0.8, 0.1, max_gamma=8).gamma
+    assert expected == 6 and policy(0.1).next_gamma() == expected
+    assert policy(0.6).next_gamma() == best_gamma(0.8, 0.6, max_gamma=8).gamma < 6  # a dearer draft: shorter drafts
 
 
 def test_a_useless_draft_drops_to_plain_decoding_and_probes_rarely():
@@ -76,10 +73,66 @@ def test_bad_configuration_is_refused():
 
 def test_one_slow_call_at_a_rare_size_does_not_ban_that_size():
     """The target cost is a weighted line over sizes, so a single outlier barely moves it."""
-    policy = AdaptiveGamma()
-    policy.target_ms = {4: RunningMean(5.0, 0.1, count=150), 5: RunningMean(9.0, 0.1, count=1), 3: RunningMean(4.9, 0.1, count=20)}
-    n_bar, t_bar, slope = policy.target_cost_line()
-    assert t_bar + slope * (5 - n_bar) < 5.4
+    curve = CostCurve(smoothing=0.1)
+    for size, ms, count in ((4, 5.0, 150), (5, 9.0, 1), (3, 4.9, 20)):
+        curve.observe(size, ms, count)
+    assert curve(5) < 5.4
+
+
+def test_cost_curve_fits_a_line_and_never_slopes_down():
+    curve = CostCurve(smoothing=0.05)
+    for size, ms in ((1, 1.0), (3, 3.0)):
+        curve.observe(size, ms)
+    assert abs(curve(2) - 2.0) < 1e-9
+    falling = CostCurve(smoothing=0.05)
+    falling.observe(1, 2.0)
+    falling.observe(5, 1.0)
+    assert falling(100) == falling(1)
+
+
+# ---- a batch: call costs by rows, draft steps by sequences -------------------------------------
+
+def batch_policy(per_call_ms: float, per_row_ms: float, draft_step_ms: float, alpha: float) -> AdaptiveGamma:
+    """Costs observed as the engine reports them (seconds): target calls of many row counts, draft steps alone and
+    for 16 sequences at once; acceptance alpha at every position, from a prior."""
+    policy = AdaptiveGamma(priors=PolicyPriors(acceptance={"draft": (alpha,)}))
+    for rows in (1, 4, 16, 64, 144):
+        policy.observe_target(rows, (per_call_ms + per_row_ms * rows) / 1000)
+    policy.observe_draft(["draft"], draft_step_ms / 1000)
+    policy.observe_draft(["draft"] * 16, draft_step_ms / 1000)
+    return policy
+
+
+def test_speculates_alone_and_stops_when_rows_cost_as_much_as_they_bring():
+    policy = batch_policy(per_call_ms=10.0, per_row_ms=1.0, draft_step_ms=0.5, alpha=0.7)
+    alone = policy.choose(["draft"])
+    assert alone >= 3  # one sequence: a call of g + 1 rows costs little more than one row
+    assert policy.choose(["draft"] * 16) < alone
+    assert policy.choose(["draft"] * 64) == 0  # each drafted row now costs more than the 0.7 token it brings
+
+
+def test_batch_rates_follow_the_cost_model():
+    policy = batch_policy(per_call_ms=10.0, per_row_ms=1.0, draft_step_ms=0.5, alpha=0.5)
+    rates = policy.rates(["draft", "draft"], fixed_rows=3, fixed_tokens=1.0)
+    expected_g2 = (1.0 + 2 * (1 + 0.5 + 0.25)) / (2 * 0.5 + 10.0 + 1.0 * (3 + 2 * 3))  # tokens per ms
+    assert abs(rates[2] - expected_g2) < 1e-6 * expected_g2
+
+
+def test_acceptance_is_learnt_per_source():
+    policy = AdaptiveGamma(priors=PolicyPriors(acceptance={"draft": (0.9,), "lookup": (0.9,)}))
+    for _ in range(100):
+        policy.observe_round("lookup", RoundRecord(drafted=4, accepted=0, committed=1, draft_seconds=0.0, target_seconds=0.01, verify_seconds=0.0))
+    assert policy.acceptance("lookup")[0] < 0.2 and policy.acceptance("draft")[0] == 0.9
+
+
+def test_each_source_chooses_from_its_own_estimates():
+    """A useless draft and a free, always-right lookup, learnt from rounds: lookup drafts far, the draft not at all."""
+    policy = AdaptiveGamma(AdaptiveConfig(max_gamma=4, initial_gamma=2))
+    for _ in range(20):
+        policy.observe(RoundRecord(2, 0, 1, 0.002, 0.010, 0.0), source="draft")
+        policy.observe(RoundRecord(4, 4, 5, 0.0, 0.011, 0.0), source="lookup")
+    assert policy.next_gamma("lookup") == 4
+    assert policy.next_gamma("draft") == 0
 
 
 # ---- cold start: priors from calibration and acceptance ----------------------------------------
@@ -156,7 +209,7 @@ def test_a_wrong_acceptance_prior_is_overruled_by_a_few_rounds():
 def test_invalid_priors_are_refused():
     with pytest.raises(ValueError, match="acceptance rates must be in"):
         PolicyPriors(acceptance=(1.2,))
-    with pytest.raises(ValueError, match="target_ms must map call sizes"):
+    with pytest.raises(ValueError, match="target_ms must map sizes"):
         PolicyPriors(target_ms={0: 1.0})
     with pytest.raises(ValueError, match="draft_step_ms"):
         PolicyPriors(draft_step_ms=-1.0)

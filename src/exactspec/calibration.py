@@ -133,7 +133,7 @@ def draft_step_seconds(proposer: Proposer, target: Runtime, slots: list[int], co
 
 
 def calibrate_engine(engine, repeats: int = 2) -> None:
-    """Give a :class:`exactspec.engine.BatchEngine`'s batch policy call costs before the first request: target calls
+    """Give a :class:`exactspec.engine.BatchEngine`'s gamma policy call costs before the first request: target calls
     of 1 and ``max_gamma + 1`` tokens per row, and draft steps of its proposer, for one sequence and for a full
     batch (each after an untimed warm-up). Leaves every slot empty."""
     target, history = engine.target, [0] * 8  # a short history, as in a running batch
@@ -158,6 +158,6 @@ def calibrate_engine(engine, repeats: int = 2) -> None:
             engine.policy.observe_target(batch * tokens, timed([(slot, [0] * tokens) for slot in range(batch)]))
         if drafting is not None:
             slots = list(range(batch))
-            engine.policy.observe_draft(batch, draft_step_seconds(drafting, target, slots, history, 3, repeats))
+            engine.policy.observe_draft(["draft"] * batch, draft_step_seconds(drafting, target, slots, history, 3, repeats))
     for slot in range(target.slots):
         target.rollback(slot, 0)

@@ -4,8 +4,7 @@
 runs: :class:`exactspec.policy.AdaptiveGamma` started from :func:`exactspec.calibration.calibrate` (the target at
 every call size the policy may use, one draft step) and from :func:`exactspec.priors.acceptance_prior` (the policy
 cache's entry for the pair and sampling mode, else the draft's shipped prior). A draft combined with prompt lookup
-gets one policy per source (:class:`exactspec.policy.RoutedPolicy`): lookup's steps cost next to nothing and its
-acceptance is learnt. :meth:`ColdStart.remember` adds a finished run's acceptance to the cache, where the next run
+is one policy with estimates per source: lookup's steps cost next to nothing and its acceptance is learnt. :meth:`ColdStart.remember` adds a finished run's acceptance to the cache, where the next run
 of the pair starts.
 """
 
@@ -17,7 +16,7 @@ from typing import Sequence
 
 from exactspec.calibration import calibrate
 from exactspec.decoder import SpeculativeDecoder
-from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors, RoutedPolicy
+from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
 from exactspec.priors import PolicyCache, acceptance_prior, fingerprint, mode_key
 from exactspec.proposers import LookupOrDraft
 from exactspec.sampling import SamplingParams
@@ -35,10 +34,10 @@ class ColdStart:
     cache: PolicyCache | None  # None: the policy cache is neither read nor written
     pair: str  # the pair's fingerprint, the cache's key
     params: SamplingParams
-    routed: bool  # one policy per proposal source, whose rounds mix two sources
+    routed: bool  # lookup or draft: the run's rounds mix two sources
 
     def remember(self, stats: GenerationStats) -> None:
-        """Add the run's acceptance by draft position to the cache (not for a routed policy: its rounds mix
+        """Add the run's acceptance by draft position to the cache (not for lookup-or-draft: its rounds mix
         lookup's and the draft's acceptance)."""
         if self.cache is not None and not self.routed:
             self.cache.save(self.pair, mode_key(self.params), *stats.position_counts())
@@ -61,10 +60,6 @@ def cold_start(
     drafting = decoder.proposer.draft if routed else decoder.proposer
     calibration = calibrate(decoder.target, drafting, list(prompt)[:CALIBRATION_TOKENS], config.max_gamma, params=decoder.params)
     acceptance, source = acceptance_prior(target_dir, draft_dir, params, cache)
-    policy = AdaptiveGamma(config, PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance, source=source))
-    if routed:
-        lookup = AdaptiveGamma(config, PolicyPriors(calibration.target_ms, 0.0))
-        policy = RoutedPolicy({"lookup": lookup, "draft": policy})
-    decoder.policy = policy
+    decoder.policy = AdaptiveGamma(config, PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance, source=source))
     record = {"calibration": calibration.as_dict(), "acceptance_prior": list(acceptance), "prior_source": source}
     return ColdStart(record, cache, fingerprint(target_dir, draft_dir), params, routed)

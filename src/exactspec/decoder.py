@@ -23,11 +23,11 @@ from typing import Iterator, Sequence
 from exactspec.engine import BatchEngine, SequenceRequest, verify_block
 from exactspec.models.base import LanguageModel, check_token_ids
 from exactspec.models.runtime import SequenceSlots
-from exactspec.policy import GammaPolicy, RoutedPolicy
+from exactspec.policy import AdaptiveGamma
 from exactspec.proposers import DraftModelProposer, Proposer, SequenceProposer
 from exactspec.proposers.base import as_proposer
 from exactspec.sampling import SamplingParams
-from exactspec.stats import GenerationStats, RoundRecord
+from exactspec.stats import GenerationStats
 
 __all__ = ["GenerationConfig", "Generation", "SpeculativeDecoder", "verify_block"]
 
@@ -61,9 +61,9 @@ class SpeculativeDecoder:
 
     ``draft`` is a language model with the target's vocabulary (drafted with the target's sampling settings), a
     :class:`exactspec.proposers.Proposer`, a single-sequence proposer (``reset`` / ``propose(context, gamma,
-    generator)``), or ``None`` for plain decoding. ``policy`` (e.g. :class:`exactspec.policy.AdaptiveGamma`)
-    chooses gamma per round from completed rounds and keeps learning across generations; without one, every round
-    drafts ``GenerationConfig.gamma``.
+    generator)``), or ``None`` for plain decoding. ``policy`` (:class:`exactspec.policy.AdaptiveGamma`) chooses
+    gamma per round, for the source each context routes to, and keeps learning across generations; without one,
+    every round drafts ``GenerationConfig.gamma``.
     """
 
     def __init__(
@@ -71,7 +71,7 @@ class SpeculativeDecoder:
         target: LanguageModel,
         draft: "LanguageModel | Proposer | SequenceProposer | None" = None,
         params: SamplingParams = SamplingParams(),
-        policy: GammaPolicy | None = None,
+        policy: AdaptiveGamma | None = None,
     ) -> None:
         if draft is target:
             raise ValueError("the draft must be a different object from the target: they cannot share one cache")
@@ -82,15 +82,18 @@ class SpeculativeDecoder:
         elif draft is not None:
             draft = as_proposer(draft)
         self.target, self.params, self.proposer = target, params, draft
-        self.engine = BatchEngine(SequenceSlots([target]), draft, policy=_OneSequencePolicy(policy))
+        self.engine = BatchEngine(SequenceSlots([target]), draft)
+        self.policy = policy
 
     @property
-    def policy(self) -> GammaPolicy | None:
-        return self.engine.policy.policy
+    def policy(self) -> AdaptiveGamma | None:
+        return self._policy
 
     @policy.setter
-    def policy(self, policy: GammaPolicy | None) -> None:
-        self.engine.policy = _OneSequencePolicy(policy)
+    def policy(self, policy: AdaptiveGamma | None) -> None:
+        self._policy = policy
+        if policy is not None:
+            self.engine.policy = policy
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> Generation:
         generation = Generation(tokens=[], stop_reason="max_new_tokens")
@@ -123,32 +126,3 @@ class SpeculativeDecoder:
             raise handle.exception
         generation.stop_reason = "stop_token" if handle.finish_reason == "stop" else "max_new_tokens"
 
-
-class _OneSequencePolicy:
-    """A :class:`GammaPolicy` (None: gamma fixed by the request) in the engine's batch-policy interface, for a batch
-    of one sequence: a :class:`RoutedPolicy` selects the source the context routes to, then chooses or learns."""
-
-    def __init__(self, policy: GammaPolicy | None) -> None:
-        self.policy = policy
-
-    def _selected(self, source: str) -> GammaPolicy:
-        if isinstance(self.policy, RoutedPolicy):
-            self.policy.select(source)
-        return self.policy
-
-    def choose(self, sources: list[str], fixed_rows: int = 0, fixed_tokens: float = 0.0) -> int:
-        (source,) = sources
-        return self._selected(source).next_gamma()
-
-    def expected_tokens(self, source: str, gamma: int) -> float:  # asked only for neighbours, which one sequence has none of
-        raise AssertionError("a batch of one sequence has no neighbours")
-
-    def observe_round(self, source: str, record: RoundRecord) -> None:
-        if self.policy is not None and source != "off":
-            self._selected(source).observe(record)
-
-    def observe_target(self, rows: int, seconds: float) -> None:
-        pass  # the policy learns call costs from the round records
-
-    def observe_draft(self, sequences: int, seconds_per_step: float) -> None:
-        pass

@@ -42,10 +42,10 @@ import torch
 from exactspec.models.base import LanguageModel, check_token_ids
 from exactspec.models.batched import MAX_BLOCK
 from exactspec.models.runtime import Runtime, as_runtime
+from exactspec.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.proposers.base import Draft, DraftRequest, Proposer, common_prefix, processed_q
 from exactspec.proposers.prompt_lookup import PromptLookupProposer
 from exactspec.sampling import SamplingParams, block_probs
-from exactspec.serving.policy import BatchPolicy
 from exactspec.stats import GenerationStats, RoundRecord
 from exactspec.verify import VerifyResult, verify_greedy, verify_point_mass, verify_stochastic
 
@@ -153,8 +153,12 @@ class _Sequence:
 @dataclass(frozen=True)
 class EngineConfig:
     gamma: int = 4  # the gamma of a request that names none (gamma=None), unless its speculation is "auto" and unseeded
-    max_gamma: int = 8  # the batch policy's largest gamma
+    max_gamma: int = 8  # the largest gamma of the default policy
     lookup_ngram: tuple[int, int] = (1, 4)
+
+    def __post_init__(self) -> None:
+        if self.gamma < 0 or self.max_gamma < 1:
+            raise ValueError(f"need gamma >= 0 and max_gamma >= 1, got {self.gamma} and {self.max_gamma}")
 
 
 @dataclass
@@ -182,7 +186,7 @@ class _Round:
 
 class BatchEngine:
     def __init__(self, target: "Runtime | LanguageModel", proposer: Proposer | None = None, config: EngineConfig = EngineConfig(),
-                 policy: BatchPolicy | None = None) -> None:
+                 policy: AdaptiveGamma | None = None) -> None:
         """``target``: a :class:`exactspec.models.runtime.Runtime` (or one model, as one slot). ``proposer``: what
         "draft" and "auto" sequences draft with (None: prompt lookup only), with a slot for every target slot."""
         target = as_runtime(target)
@@ -196,7 +200,7 @@ class BatchEngine:
                 target.capture_features(proposer.feature_layers)
         self.target, self.proposer, self.config = target, proposer, config
         self.lookup = PromptLookupProposer(*config.lookup_ngram)
-        self.policy = policy or BatchPolicy(max_gamma=config.max_gamma)
+        self.policy = policy or AdaptiveGamma(AdaptiveConfig.up_to(config.max_gamma))
         self.metrics = EngineMetrics()
         self._waiting: collections.deque[SequenceHandle] = collections.deque()
         self._active: list[_Sequence] = []
@@ -368,9 +372,9 @@ class BatchEngine:
             seconds = time.perf_counter() - began
             for s, draft in zip(group, drafts or []):
                 rounds[s.slot] = _Round(draft, seconds)
-            drafting, steps = sum(s.source == "draft" for s in group), max((len(d.tokens) for d in drafts or []), default=0)
-            if drafting and steps and not any(d.setup_seconds for d in drafts):  # a catch-up (a new prompt) is no step cost
-                self.policy.observe_draft(drafting, seconds / steps)
+            steps = max((len(d.tokens) for d in drafts or []), default=0)
+            if steps and not any(d.setup_seconds for d in drafts):  # a catch-up (a new prompt) is no step cost
+                self.policy.observe_draft([s.source for s in group], seconds / steps)
         return rounds
 
     def _proposals(self, proposer: Proposer, requests: list[DraftRequest]) -> list[Draft]:

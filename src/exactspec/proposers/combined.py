@@ -5,9 +5,9 @@ Each round takes one source, chosen from the committed context alone (never from
 ``draft``. A lookup proposal is a point mass (verified with the point-mass rule), a draft's proposal carries its
 q (verified with min(1, p/q)), so every round is an exact speculative step whichever source it took.
 
-:meth:`LookupOrDraft.route` names the source a context will take, so that a
-:class:`exactspec.policy.RoutedPolicy` can keep one gamma policy per source: the two have very different
-acceptance and step costs. A draft that reads the target's features keeps receiving them during lookup rounds,
+:meth:`LookupOrDraft.route` names the source a context will take, so that the gamma policy
+(:class:`exactspec.policy.AdaptiveGamma`) keeps estimates per source: the two have very different acceptance and
+step costs. A draft that reads the target's features keeps receiving them during lookup rounds,
 and catches up on its next proposal.
 """
 
