@@ -194,8 +194,8 @@ def shared_prompt_logits(decoder, prompt: list[int], continuations: list[list[in
     tokens, so no real position sees it). It shares no code with the engine's caches (only the layers' maths)."""
     device, b, p = decoder.embed.weight.device, len(continuations), len(prompt)
     width = max(len(c) for c in continuations)
-    x_prompt = decoder.embed(torch.tensor([prompt], device=device))  # (1, P, C)
-    x = decoder.embed(torch.tensor([c + [0] * (width - len(c)) for c in continuations], device=device).reshape(b, width))  # (B, W, C)
+    x_prompt = decoder.embed(torch.tensor([prompt], dtype=torch.long, device=device))  # (1, P, C)
+    x = decoder.embed(torch.tensor([c + [0] * (width - len(c)) for c in continuations], dtype=torch.long, device=device).reshape(b, width))  # long even when W = 0  # (B, W, C)
     cos, sin = decoder.rope_cos[: p + width].to(x.dtype), decoder.rope_sin[: p + width].to(x.dtype)
     mask = continuation_mask(p, width, device)
     for layer in decoder.layers:
