@@ -9,12 +9,14 @@ Chen et al. 2023).
 from exactspec.decoder import Generation, GenerationConfig, SpeculativeDecoder
 from exactspec.models.markov import MarkovLM
 from exactspec.sampling import GREEDY, SamplingParams
+from exactspec.speculator import Completion, Speculator
 from exactspec.stats import GenerationStats, RoundRecord
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GREEDY",
+    "Completion",
     "Generation",
     "GenerationConfig",
     "GenerationStats",
@@ -22,5 +24,6 @@ __all__ = [
     "RoundRecord",
     "SamplingParams",
     "SpeculativeDecoder",
+    "Speculator",
     "__version__",
 ]

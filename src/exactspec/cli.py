@@ -19,13 +19,11 @@ from typing import Callable, Sequence
 import torch
 
 from exactspec import __version__, costmodel, verify
-from exactspec.decoder import Generation, GenerationConfig, SpeculativeDecoder
-from exactspec.coldstart import cold_start
+from exactspec.chat import chat_messages
+from exactspec.loading import LOOKUP, PACKAGED_MODELS, SMALL_MODEL_PARAMETERS, PairSpec, resolve_checkpoint
 from exactspec.priors import PolicyCache, shipped_prior
 from exactspec.sampling import SamplingParams
-from exactspec.chat import chat_messages
-from exactspec.loading import PACKAGED_MODELS, default_pair_dirs, resolve_checkpoint
-from exactspec.proposers import LookupOrDraft, PromptLookupProposer
+from exactspec.speculator import Completion, Speculator
 from exactspec.tokenizer import stream_text
 from exactspec.peers import PEER_WORKLOADS
 from exactspec.workloads import WORKLOADS
@@ -51,8 +49,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-SMALL_MODEL_PARAMETERS = 20_000_000  # below this a target call is too short for a second thread to pay (toy pair: 1 thread ~ 2)
-LOOKUP = "lookup"  # --draft value: prompt-lookup drafting, no draft model
 
 #: Seeds are unsigned 64-bit integers (torch.Generator's range); -1 asks for a random one.
 MAX_SEED = 2**64 - 1
@@ -210,117 +206,88 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         raise CliError(f"--{field.replace('_', '-')}{message[len(field):]}" if hasattr(args, field) else message) from None
 
 
-def _shipped_draft(args: argparse.Namespace) -> Path | None:
-    """The draft exactspec ships for a packaged target given without --draft."""
-    packaged = PACKAGED_MODELS.get(args.target) if args.draft is None else None
-    return packaged.shipped_draft() if packaged else None
-
-
-def _uses_lookup(args: argparse.Namespace) -> bool:
-    """Prompt-lookup drafting: asked for, or a target given without a draft model and with none shipped for it."""
-    return args.draft == LOOKUP or (args.target is not None and args.draft is None and _shipped_draft(args) is None)
+def _pair_spec(args: argparse.Namespace, with_draft: bool = True) -> PairSpec:
+    """The pair the model flags name (see :class:`exactspec.loading.PairSpec`)."""
+    if args.target is None and args.draft not in (None, LOOKUP):
+        raise CliError("--draft needs --target (give neither for the shipped default pair)")
+    try:
+        return PairSpec(args.target, args.draft, with_draft, args.backend, args.dtype, args.weights, args.invariant, args.device,
+                        args.download, args.threads)
+    except ValueError as error:
+        raise CliError(str(error)) from None
 
 
 def _pair_dirs(args: argparse.Namespace, with_draft: bool = True) -> tuple[Path, Path | None]:
     """The target checkpoint and the draft model's (None for plain decoding or prompt lookup)."""
-    if args.target is None and args.draft not in (None, LOOKUP):
-        raise CliError("--draft needs --target (give neither for the shipped default pair)")
-    default_target, default_draft = default_pair_dirs()
     try:
-        target = resolve_checkpoint(args.target, args.download) if args.target else default_target
-        if not with_draft or _uses_lookup(args):
-            return target, None
-        if args.draft:
-            return target, resolve_checkpoint(args.draft, args.download)
-        return target, _shipped_draft(args) or default_draft
+        return _pair_spec(args, with_draft).dirs()
     except FileNotFoundError as error:
         raise CliError(str(error)) from None
 
 
-def _load(args: argparse.Namespace, with_draft: bool):
-    from exactspec.loading import DTYPES, load_pair, model_parameters
-
-    target_dir, draft_dir = _pair_dirs(args, with_draft)
+def _load(args: argparse.Namespace, with_draft: bool, spec: PairSpec | None = None):
     try:
-        pair = load_pair(target_dir, draft_dir if with_draft else None, args.backend, DTYPES[args.dtype], args.weights, args.invariant, args.device)
+        return (spec or _pair_spec(args, with_draft)).load()
     except (OSError, ValueError) as error:
         raise CliError(str(error)) from None
-    small = (model_parameters(pair.target) or SMALL_MODEL_PARAMETERS) < SMALL_MODEL_PARAMETERS
-    if args.threads or small:  # else torch's own choice
-        torch.set_num_threads(args.threads or 1)
-    return pair
 
 
 def _generate(args: argparse.Namespace) -> dict:
-    from exactspec.loading import model_capacity
-
     params = _sampling(args)
     _check_record_path(args.record)
     text = _prompt_text(args)
-    seed = args.seed if args.seed >= 0 else secrets.randbits(64)
-    fixed_gamma = 0 if args.gamma == "auto" else args.gamma
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=fixed_gamma, seed=seed)
-    pair = _load(args, with_draft=not args.no_speculation)
-    prompt = _prompt_ids(args, text, pair.tokenizer)
-    if not prompt:
-        raise CliError("the prompt is empty and the checkpoint has no BOS token to start from")
-    needed = len(prompt) + args.max_new_tokens - 1  # drafts never run past the budget; the newest token is never fed
-    for name, model in (("target", pair.target), ("draft", pair.draft)):
-        capacity = model_capacity(model) if model is not None else None
-        if capacity is not None and needed > capacity:
-            raise CliError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the {name} model's {capacity} positions")
-    if not args.ignore_eos:
-        config = GenerationConfig(config.max_new_tokens, config.gamma, pair.tokenizer.eos_token_ids, config.seed)
-    generation = Generation(tokens=[], stop_reason="max_new_tokens")
-    lookup = _uses_lookup(args) and not args.no_speculation
-    decoder = SpeculativeDecoder(pair.target, PromptLookupProposer() if lookup else pair.proposer(), params)
-    started = None
-    if args.gamma == "auto" and decoder.proposer:
-        started = cold_start(decoder, prompt, params, *_pair_dirs(args), cache=None if args.no_policy_cache else PolicyCache())
+    try:
+        spec = _pair_spec(args, not args.no_speculation).resolved()  # a hub id is fetched (with --download) once
+    except FileNotFoundError as error:
+        raise CliError(str(error)) from None
+    speculator = Speculator(spec, _load(args, not args.no_speculation, spec), None if args.no_policy_cache else PolicyCache())
+    try:  # before anything is printed
+        prompt = speculator.encode(_prompt_ids(args, text, speculator.tokenizer))
+        speculator.check_room(prompt, args.max_new_tokens)
+    except ValueError as error:
+        raise CliError(str(error).replace(" new tokens", " --max-new-tokens")) from None
+    completion = Completion(prompt, args.seed if args.seed >= 0 else secrets.randbits(64))
+    tokens = speculator.stream(prompt, args.max_new_tokens, params, args.gamma, completion.seed, not args.ignore_eos, completion)
+    stops = frozenset() if args.ignore_eos else speculator.tokenizer.eos_token_ids
     pieces = []
     try:
-        tokens = (generation.tokens.append(t) or t for t in decoder.stream(prompt, config, generation))
-        for piece in stream_text(pair.tokenizer, (t for t in tokens if t not in config.stop_token_ids)):  # stop: not printed
+        for piece in stream_text(speculator.tokenizer, (t for t in tokens if t not in stops)):  # stop: not printed
             pieces.append(piece)
             if not args.json:
                 print(piece, end="", flush=True)
     except KeyboardInterrupt:  # Ctrl-C: keep what was generated and summarise it
-        generation.stop_reason = "interrupted"
-    stats = generation.stats
+        completion.generation.stop_reason = "interrupted"
+    generation, stats = completion.generation, completion.generation.stats
     if args.record:
-        _write_generate_record(args, pair, decoder, params, seed, generation)
-    if started is not None:
-        started.remember(stats)  # the next run with this pair starts here
+        _write_generate_record(args, speculator, params, completion)
     return {
         "prompt": text,
         "threads": torch.get_num_threads(),
         "text": "".join(pieces),
         "token_ids": list(generation.tokens),
-        "mode": "plain" if decoder.proposer is None else f"speculative ({_proposer_name(decoder.proposer)}), gamma {args.gamma}",
+        "mode": "plain" if args.no_speculation else f"speculative ({speculator.proposal}), gamma {args.gamma}",
         "gammas_used": sorted({r.drafted for r in stats.rounds[1:]}),
-        "seed": seed,
+        "seed": completion.seed,
         "sampling": "greedy" if params.greedy else "sampled",
         "stop_reason": generation.stop_reason,
         "tokens_per_second": stats.committed / stats.total_seconds if stats.total_seconds else 0.0,
-        "policy": started.record if started else None,
+        "policy": completion.policy,
         **stats.summary(),
     }
 
 
 def _precision(args: argparse.Namespace) -> str:
-    return f"{args.dtype}, {args.weights} weights, {'call-size invariant' if args.invariant else 'call-size dependent'}"
+    return _pair_spec(args).precision
 
 
-def _write_generate_record(args: argparse.Namespace, pair, decoder: SpeculativeDecoder, params: SamplingParams, seed: int,
-                           generation: Generation) -> None:
+def _write_generate_record(args: argparse.Namespace, speculator: Speculator, params: SamplingParams, completion: Completion) -> None:
     from exactspec.records import run_record
 
-    target_dir, draft_dir = _pair_dirs(args, with_draft=not args.no_speculation)
-    proposal = "none (plain decoding)" if decoder.proposer is None else _proposer_name(decoder.proposer)
+    generation = completion.generation
     figures = {"token_ids": list(generation.tokens), "stop_reason": generation.stop_reason,
                "sampling": "greedy" if params.greedy else "sampled", **generation.stats.summary()}
-    record = run_record("generate", args.argv, target_dir, draft_dir, params, proposal, f"{args.gamma}" if args.gamma == "auto" else f"fixed {args.gamma}",
-                        seed, _precision(args), figures)
+    record = run_record("generate", args.argv, *speculator.dirs, params, speculator.proposal, f"{args.gamma}" if args.gamma == "auto" else f"fixed {args.gamma}",
+                        completion.seed, _precision(args), figures)
     _write(record, args.record)
 
 
@@ -368,12 +335,6 @@ def _prompt_ids(args: argparse.Namespace, text: str, tokenizer) -> list[int]:
         return tokenizer.encode_chat(chat_messages(text, args.system))
     except ValueError as error:
         raise CliError(str(error)) from None
-
-
-def _proposer_name(proposer) -> str:
-    if isinstance(proposer, LookupOrDraft):
-        return "trained draft + prompt lookup"
-    return "prompt lookup" if isinstance(proposer, PromptLookupProposer) else "draft model"
 
 
 def _print_generate(r: dict) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from exactspec.tokenizer import TextTokenizer
 from exactspec.vocab import RestrictedVocabulary, align_pair, restrict_to_vocabulary
 
 __all__ = [
-    "BACKENDS", "DTYPES", "default_pair_dirs", "hub_cache_dir", "load_model", "load_pair", "LoadedPair", "model_capacity",
+    "BACKENDS", "DTYPES", "LOOKUP", "PairSpec", "SMALL_MODEL_PARAMETERS", "default_pair_dirs", "hub_cache_dir", "load_model", "load_pair", "LoadedPair", "model_capacity",
     "model_parameters", "PACKAGED_MODELS", "resolve_checkpoint",
 ]
 
@@ -246,3 +246,82 @@ def load_pair(
     draft_tokenizer = TextTokenizer.from_path(draft_dir)
     target, draft = align_pair(target, draft, tokenizer.vocabulary(), draft_tokenizer.vocabulary())
     return LoadedPair(target, draft, tokenizer)
+
+
+#: Below this many weights a target call is too short for a second thread to pay (the toy pair: 1 thread ~ 2).
+SMALL_MODEL_PARAMETERS = 20_000_000
+#: The ``draft`` that asks for prompt-lookup drafting (no draft model).
+LOOKUP = "lookup"
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """Which pair to load and how: what ``--target``, ``--draft`` and the model flags of the CLI name.
+
+    ``target`` is a checkpoint directory, a ``.gguf`` file, a packaged model's name or a hub id in the local Hugging
+    Face cache (fetched only with ``download``); None is the shipped default pair. ``draft`` None takes the draft
+    shipped for that target (prompt lookup where none is shipped), :data:`LOOKUP` is prompt lookup, anything else a
+    draft checkpoint. ``threads`` None is one thread for a target under :data:`SMALL_MODEL_PARAMETERS` (its calls are
+    too short for a second to pay), else torch's choice.
+    """
+
+    target: str | Path | None = None  # None: the shipped default pair
+    draft: str | Path | None = None  # None: the target's shipped draft; LOOKUP: prompt lookup
+    speculate: bool = True  # False: no draft, plain decoding
+    backend: str = "lean"
+    dtype: str = "float32"
+    weights: str = "auto"  # the lean backend's target weights: auto, dense or q4
+    invariant: bool = False  # the lean backend's call-size invariant numerics
+    device: str = "cpu"
+    download: bool = False  # a hub id not in the local cache may be fetched
+    threads: int | None = None  # torch's CPU threads
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.target is None and self.draft not in (None, LOOKUP):
+            raise ValueError("a draft needs its target (give neither for the shipped default pair)")
+
+    def shipped_draft(self) -> Path | None:
+        """The draft exactspec ships for a packaged target given without a draft."""
+        packaged = PACKAGED_MODELS.get(str(self.target)) if self.target is not None and self.draft is None else None
+        return packaged.shipped_draft() if packaged else None
+
+    @property
+    def lookup(self) -> bool:
+        """Prompt-lookup drafting: asked for, or a target given without a draft and with none shipped for it."""
+        if not self.speculate:
+            return False
+        return self.draft == LOOKUP or (self.target is not None and self.draft is None and self.shipped_draft() is None)
+
+    def dirs(self) -> tuple[Path, Path | None]:
+        """The target checkpoint and the draft model's (None for plain decoding or prompt lookup); FileNotFoundError
+        naming what is missing."""
+        default_target, default_draft = default_pair_dirs()
+        target = resolve_checkpoint(self.target, self.download) if self.target is not None else default_target
+        if not self.speculate or self.lookup:
+            return target, None
+        if self.draft is not None:
+            return target, resolve_checkpoint(self.draft, self.download)
+        return target, self.shipped_draft() or default_draft
+
+    def resolved(self) -> "PairSpec":
+        """The same pair with both checkpoints resolved to local paths (downloaded once, where allowed)."""
+        target, draft = self.dirs()
+        return replace(self, target=target, draft=draft or (LOOKUP if self.lookup else None), download=False)
+
+    @property
+    def precision(self) -> str:
+        """The precision mode, as a run record names it."""
+        return f"{self.dtype}, {self.weights} weights, {'call-size invariant' if self.invariant else 'call-size dependent'}"
+
+    def load(self) -> LoadedPair:
+        """The pair (no draft for plain decoding or prompt lookup), with torch's threads set as the spec says."""
+        target_dir, draft_dir = self.dirs()
+        pair = load_pair(target_dir, draft_dir, self.backend, DTYPES[self.dtype], self.weights, self.invariant, self.device)
+        small = (model_parameters(pair.target) or SMALL_MODEL_PARAMETERS) < SMALL_MODEL_PARAMETERS
+        if self.threads or small:  # else torch's own choice
+            torch.set_num_threads(self.threads or 1)
+        return pair

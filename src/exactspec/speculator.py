@@ -1,0 +1,141 @@
+"""The application layer as library code: :class:`Speculator` loads a pair and generates as ``exactspec generate`` does.
+
+What ``generate`` does around the decoder lives here, so a library user gets all of it from two calls::
+
+    speculator = Speculator.load()                      # the shipped pair; or Speculator.load("smollm2"), a path, ...
+    completion = speculator.generate("def parse_args(", max_new_tokens=64)
+
+* **Which pair and how.** :class:`exactspec.loading.PairSpec`: the shipped pair, a packaged model's name, a path, a
+  hub id in the local cache; the target's shipped draft, a draft checkpoint, prompt lookup or none; backend, precision,
+  device and torch's threads (one for a small target).
+* **Gamma.** ``gamma="auto"`` runs :class:`exactspec.policy.AdaptiveGamma` from a cold start
+  (:func:`exactspec.coldstart.cold_start`: call costs measured once per sampling setting, the acceptance prior from
+  the policy cache or the draft's shipped figures) and adds each finished run's acceptance to the policy cache; the
+  policy keeps learning across the object's calls. An integer fixes gamma (0: plain decoding).
+
+Every generation is the engine's exact round (:mod:`exactspec.engine`) whatever is chosen here: these choices move
+speed, never the output law.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from exactspec.coldstart import ColdStart, cold_start
+from exactspec.decoder import Generation, GenerationConfig, SpeculativeDecoder
+from exactspec.loading import LoadedPair, PairSpec, model_capacity
+from exactspec.models.eagle import FeatureDraft
+from exactspec.priors import PolicyCache
+from exactspec.proposers import PromptLookupProposer
+from exactspec.sampling import SamplingParams
+
+__all__ = ["Completion", "Speculator"]
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    seed: int
+    generation: Generation = field(default_factory=lambda: Generation(tokens=[], stop_reason="max_new_tokens"))
+    policy: dict | None = None  # the cold start's calibration and acceptance prior (gamma "auto" only)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.generation.tokens
+
+
+class Speculator:
+    """A loaded pair that generates with the cold start, the policy cache and the thread choice of ``exactspec
+    generate`` (see the module docstring). Build one with :meth:`load`."""
+
+    def __init__(self, spec: PairSpec, pair: LoadedPair, policy_cache: PolicyCache | None = None) -> None:
+        """``pair`` as ``spec`` (best :meth:`exactspec.loading.PairSpec.resolved`) loads it."""
+        self.spec, self.pair, self.policy_cache = spec, pair, policy_cache
+        self.dirs = spec.dirs()
+        self._decoders: dict[tuple[str, bool], tuple[SpeculativeDecoder, ColdStart | None]] = {}
+
+    @classmethod
+    def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
+             policy_cache: "PolicyCache | bool" = True, **options) -> "Speculator":
+        """Load a pair (``options``: the other fields of :class:`exactspec.loading.PairSpec`). ``policy_cache`` True
+        is the user's cache (:class:`exactspec.priors.PolicyCache`), False none, or a cache of one's own."""
+        spec = PairSpec(target, draft, **options).resolved()
+        return cls(spec, spec.load(), PolicyCache() if policy_cache is True else policy_cache or None)
+
+    @property
+    def tokenizer(self):
+        return self.pair.tokenizer
+
+    @property
+    def proposal(self) -> str:
+        """What drafts, in words."""
+        if not self.spec.speculate:
+            return "none (plain decoding)"
+        if self.spec.lookup:
+            return "prompt lookup"
+        return "trained draft + prompt lookup" if isinstance(self.pair.draft, FeatureDraft) else "draft model"
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of ``prompt`` (text is encoded as plain text, with the tokenizer's BOS where it has one)."""
+        ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty and the checkpoint has no BOS token to start from")
+        return ids
+
+    def check_room(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        """ValueError when the prompt and the new tokens do not fit a model's positions."""
+        needed = len(prompt_ids) + max_new_tokens - 1  # drafts never run past the budget; the newest token is never fed
+        for name, model in (("target", self.pair.target), ("draft", self.pair.draft)):
+            capacity = model_capacity(model) if model is not None else None
+            if capacity is not None and needed > capacity:
+                raise ValueError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens exceeds the {name} model's {capacity} positions")
+
+    def _decoder(self, params: SamplingParams, auto: bool, prompt_ids: list[int]) -> tuple[SpeculativeDecoder, ColdStart | None]:
+        """One decoder per sampling setting and gamma mode, so a policy keeps what earlier calls taught it."""
+        key = (repr(params), auto)  # SamplingParams holds a dict (logit bias), so its repr is the key
+        if key not in self._decoders:
+            proposer = None if not self.spec.speculate else PromptLookupProposer() if self.spec.lookup else self.pair.proposer()
+            decoder = SpeculativeDecoder(self.pair.target, proposer, params)
+            started = cold_start(decoder, prompt_ids, params, *self.dirs, cache=self.policy_cache) if auto and proposer else None
+            self._decoders[key] = decoder, started
+        return self._decoders[key]
+
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
+               gamma: "int | str" = "auto", seed: int | None = None, stop_at_eos: bool = True,
+               completion: Completion | None = None) -> Iterator[int]:
+        """Yield the generated tokens as they are committed (the stop token included). ``completion`` (optional, made
+        with the prompt's ids and the seed) receives the tokens, stop reason, stats and policy record; when the caller
+        stops reading, what was committed is kept and the run's acceptance still reaches the policy cache."""
+        if gamma != "auto" and not (isinstance(gamma, int) and gamma >= 0):
+            raise ValueError(f"gamma must be 'auto' or an integer >= 0, got {gamma!r}")
+        prompt_ids = self.encode(prompt)
+        self.check_room(prompt_ids, max_new_tokens)
+        seed = secrets.randbits(64) if seed is None else seed
+        completion = completion if completion is not None else Completion(prompt_ids, seed)
+        stops = self.tokenizer.eos_token_ids if stop_at_eos else frozenset()
+        config = GenerationConfig(max_new_tokens, 0 if gamma == "auto" else gamma, stops, seed)
+        decoder, started = self._decoder(sampling, gamma == "auto", prompt_ids)
+        completion.policy = started.record if started else None
+        try:
+            for token in decoder.stream(prompt_ids, config, completion.generation):
+                completion.generation.tokens.append(token)
+                yield token
+        finally:
+            if started is not None:
+                started.remember(completion.generation.stats)  # the next run of this pair starts here
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
+                 gamma: "int | str" = "auto", seed: int | None = None, stop_at_eos: bool = True) -> Completion:
+        """The whole generation (see :meth:`stream`)."""
+        seed = secrets.randbits(64) if seed is None else seed
+        completion = Completion(self.encode(prompt), seed)
+        for _ in self.stream(completion.prompt_ids, max_new_tokens, sampling, gamma, seed, stop_at_eos, completion):
+            pass
+        return completion
+
+    def text(self, completion: Completion) -> str:
+        """The completion's text, its stop token left out."""
+        return self.tokenizer.decode([t for t in completion.tokens if t not in self.tokenizer.eos_token_ids])
