@@ -17,7 +17,8 @@ ray = pytest.importorskip("ray")
 
 from exactspec.batch import BatchJobConfig, generate_batch  # noqa: E402
 from exactspec.cli import main  # noqa: E402
-from exactspec.distributed import PairSpec, ray_results  # noqa: E402
+from exactspec.distributed import ray_results  # noqa: E402
+from exactspec.loading import PairSpec  # noqa: E402
 from exactspec.loading import default_pair_dirs, load_pair  # noqa: E402
 
 REQUESTS = [{"prompt": f"class C{i}:\n    def ", "max_tokens": 10, **({"temperature": 0} if i % 4 == 0 else {})} for i in range(16)]

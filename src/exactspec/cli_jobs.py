@@ -6,15 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from exactspec.cli import (
     CliError, _add_model_arguments, _check_record_path, _check_writable_directory, _generate, _integer, _list_of, _load, _one_of,
-    _pair_dirs, _precision, _write, build_parser,
+    _pair_dirs, _pair_spec, _precision, _write, build_parser,
 )
-from exactspec.loading import resolve_checkpoint
+from exactspec.loading import PairSpec, resolve_checkpoint
 
 __all__ = ["add_batch_commands", "add_check_commands"]
 
@@ -63,12 +64,9 @@ def _certify(args: argparse.Namespace) -> dict:
     prompts = _read_prompts(args.prompts_file, pair.tokenizer)
     sampler = None
     if args.ray is not None:
-        from exactspec.distributed import PairSpec, RaySampler
+        from exactspec.distributed import RaySampler
 
-        target_dir, draft_dir = _pair_dirs(args)
-        spec = PairSpec(str(target_dir), None if draft_dir is None else str(draft_dir), args.backend, args.dtype, args.weights,
-                        args.invariant, args.device, args.threads or 1)
-        sampler = RaySampler(spec, prompts, config, args.ray or None, args.workers)
+        sampler = RaySampler(_actor_spec(args), prompts, config, args.ray or None, args.workers)
     try:
         report = certify(pair, prompts, config, progress=not args.json, sampler=sampler)
     except ValueError as error:
@@ -143,6 +141,14 @@ def _audit(args: argparse.Namespace) -> dict:
     return report
 
 
+def _actor_spec(args: argparse.Namespace) -> PairSpec:
+    """What each Ray actor loads: the pair resolved to local paths here, one torch thread unless --threads."""
+    try:
+        return replace(_pair_spec(args).resolved(), threads=args.threads or 1)
+    except FileNotFoundError as error:
+        raise CliError(str(error)) from None
+
+
 def _require_ray() -> None:
     try:
         import ray  # noqa: F401
@@ -187,10 +193,9 @@ def _generate_batch(args: argparse.Namespace) -> dict:
     if args.ray is None:
         produce = lambda remaining, first: batch.generate_batch(pair, remaining, config, first)  # noqa: E731
     else:
-        from exactspec.distributed import PairSpec, ray_results
+        from exactspec.distributed import ray_results
 
-        spec = PairSpec(str(target_dir), None if draft_dir is None else str(draft_dir), args.backend, args.dtype, args.weights,
-                        args.invariant, args.device, args.threads or 1)
+        spec = _actor_spec(args)
         produce = lambda remaining, first: ray_results(spec, remaining, config, first, args.ray or None, args.workers, args.shard_size)  # noqa: E731
     try:
         return batch.run_job(requests, output, record, produce, progress=not args.json)

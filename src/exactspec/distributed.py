@@ -11,38 +11,21 @@ of its requests alone, a retry gives the same lines.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from typing import Iterator
 
 from exactspec.batch import BatchJobConfig, generate_batch
+from exactspec.loading import PairSpec
 
-__all__ = ["PairSpec", "RaySampler", "ray_results"]
+__all__ = ["RaySampler", "ray_results"]
 
 ACTOR_RESTARTS = 4  # a killed actor is restarted this many times, its shard retried as often
 
 
-@dataclass(frozen=True)
-class PairSpec:
-    """What an actor loads (the arguments of :func:`exactspec.loading.load_pair`), and its torch threads."""
-
-    target: str
-    draft: str | None
-    backend: str = "lean"
-    dtype: str = "float32"
-    weights: str = "auto"
-    invariant: bool = False
-    device: str = "cpu"
-    threads: int = 1
-
-
 def _load(spec: dict):
-    import torch
-
-    from exactspec.loading import DTYPES, load_pair
-
+    """The pair an actor holds (:class:`exactspec.loading.PairSpec`, one torch thread unless it says otherwise)."""
     spec = PairSpec(**spec)
-    torch.set_num_threads(spec.threads)
-    return load_pair(spec.target, spec.draft, spec.backend, DTYPES[spec.dtype], spec.weights, spec.invariant, spec.device)
+    return replace(spec, threads=spec.threads or 1).load()
 
 
 def _connect(address: str | None, workers: int) -> None:
