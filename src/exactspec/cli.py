@@ -49,7 +49,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-
 #: Seeds are unsigned 64-bit integers (torch.Generator's range); -1 asks for a random one.
 MAX_SEED = 2**64 - 1
 
@@ -217,12 +216,17 @@ def _pair_spec(args: argparse.Namespace, with_draft: bool = True) -> PairSpec:
         raise CliError(str(error)) from None
 
 
-def _pair_dirs(args: argparse.Namespace, with_draft: bool = True) -> tuple[Path, Path | None]:
-    """The target checkpoint and the draft model's (None for plain decoding or prompt lookup)."""
+def _resolved_spec(args: argparse.Namespace, with_draft: bool = True) -> PairSpec:
+    """The pair resolved to local paths (a hub id is fetched, with --download, here and only here)."""
     try:
-        return _pair_spec(args, with_draft).dirs()
+        return _pair_spec(args, with_draft).resolved()
     except FileNotFoundError as error:
         raise CliError(str(error)) from None
+
+
+def _pair_dirs(args: argparse.Namespace, with_draft: bool = True) -> tuple[Path, Path | None]:
+    """The target checkpoint and the draft model's (None for plain decoding or prompt lookup)."""
+    return _resolved_spec(args, with_draft).dirs()
 
 
 def _load(args: argparse.Namespace, with_draft: bool, spec: PairSpec | None = None):
@@ -236,10 +240,7 @@ def _generate(args: argparse.Namespace) -> dict:
     params = _sampling(args)
     _check_record_path(args.record)
     text = _prompt_text(args)
-    try:
-        spec = _pair_spec(args, not args.no_speculation).resolved()  # a hub id is fetched (with --download) once
-    except FileNotFoundError as error:
-        raise CliError(str(error)) from None
+    spec = _resolved_spec(args, not args.no_speculation)
     speculator = Speculator(spec, _load(args, not args.no_speculation, spec), None if args.no_policy_cache else PolicyCache())
     try:  # before anything is printed
         prompt = speculator.encode(_prompt_ids(args, text, speculator.tokenizer))

@@ -13,7 +13,7 @@ import torch
 
 from exactspec.cli import (
     CliError, _add_model_arguments, _check_record_path, _check_writable_directory, _generate, _integer, _list_of, _load, _one_of,
-    _pair_dirs, _pair_spec, _precision, _write, build_parser,
+    _pair_dirs, _precision, _resolved_spec, _write, build_parser,
 )
 from exactspec.loading import PairSpec, resolve_checkpoint
 
@@ -143,10 +143,7 @@ def _audit(args: argparse.Namespace) -> dict:
 
 def _actor_spec(args: argparse.Namespace) -> PairSpec:
     """What each Ray actor loads: the pair resolved to local paths here, one torch thread unless --threads."""
-    try:
-        return replace(_pair_spec(args).resolved(), threads=args.threads or 1)
-    except FileNotFoundError as error:
-        raise CliError(str(error)) from None
+    return replace(_resolved_spec(args), threads=args.threads or 1)
 
 
 def _require_ray() -> None:
