@@ -1,7 +1,7 @@
 """Throughput and latency of the batch engine against concurrency: ``python -m exactspec.serving.sweep``.
 
 For each concurrency c (default 1, 2, 4, 8, 16) and each speculation setting (``off``: plain decoding; ``draft``:
-the draft model at the fixed gamma; ``auto``: the batch policy's gamma per step), c sequences run at once for
+the draft model at the fixed gamma; ``auto``: the gamma policy's choice per step), c sequences run at once for
 ``rounds`` waves of requests (a finished sequence is replaced at once, so the batch stays full). Reported per cell:
 aggregate tokens/s, mean per-request latency, and how often the policy speculated. In process, without HTTP, so
 the figures are the engine's own. Writes ``sweep.json`` and ``sweep.png``.
