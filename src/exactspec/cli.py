@@ -246,7 +246,7 @@ def _generate(args: argparse.Namespace) -> dict:
         prompt = speculator.encode(_prompt_ids(args, text, speculator.tokenizer))
         speculator.check_room(prompt, args.max_new_tokens)
     except ValueError as error:
-        raise CliError(str(error).replace(" new tokens", " --max-new-tokens")) from None
+        raise CliError(str(error).replace("max_new_tokens", "--max-new-tokens")) from None
     completion = Completion(prompt, args.seed if args.seed >= 0 else secrets.randbits(64))
     tokens = speculator.stream(prompt, args.max_new_tokens, params, args.gamma, completion.seed, not args.ignore_eos, completion)
     stops = frozenset() if args.ignore_eos else speculator.tokenizer.eos_token_ids

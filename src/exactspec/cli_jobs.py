@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,7 +14,7 @@ from exactspec.cli import (
     CliError, _add_model_arguments, _check_record_path, _check_writable_directory, _generate, _integer, _list_of, _load, _one_of,
     _pair_dirs, _precision, _resolved_spec, _write, build_parser,
 )
-from exactspec.loading import PairSpec, resolve_checkpoint
+from exactspec.loading import resolve_checkpoint
 
 __all__ = ["add_batch_commands", "add_check_commands"]
 
@@ -66,7 +65,7 @@ def _certify(args: argparse.Namespace) -> dict:
     if args.ray is not None:
         from exactspec.distributed import RaySampler
 
-        sampler = RaySampler(_actor_spec(args), prompts, config, args.ray or None, args.workers)
+        sampler = RaySampler(_resolved_spec(args), prompts, config, args.ray or None, args.workers)
     try:
         report = certify(pair, prompts, config, progress=not args.json, sampler=sampler)
     except ValueError as error:
@@ -141,11 +140,6 @@ def _audit(args: argparse.Namespace) -> dict:
     return report
 
 
-def _actor_spec(args: argparse.Namespace) -> PairSpec:
-    """What each Ray actor loads: the pair resolved to local paths here, one torch thread unless --threads."""
-    return replace(_resolved_spec(args), threads=args.threads or 1)
-
-
 def _require_ray() -> None:
     try:
         import ray  # noqa: F401
@@ -192,7 +186,7 @@ def _generate_batch(args: argparse.Namespace) -> dict:
     else:
         from exactspec.distributed import ray_results
 
-        spec = _actor_spec(args)
+        spec = _resolved_spec(args)  # resolved here, loaded by each actor (one torch thread unless --threads)
         produce = lambda remaining, first: ray_results(spec, remaining, config, first, args.ray or None, args.workers, args.shard_size)  # noqa: E731
     try:
         return batch.run_job(requests, output, record, produce, progress=not args.json)

@@ -4,8 +4,8 @@
 runs: :class:`exactspec.policy.AdaptiveGamma` started from :func:`exactspec.calibration.calibrate` (the target at
 every call size the policy may use, one draft step) and from :func:`exactspec.priors.acceptance_prior` (the policy
 cache's entry for the pair and sampling mode, else the draft's shipped prior). A draft combined with prompt lookup
-is one policy with estimates per source: lookup's steps cost next to nothing and its acceptance is learnt. :meth:`ColdStart.remember` adds a finished run's acceptance to the cache, where the next run
-of the pair starts.
+is one policy with estimates per source: lookup's steps cost next to nothing and its acceptance is learnt.
+:meth:`ColdStart.remember` adds a finished run's acceptance to the cache, where the next run of the pair starts.
 """
 
 from __future__ import annotations

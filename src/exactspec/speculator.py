@@ -91,7 +91,7 @@ class Speculator:
         for name, model in (("target", self.pair.target), ("draft", self.pair.draft)):
             capacity = model_capacity(model) if model is not None else None
             if capacity is not None and needed > capacity:
-                raise ValueError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens exceeds the {name} model's {capacity} positions")
+                raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens {max_new_tokens} exceeds the {name} model's {capacity} positions")
 
     def _decoder(self, params: SamplingParams, auto: bool, prompt_ids: list[int]) -> tuple[SpeculativeDecoder, ColdStart | None]:
         """One decoder per sampling setting and gamma mode, so a policy keeps what earlier calls taught it."""
