@@ -16,8 +16,11 @@ import torch
 
 import exactspec.engine as engine_module
 from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
-from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig, FeatureDraftRunner, ttt_mask
-from exactspec.models.lean import LeanModel, LlamaConfig, LlamaDecoder
+from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig, ttt_mask
+from exactspec.models.feature_runtime import FeatureDraftRuntime
+from exactspec.models.lean import LeanModel
+from exactspec.models.llama import LlamaDecoder
+from exactspec.models.llama_config import LlamaConfig
 from exactspec.proposers.feature_draft import FeatureDraftProposer
 from exactspec.sampling import block_probs
 from test_exactness import ALPHA, N, g_test_p_value, replacement_from_target
@@ -74,14 +77,14 @@ def test_training_forward_equals_decoding_with_the_drafts_own_features():
     lean.capture_features(draft.cfg.feature_layers)
     lean.prefill(tokens[0].tolist())
     torch.testing.assert_close(lean.last_features, features[0], atol=1e-5, rtol=0)
-    runner = FeatureDraftRunner(draft, max_len=16)
+    runtime = FeatureDraftRuntime(draft, 1, max_len=16)
     for k, j in [(1, 4), (2, 5), (3, 7), (3, 10)]:
-        runner.rollback(0)
+        runtime.rollback(0, 0)
         last_true = j - k + 1
-        g, _ = runner.step(runner.project(features[0, : last_true + 1]), tokens[0, 1 : last_true + 2].tolist())
+        g, _ = runtime.forward([(0, runtime.project(features[0, : last_true + 1]), tokens[0, 1 : last_true + 2].tolist())])
         for slot in range(last_true + 1, j + 1):
-            g, _ = runner.step(g.unsqueeze(0), [int(tokens[0, slot + 1])])
-        torch.testing.assert_close(g, outputs[k - 1][0, j], atol=1e-5, rtol=1e-5)  # float32 rounding only
+            g, _ = runtime.forward([(0, g, [int(tokens[0, slot + 1])])])
+        torch.testing.assert_close(g[0], outputs[k - 1][0, j], atol=1e-5, rtol=1e-5)  # float32 rounding only
 
 
 def test_a_target_without_features_is_refused():

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from exactspec.loading import PACKAGED_MODELS, default_pair_dirs
-from exactspec.models.lean import INVARIANT_ROWS, LeanModel, chunked_attention
+from exactspec.models.attention import chunked_attention
+from exactspec.models.lean import LeanModel
+from exactspec.models.llama import INVARIANT_ROWS
 
 BLOCKS = range(2, INVARIANT_ROWS + 1)
 

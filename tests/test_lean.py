@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from exactspec.models.base import LanguageModel
-from exactspec.models.lean import LeanModel, LlamaConfig, LlamaDecoder, cache_dtype, hf_state_dict, one_row_head
+from exactspec.models.lean import LeanModel
+from exactspec.models.llama import LlamaDecoder, cache_dtype, hf_state_dict, one_row_head
+from exactspec.models.llama_config import LlamaConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -174,8 +176,8 @@ def test_bfloat16_on_cpu_caches_its_own_values_in_float32(checkpoint):
     path, ids, _ = checkpoint
     model = LeanModel.from_pretrained(path, dtype=torch.bfloat16)
     model.prefill(ids)
-    cached = model._k[:, :, :, : len(ids)]
-    assert model._k.dtype == torch.float32 and cached.abs().sum() > 0
+    cached = model.runtime.cache.keys[:, :, :, : len(ids)]
+    assert model.runtime.cache.keys.dtype == torch.float32 and cached.abs().sum() > 0
     assert torch.equal(cached.to(torch.bfloat16).float(), cached)
     assert cache_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
 
@@ -185,7 +187,7 @@ def test_one_token_calls_use_a_float16_copy_of_the_same_head(checkpoint):
     logits agree with the bfloat16 head's and with float32 to bfloat16 accuracy."""
     path, ids, ref = checkpoint
     model = LeanModel.from_pretrained(path, dtype=torch.bfloat16)
-    head = model._head_f16
+    head = model.runtime.one_token_head
     assert head is not None and head.dtype == torch.float16
     assert torch.equal(head.to(torch.bfloat16), model.decoder.lm_head.weight)
     model.prefill(ids[:-1])
@@ -194,8 +196,8 @@ def test_one_token_calls_use_a_float16_copy_of_the_same_head(checkpoint):
     assert not torch.equal(one, block)  # the float16 path ran (it rounds the logits less than bfloat16)
     torch.testing.assert_close(one, block, atol=0.25, rtol=0.02)
     torch.testing.assert_close(one, ref[-1], atol=0.25, rtol=0.02)
-    assert LeanModel.from_pretrained(path, dtype=torch.bfloat16, invariant=True)._head_f16 is None
-    assert LeanModel.from_pretrained(path)._head_f16 is None  # float32 model
+    assert LeanModel.from_pretrained(path, dtype=torch.bfloat16, invariant=True).runtime.one_token_head is None
+    assert LeanModel.from_pretrained(path).runtime.one_token_head is None  # float32 model
 
 
 def test_the_float16_head_is_refused_where_it_would_change_the_model(checkpoint):

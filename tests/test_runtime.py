@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from exactspec import MarkovLM
-from exactspec.models.batched import BatchedLean
-from exactspec.models.lean import LeanModel
+from exactspec.models.lean import LeanModel, LeanRuntime
 from exactspec.models.runtime import Runtime, SequenceSlots, as_runtime
 from test_feature_draft import tiny_target
 
@@ -78,7 +77,7 @@ def test_features_come_from_each_slots_model():
 
 
 def test_as_runtime_keeps_a_runtime_and_wraps_a_model():
-    batched = BatchedLean.like(LeanModel(tiny_target(3)), 2, 16)
+    batched = LeanRuntime.like(LeanModel(tiny_target(3)), 2, 16)
     assert as_runtime(batched) is batched and isinstance(batched, Runtime)
     wrapped = as_runtime(markov())
     assert isinstance(wrapped, SequenceSlots) and wrapped.slots == 1

@@ -19,8 +19,7 @@ import torch
 
 from exactspec import GREEDY, GenerationConfig, SamplingParams, SpeculativeDecoder
 from exactspec.loading import default_pair_dirs, load_pair
-from exactspec.models.batched import BatchedLean
-from exactspec.models.lean import LeanModel
+from exactspec.models.lean import LeanModel, LeanRuntime
 from exactspec.proposers import DraftModelProposer, PromptLookupProposer
 from exactspec.sampling import block_probs
 from exactspec.engine import BatchEngine, EngineConfig, SequenceRequest
@@ -166,18 +165,18 @@ NEIGHBOURS = [((3, 0, 1), "lookup", 0.5), ((2,), "off", 1.0), ((0, 0, 3, 2), "dr
 
 def tiny_engine(slots: int = 4) -> BatchEngine:
     target, draft = LeanModel(tiny_target(3)), LeanModel(tiny_target(11))
-    return BatchEngine(BatchedLean.like(target, slots, 32), DraftModelProposer(BatchedLean.like(draft, slots, 32)), EngineConfig(gamma=3))
+    return BatchEngine(LeanRuntime.like(target, slots, 32), DraftModelProposer(LeanRuntime.like(draft, slots, 32)), EngineConfig(gamma=3))
 
 
 def tiny_feature_engine(engine_class: type[BatchEngine] = BatchEngine, slots: int = 4, invariant: bool = False) -> BatchEngine:
     """The tiny target with a trained-style feature-level draft (random weights, a vocabulary subset), batched."""
-    from exactspec.models.batched_feature_draft import BatchedFeatureDraft
+    from exactspec.models.feature_runtime import FeatureDraftRuntime
     from exactspec.proposers.feature_draft import FeatureDraftProposer
     from test_feature_draft import tiny_draft
 
     decoder = tiny_target(3)
-    proposer = FeatureDraftProposer(BatchedFeatureDraft(tiny_draft(decoder), slots, 32, invariant=invariant), VOCAB)
-    return engine_class(BatchedLean.like(LeanModel(decoder, invariant=invariant), slots, 32), proposer, EngineConfig(gamma=3))
+    proposer = FeatureDraftProposer(FeatureDraftRuntime(tiny_draft(decoder), slots, 32, invariant=invariant), VOCAB)
+    return engine_class(LeanRuntime.like(LeanModel(decoder, invariant=invariant), slots, 32), proposer, EngineConfig(gamma=3))
 
 
 def solo_feature_decode(engine: BatchEngine, request: SequenceRequest, draft_probs=None) -> list[int]:

@@ -23,7 +23,7 @@ Random numbers: each sequence has its own ``torch.Generator`` (seeded by its req
 one uniform; per round the draft's draws come first (one per sampled draft token), then the verifier's
 (:mod:`exactspec.verify`). So a sequence's law does not depend on its neighbours, and a seeded sequence whose
 gamma does not depend on the batch (speculation off, or a fixed gamma) draws the same tokens alone as among any
-others, up to the low-order bits of batched matrix kernels (:mod:`exactspec.models.batched`).
+others, up to the low-order bits of batched matrix kernels (:mod:`exactspec.models.lean`).
 
 The three rules of a round (``_draft_probs``, ``_target_probs``, ``_verify_rule``) are methods so that the
 certification's self-check can swap in known-wrong ones (:mod:`exactspec.certification.mutants`).
@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from exactspec.models.base import LanguageModel, check_token_ids
-from exactspec.models.batched import MAX_BLOCK
+from exactspec.models.kv_cache import MAX_BLOCK
 from exactspec.models.runtime import Runtime, as_runtime
 from exactspec.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.proposers.base import Draft, DraftRequest, Proposer, common_prefix, processed_q

@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .lean import ATTENTION_CHUNK, INVARIANT_ROWS, Block, LlamaDecoder, cache_dtype
+from .llama import Block, LlamaDecoder
 from .llama_config import LlamaConfig, rope_tables
 
-__all__ = ["FeatureDraftConfig", "FeatureDraft", "FeatureDraftRunner", "ttt_mask"]
+__all__ = ["FeatureDraftConfig", "FeatureDraft", "ttt_mask"]
 
 CONFIG_FILE, WEIGHTS_FILE = "feature_draft.json", "feature_draft.safetensors"
 
@@ -161,72 +161,3 @@ def ttt_mask(slots: int, step: int, device: torch.device | str = "cpu") -> torch
     i = torch.arange(slots, device=device).unsqueeze(0)  # (1, T)
     blocks = [i <= j - step + 1] + [i == j - step + s for s in range(2, step + 1)]
     return torch.cat(blocks, dim=1)
-
-
-def padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:  # (n, C) -> (rows, C), zero rows appended
-    return x if x.shape[0] == rows else torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
-
-
-class FeatureDraftRunner:
-    """Decoding with a :class:`FeatureDraft`: its own KV cache over slots, rolled back by moving an integer."""
-
-    def __init__(self, draft: FeatureDraft, max_len: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 invariant: bool = False) -> None:
-        self.draft = draft.to(device=device, dtype=dtype).eval()
-        self.dtype, self.device = dtype, torch.device(device)
-        self.invariant = invariant  # calls of up to INVARIANT_ROWS slots run at that many rows, as LeanModel's
-        cfg = draft.cfg.layer_config()
-        self.max_len = max_len
-        cache_len = -(-max_len // ATTENTION_CHUNK) * ATTENTION_CHUNK  # whole chunks for chunked_attention
-        shape = (1, cfg.num_key_value_heads, cache_len, cfg.head_size)
-        self._k = torch.zeros(shape, dtype=cache_dtype(dtype, self.device), device=self.device)
-        self._v = torch.zeros_like(self._k)
-        self._tril = torch.ones(max_len, max_len, dtype=torch.bool, device=self.device).tril()
-        self._cos = draft.rope_cos[:max_len].to(dtype)
-        self._sin = draft.rope_sin[:max_len].to(dtype)
-        self.length = 0
-
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll the draft back to {length} slots (it holds {self.length})")
-        self.length = length
-
-    def copy_prefix(self, source: "FeatureDraftRunner", length: int) -> None:
-        """Hold the first ``length`` slots of ``source`` (a runner of the same draft), copied."""
-        if source.draft is not self.draft:
-            raise ValueError("copy_prefix needs a runner of the same draft")
-        if not 0 <= length <= source.length:
-            raise ValueError(f"cannot copy {length} slots of a draft cache that holds {source.length}")
-        with torch.inference_mode():
-            self._k[:, :, :length] = source._k[:, :, :length]  # (1, nkv, len, hd)
-            self._v[:, :, :length] = source._v[:, :, :length]
-        self.length = length
-
-    def project(self, features: torch.Tensor) -> torch.Tensor:  # (n, F) -> (n, C)
-        n = features.shape[0]
-        with torch.inference_mode():
-            return self.draft.fc(padded_rows(features.to(device=self.device, dtype=self.dtype), self._rows(n)))[:n]
-
-    def _rows(self, n: int) -> int:
-        """The row count a call of ``n`` slots runs at: fixed in invariant mode (so a slot's bits never depend on
-        its call's size), else ``n``."""
-        return INVARIANT_ROWS if self.invariant and n <= INVARIANT_ROWS else n
-
-    def step(self, u: torch.Tensor, next_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed slots ``length ..`` with inputs ``u`` ``(n, C)`` and tokens x_{j+1}; returns the last slot's output g
-        ``(C,)`` and its logits over S ``(|S|,)`` float32."""
-        n, pos = u.shape[0], self.length
-        if pos + n > self.max_len:
-            raise ValueError(f"the draft's cache of {self.max_len} slots is full")
-        rows = self._rows(n)
-        with torch.inference_mode():
-            tokens = torch.tensor(list(next_tokens) + [0] * (rows - n), dtype=torch.long, device=self.device).unsqueeze(0)
-            x = self.draft.inputs(padded_rows(u, rows).unsqueeze(0), tokens)  # (1, rows, C)
-            if self.invariant and rows == INVARIANT_ROWS:
-                positions = torch.arange(pos, pos + rows, device=self.device).clamp(max=self.max_len - 1)  # padding: any angle
-                g = self.draft.block.forward_invariant(x, self._cos[positions], self._sin[positions], self._k, self._v, pos, n)
-            else:
-                mask = None if n == 1 else self._tril[pos : pos + n, : pos + n]
-                g = self.draft.block.forward_cached(x, self._cos[pos : pos + n], self._sin[pos : pos + n], self._k, self._v, pos, mask)
-            self.length = pos + n
-            return g[0, n - 1], self.draft.logits(g[0, n - 1]).float()

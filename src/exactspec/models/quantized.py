@@ -6,7 +6,7 @@ of 32 along the input dimension, so scale = d and zero = m + 8 d (held in
 bfloat16, the activations' dtype). Every call size runs this same kernel, so
 single-token and block calls use one set of weights: one model. Measured on
 SmolLM2-135M (2 threads): a one-token call about 0.6x the bfloat16 dense one,
-a 9-token block about as costly as the dense one (see README).
+a 9-token block about as costly as the dense one (see docs/smollm2.md).
 
 CPU only (the kernel and its packing are CPU-specific) and bfloat16 only (the
 kernel's float32 path is slow); other settings are refused with a clear message.

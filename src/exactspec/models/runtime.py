@@ -10,12 +10,19 @@ only through:
 * ``capture_features(layers)`` / ``last_features``  the outputs of target layers for each row of the last call,
   for a proposer that reads them (:mod:`exactspec.models.eagle`); a runtime without hidden states refuses
   ``capture_features`` with a ValueError;
-* ``invariant``          whether a row's logits are the bits it gets alone, whatever the batch.
+* ``invariant``          whether a row's logits are the bits it gets alone, whatever the batch; ``device``.
 
-:class:`exactspec.models.batched.BatchedLean` implements it with one cache in which the batch is a dimension.
-:class:`SequenceSlots` implements it over single-sequence models (:class:`exactspec.models.base.LanguageModel`:
-the lean model, the Hugging Face adapter, :class:`exactspec.models.markov.MarkovLM`), one model per slot, so a
-generation of one sequence runs the same loop as a served batch, on the model's own cache and numerics.
+:class:`exactspec.models.lean.LeanRuntime` implements it with one :class:`exactspec.models.kv_cache.KVCache` in
+which the batch is a dimension (dense and 4-bit weights alike; a :class:`~exactspec.models.lean.LeanModel` is one
+slot of it). :class:`SequenceSlots` implements it over single-sequence models
+(:class:`exactspec.models.base.LanguageModel`: the Hugging Face adapter, :class:`exactspec.models.markov.MarkovLM`,
+a lean model handed in alone), one model per slot, so a generation of one sequence runs the same loop as a served
+batch, on the model's own cache and numerics.
+
+Nothing here reads a runtime's cache: a runtime written in C that owns its cache (llama.cpp's sequences in one
+context) implements the same five calls as its own operations (decode a batch of ragged sequences with logits
+for every fed position, remove a sequence's positions past ``n``, copy a sequence's first ``n`` positions to
+another), and refuses ``capture_features`` where it cannot hand back hidden states.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ class Runtime(Protocol):
     max_len: int
     lengths: list[int]
     last_features: list[torch.Tensor]
+    invariant: bool
+    device: torch.device
 
     @property
     def vocab_size(self) -> int: ...
@@ -65,6 +74,7 @@ class SequenceSlots:
         self.slots = len(models)
         self.max_len = min(getattr(m, "max_len", 2**31) for m in models)
         self.invariant = all(getattr(m, "invariant", False) for m in models)
+        self.device = torch.device(getattr(models[0], "device", "cpu"))
         self.feature_layers: tuple[int, ...] = ()
         self.last_features: list[torch.Tensor] = []
         self._tokens: list[list[int]] = [[] for _ in models]  # what each slot holds, for copy_prefix and the guard

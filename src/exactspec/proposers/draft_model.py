@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from exactspec.models.batched import MAX_BLOCK
+from exactspec.models.kv_cache import MAX_BLOCK
 from exactspec.models.runtime import as_runtime
 from exactspec.proposers.base import Draft, DraftRequest, DraftRule, ReadsNothing, common_prefix
 from exactspec.sampling import full_width

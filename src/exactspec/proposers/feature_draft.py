@@ -19,8 +19,8 @@ from typing import Sequence
 
 import torch
 
-from exactspec.models.batched_feature_draft import BatchedFeatureDraft
 from exactspec.models.eagle import FeatureDraft
+from exactspec.models.feature_runtime import FeatureDraftRuntime
 from exactspec.proposers.base import DraftRequest
 from exactspec.proposers.draft_model import ModelDraft
 
@@ -28,7 +28,7 @@ __all__ = ["FeatureDraftProposer"]
 
 
 class FeatureDraftProposer(ModelDraft):
-    def __init__(self, draft: BatchedFeatureDraft, vocab_size: int) -> None:
+    def __init__(self, draft: FeatureDraftRuntime, vocab_size: int) -> None:
         self.draft, self.vocab_size, self.slots = draft, vocab_size, draft.slots
         self.feature_layers = tuple(draft.draft.cfg.feature_layers)
         ids = draft.draft.vocab_ids.cpu()
@@ -41,8 +41,8 @@ class FeatureDraftProposer(ModelDraft):
     @classmethod
     def solo(cls, draft: FeatureDraft, vocab_size: int, max_len: int, device: torch.device | str = "cpu",
              dtype: torch.dtype = torch.float32) -> "FeatureDraftProposer":
-        """A proposer of one slot, on the draft's single-sequence runner (:class:`exactspec.models.eagle.FeatureDraftRunner`)."""
-        return cls(BatchedFeatureDraft(draft, 1, max_len, device, dtype, invariant=True), vocab_size)
+        """A proposer of one slot, in the invariant numerics (a row's bits never depend on its call's size)."""
+        return cls(FeatureDraftRuntime(draft, 1, max_len, device, dtype, invariant=True), vocab_size)
 
     def start(self, slot: int, prompt: Sequence[int]) -> None:
         self._new[slot], self._known[slot], self._built[slot] = [], 0, 0

@@ -9,7 +9,7 @@ Phases, each bounded in time or count, so the test always ends by itself:
    latency, tokens and errors; the server's resident memory is read from ``/metrics`` before and after;
 3. check: every distinct request of the load phase (up to ``check_limit``) is sent again alone, and its text
    must equal what it streamed under load: no lost, duplicated or mixed tokens. Sampled tokens can still differ
-   where batching moves a probability across the draw by a low-order bit (:mod:`exactspec.models.batched`): measured
+   where batching moves a probability across the draw by a low-order bit (:mod:`exactspec.models.lean`): measured
    with the shipped pair, 1 of 48 seeded 96-token sequences in float32, none in float64, more in bfloat16. So
    ``--spawn`` serves in float32, and ``--temperature 0`` (greedy) checks token identity without that caveat.
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 
 from exactspec.loading import LoadedPair, unwrapped
-from exactspec.models.batched import BatchedLean
-from exactspec.models.lean import LeanModel
+from exactspec.models.lean import LeanModel, LeanRuntime
 from exactspec.calibration import calibrate_engine
 from exactspec.engine import BatchEngine, EngineConfig
 
@@ -17,7 +16,7 @@ def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfi
                  engine_class: type[BatchEngine] = BatchEngine) -> BatchEngine:
     """A batch engine over the pair's lean models, with ``slots`` sequences of up to ``max_len`` positions. A draft
     model is batched like the target, and so is a feature-level draft (its one layer's slot cache)."""
-    from exactspec.models.batched_feature_draft import BatchedFeatureDraft
+    from exactspec.models.feature_runtime import FeatureDraftRuntime
     from exactspec.models.eagle import FeatureDraft
     from exactspec.proposers import DraftModelProposer
     from exactspec.proposers.feature_draft import FeatureDraftProposer
@@ -25,13 +24,13 @@ def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfi
     target = unwrapped(pair.target)
     if not isinstance(target, LeanModel):
         raise ValueError("serve runs the lean backend (Llama-family checkpoints); --backend hf is for generate and bench")
-    batched = BatchedLean.like(target, slots, max_len, pair.target.vocab_size)
+    batched = LeanRuntime.like(target, slots, max_len, pair.target.vocab_size)
     proposer = None
     if isinstance(pair.draft, FeatureDraft):
-        proposer = FeatureDraftProposer(BatchedFeatureDraft(pair.draft, slots, batched.max_len, target.device, target.dtype, target.invariant),
+        proposer = FeatureDraftProposer(FeatureDraftRuntime(pair.draft, slots, batched.max_len, target.device, target.dtype, target.invariant),
                                         pair.target.vocab_size)
     elif pair.draft is not None:
-        proposer = DraftModelProposer(BatchedLean.like(unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size))
+        proposer = DraftModelProposer(LeanRuntime.like(unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size))
     engine = engine_class(batched, proposer, config)
     if calibrated:
         calibrate_engine(engine)

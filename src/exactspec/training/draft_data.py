@@ -123,8 +123,7 @@ def generate_answers(
     import torch
 
     from exactspec.chat import chat_messages
-    from exactspec.models.batched import BatchedLean
-    from exactspec.models.lean import LeanModel
+    from exactspec.models.lean import LeanModel, LeanRuntime
     from exactspec.sampling import SamplingParams
     from exactspec.engine import BatchEngine, SequenceRequest
     from exactspec.tokenizer import TextTokenizer
@@ -141,7 +140,7 @@ def generate_answers(
     if not todo:
         return len(done)
     longest = max(len(encoded[p]) for p, _ in todo)
-    engine = BatchEngine(BatchedLean.like(model, min(slots, len(todo)), min(window, longest + max_new_tokens)))
+    engine = BatchEngine(LeanRuntime.like(model, min(slots, len(todo)), min(window, longest + max_new_tokens)))
     params = SamplingParams(temperature=temperature)
     out.parent.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []

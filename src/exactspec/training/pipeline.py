@@ -22,7 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..models.lean import LeanModel, LlamaConfig, LlamaDecoder, hf_state_dict
+from ..models.lean import LeanModel
+from ..models.llama import LlamaDecoder, hf_state_dict
+from ..models.llama_config import LlamaConfig
 from . import data
 
 __all__ = ["TrainArgs", "run", "export_models"]

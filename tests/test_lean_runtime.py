@@ -1,4 +1,4 @@
-"""BatchedLean (exactspec.models.batched): ragged rows in one call give each sequence the logits it gets alone,
+"""LeanRuntime (exactspec.models.lean): ragged rows in one call give each sequence the logits it gets alone,
 roll back on their own, and never see another row's keys or their own padding."""
 
 from __future__ import annotations
@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactspec.models.batched import BatchedLean, ragged_causal_mask
-from exactspec.models.lean import LeanModel, LlamaConfig, LlamaDecoder
+from exactspec.models.attention import ragged_causal_mask
+from exactspec.models.lean import LeanModel, LeanRuntime
+from exactspec.models.llama import LlamaDecoder
+from exactspec.models.llama_config import LlamaConfig
 
 
 def small_model() -> LeanModel:
@@ -25,7 +27,7 @@ def alone(model: LeanModel, history: list[int], new: list[int]) -> torch.Tensor:
 
 def test_ragged_rows_equal_each_sequence_alone():
     model = small_model()
-    batched = BatchedLean.like(model, slots=4, max_len=96)
+    batched = LeanRuntime.like(model, slots=4, max_len=96)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8], [9, 10, 11], [12, 13]]
     out = batched.forward(list(enumerate(prompts)))
     for slot, prompt in enumerate(prompts):
@@ -44,7 +46,7 @@ def test_ragged_rows_equal_each_sequence_alone():
 
 def test_rollback_is_per_sequence_and_stale_keys_are_never_read():
     model = small_model()
-    batched = BatchedLean.like(model, slots=2, max_len=96)
+    batched = LeanRuntime.like(model, slots=2, max_len=96)
     batched.forward([(0, [1, 2, 3]), (1, [4, 5, 6, 7, 8, 9])])
     batched.forward([(0, [30, 31, 32, 33, 34]), (1, [40])])  # slot 0 drafts 5 tokens, slot 1 one
     batched.rollback(0, 4)  # keeps [1, 2, 3, 30]: 31..34 are stale keys past the length
@@ -57,7 +59,7 @@ def test_rollback_is_per_sequence_and_stale_keys_are_never_read():
 
 def test_a_mask_that_ignores_each_rows_position_is_caught(monkeypatch):
     """Power of the test above: letting every query see keys up to the batch's last position reads stale keys."""
-    import exactspec.models.batched as module
+    import exactspec.models.lean as module
 
     monkeypatch.setattr(module, "ragged_causal_mask", lambda positions, end: torch.ones(positions.shape[0], 1, positions.shape[1], end, dtype=torch.bool))
     with pytest.raises(AssertionError):
@@ -72,7 +74,7 @@ def test_mask_rows_stop_at_their_own_position():
 
 
 def test_bad_calls_are_refused():
-    batched = BatchedLean.like(small_model(), slots=2, max_len=8)
+    batched = LeanRuntime.like(small_model(), slots=2, max_len=8)
     with pytest.raises(ValueError, match="distinct slots"):
         batched.forward([(0, [1]), (0, [2])])
     with pytest.raises(ValueError, match="exceeds 8 positions"):
@@ -84,7 +86,7 @@ def test_bad_calls_are_refused():
 def test_invariant_mode_gives_each_row_the_bits_it_gets_alone():
     decoder = small_model().decoder.to(torch.bfloat16)
     solo = LeanModel(decoder, invariant=True)
-    batched = BatchedLean.like(solo, slots=3, max_len=96)
+    batched = LeanRuntime.like(solo, slots=3, max_len=96)
     prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
     batched.forward(list(enumerate(prompts)))
     out = batched.forward([(0, [11, 12, 13]), (2, [14])])
@@ -100,12 +102,12 @@ def test_a_copied_prefix_continues_as_its_source_does(invariant):
     model = small_model()
     if invariant:
         model = LeanModel(model.decoder, invariant=True)
-    batched = BatchedLean.like(model, slots=3, max_len=96)
+    batched = LeanRuntime.like(model, slots=3, max_len=96)
     batched.forward([(0, [1, 2, 3, 4, 5, 6]), (2, [9, 9])])
     batched.copy_prefix(0, 1, 4)  # slot 1 gets [1, 2, 3, 4] and none of 5, 6
     out = batched.forward([(1, [7, 8]), (2, [10])])
     expected = alone(model, [1, 2, 3, 4], [7, 8])
     assert torch.equal(out[0], expected) if invariant else torch.allclose(out[0], expected, atol=1e-5)
     assert batched.lengths == [6, 6, 3]
-    with pytest.raises(ValueError, match="rollback|length"):
+    with pytest.raises(ValueError, match="copy 4 positions of slot 2: it holds 3"):
         batched.copy_prefix(2, 0, 4)  # slot 2 holds 3 positions
