@@ -158,9 +158,8 @@ class LeanRuntime:
         feature = torch.cat(features, dim=-1) if features else None  # (B, T, F)
         for slot, tokens in zip(slots, ids):
             self.cache.lengths[slot] += len(tokens)
-        place = torch.argsort(torch.tensor(order)).tolist()  # row i of the call is row place[i] of the batch
-        return [(logits[place[i], : len(ids[place[i]])], None if feature is None else feature[place[i], : len(ids[place[i]])])
-                for i in range(len(order))]
+        by_slot = [(logits[b, : len(t)], None if feature is None else feature[b, : len(t)]) for b, t in enumerate(ids)]
+        return [by_slot[b] for b in torch.argsort(torch.tensor(order)).tolist()]  # back to the call's row order
 
 
 class LeanModel:
