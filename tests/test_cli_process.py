@@ -91,11 +91,40 @@ def test_bad_values_name_their_flag(capsys, args, message):
 def test_an_unwritable_output_dir_is_refused_before_the_run(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    one_line_error(capsys, ["bench", "--output-dir", str(blocker / "out")], f"--output-dir {blocker / 'out'}: {blocker} is not a directory")
+    one_line_error(capsys, ["bench", "--output-dir", str(blocker / "out")], f"--output-dir {blocker / 'out'}: cannot write there (Not a directory)")
     if os.geteuid() != 0:  # root may write anywhere; the check above covers that case
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
-        one_line_error(capsys, ["bench", "--output-dir", str(locked / "out")], "is not writable")
+        one_line_error(capsys, ["bench", "--output-dir", str(locked / "out")], "cannot write there (Permission denied)")
+
+
+@pytest.mark.parametrize("args", [
+    ["bench", "--no-hf", "--workloads", "code", "--modes", "greedy", "--repeats", "1", "--prompts", "1", "--max-new-tokens", "4", "--output-dir", "/proc/nope"],
+    ["certify", "--sequences", "2", "--output-dir", "/proc/nope"],
+    ["train-draft", "--target", "smollm2-135m-instruct", "--out", "/proc/nope"],
+    ["generate", "x", "--record", "/proc/nope.json"],
+    ["bench", "--record", "/proc/nope.json"],
+    ["generate-batch", "--input", "in.jsonl", "--output", "/proc/nope.jsonl"],
+    ["audit", "--endpoint", "http://127.0.0.1:9", "--model", "m", "--target-weights", "x", "--output", "/proc/nope.json"],
+], ids=lambda args: f"{args[0]} {args[-2]}")
+def test_every_file_a_command_writes_is_checked_before_the_work_even_as_root(capsys, args):
+    """``os.access`` says yes to root on /proc: each command tries to write there before any work (nothing printed on
+    stdout, one line on stderr naming the flag)."""
+    one_line_error(capsys, args, f"{args[-2]} {args[-1]}: cannot write")
+
+
+def test_a_file_that_fails_after_the_work_is_one_line_after_the_figures(tmp_path, capsys, monkeypatch):
+    import exactspec.records as records
+
+    def full_disk(record, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(records, "write_record", full_disk)
+    record = tmp_path / "run.json"
+    assert main(["generate", "def parse_args(", "--max-new-tokens", "4", "--ignore-eos", "--json", "--record", str(record)]) == 2
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["tokens"] == 4  # the figures of the work that was done
+    assert captured.err == f"exactspec: error: --record {record}: No space left on device\n" and not record.exists()
 
 
 def test_version(capsys):

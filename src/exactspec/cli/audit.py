@@ -1,0 +1,79 @@
+"""``exactspec audit``: a black-box check of a server's sampling law."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from exactspec.certification.certify import CONFIGS
+from exactspec.cli.common import CliError, integer, json_object, list_of, one_of, read_prompts
+from exactspec.cli.files import check_record_path, write_after, write_record_file
+from exactspec.loading import resolve_checkpoint
+
+
+def run(args: argparse.Namespace) -> dict:
+    from exactspec.certification.audit import AuditConfig, audit
+    from exactspec.loading import DTYPES, load_pair
+
+    check_record_path(args.record)
+    check_record_path(args.output, "--output")
+    try:
+        config = AuditConfig(args.endpoint, args.model, args.api_key or os.environ.get("EXACTSPEC_API_KEY"), args.baseline,
+                             args.configs, args.requests, args.max_tokens, args.alpha, args.seed, args.concurrency,
+                             extra_body=args.extra_body, baseline_extra_body=args.baseline_extra_body, text_mode=args.text_mode)
+        pair = load_pair(resolve_checkpoint(args.target_weights), None, "lean", DTYPES[args.dtype], args.weights, device=args.device)
+    except (OSError, ValueError) as error:
+        raise CliError(str(error)) from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        report = audit(pair, read_prompts(args.prompts_file, pair.tokenizer), config, progress=not args.json)
+    except RuntimeError as error:
+        raise CliError(str(error)) from None
+    if args.output:
+        write_after("--output", args.output, lambda: Path(args.output).write_text(json.dumps(report, indent=2)), report)
+    if args.record:
+        from exactspec.records import run_record
+
+        figures = {"passed": report["passed"], "tokens": report["tokens"], "detectable_tv": report["detectable_tv"]}
+        write_record_file(run_record("audit", args.argv, resolve_checkpoint(args.target_weights), None, None, f"black box: the server at {args.endpoint}",
+                          "the server's", args.seed, report["precision"], figures), args.record, report)
+    return report
+
+
+def show(report: dict) -> None:
+    from exactspec.certification.audit import format_audit_table
+
+    print(format_audit_table(report))
+
+
+def add(add_command) -> None:
+    """The ``audit`` command: its flags, run and show."""
+    audit = add_command("audit", help="black-box check of an OpenAI-compatible server's sampling law, scored with a local copy of the target's weights")
+    audit.add_argument("--endpoint", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000 (the only address the audit talks to, with --baseline)")
+    audit.add_argument("--model", required=True, help="the model id the server expects")
+    audit.add_argument("--target-weights", required=True, help="the same target's weights here: a directory, a .gguf file or a packaged model's name")
+    audit.add_argument("--baseline", help="a server of the same model with speculation off: its samples are compared with the endpoint's")
+    audit.add_argument("--api-key", help="sent as Authorization: Bearer KEY (default: $EXACTSPEC_API_KEY)")
+    audit.add_argument("--configs", type=list_of(one_of(tuple(CONFIGS)), f"names from {', '.join(CONFIGS)}"), default=("T=1",), help="comma-separated sampling configurations")
+    audit.add_argument("--requests", type=integer(1), default=400, help="requests per configuration and server (one choice each)")
+    audit.add_argument("--max-tokens", type=integer(1), default=48, help="max_tokens of each request")
+    audit.add_argument("--alpha", type=float, default=1e-3, help="family-wise false-positive rate (Holm over every test)")
+    audit.add_argument("--seed", type=integer(0), default=0, help="seed of the first request (request i sends seed + i)")
+    audit.add_argument("--concurrency", type=integer(1), default=8, help="requests in flight at once")
+    audit.add_argument("--extra-body", type=json_object, default={}, help='JSON fields added to every request to the endpoint, e.g. \'{"speculation": "draft"}\'')
+    audit.add_argument("--baseline-extra-body", type=json_object, default={}, help="JSON fields added to every request to the baseline")
+    audit.add_argument("--text-mode", action="store_true", help="for a server that takes and returns only text: completions are re-tokenized, so only the comparison with --baseline is valid (and required)")
+    audit.add_argument("--prompts-file", help="prompts, one per line; default: chat questions in the model's template, or code openings")
+    audit.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="precision of the local scoring")
+    audit.add_argument("--weights", choices=["auto", "dense", "q4"], default="dense", help="the local target's weights (see generate)")
+    audit.add_argument("--device", default="cpu", help="where the local scoring runs")
+    audit.add_argument("--threads", type=integer(1), help="CPU threads for the local scoring")
+    audit.add_argument("--output", help="also write the report to this JSON file")
+    audit.add_argument("--json", action="store_true", help="print the report as JSON")
+    audit.add_argument("--record", help="write the run record (weights' hashes, environment, verdict) to this JSON file")
+    audit.set_defaults(run=run, show=show)

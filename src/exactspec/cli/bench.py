@@ -1,0 +1,130 @@
+"""``exactspec bench``: exactspec's arms side by side, or a target against llama.cpp."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from exactspec.cli.common import CliError, add_model_arguments, integer, list_of, load, one_of, pair_dirs, precision
+from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
+from exactspec.peers import PEER_WORKLOADS
+from exactspec.priors import shipped_prior
+from exactspec.workloads import WORKLOADS
+
+
+def run(args: argparse.Namespace) -> dict:
+    from exactspec.models.eagle import FeatureDraft
+
+    check_record_path(args.record)
+    prepare_output_dir(Path(args.output_dir), "--output-dir")
+    draft_dir = pair_dirs(args)[1]
+    peers_only = draft_dir is None or FeatureDraft.is_feature_draft(draft_dir)
+    report = _bench_against_peers(args, draft_dir) if peers_only else _bench_arms(args)
+    if args.record:
+        from exactspec.records import run_record
+
+        arms = "exactspec and llama.cpp arms (see figures)" if peers_only else "plain, fixed gammas, adaptive, lookup and Hugging Face arms (see figures)"
+        write_record_file(run_record("bench", args.argv, *pair_dirs(args), None, arms, f"fixed {', '.join(map(str, args.gammas))} and auto",
+                          args.seed, precision(args), {"results": report.get("results")}), args.record, report)
+    return report
+
+
+def _bench_arms(args: argparse.Namespace) -> dict:
+    """A target with a draft model: every exactspec arm and Hugging Face's assisted generation."""
+    from exactspec import bench
+
+    try:
+        config = bench.BenchConfig(
+            workloads=args.workloads or WORKLOADS,
+            modes=args.modes,
+            gammas=args.gammas,
+            lookup_gamma=args.lookup_gamma,
+            hf_gamma=args.hf_gamma,
+            num_prompts=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats,
+            seed=args.seed,
+            hf=not args.no_hf,
+        )
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    pair = load(args, with_draft=True)
+    hf_models = None
+    if config.hf:
+        from exactspec.loading import DTYPES, load_model
+
+        try:
+            hf_models = tuple(load_model(d, "hf", DTYPES[args.dtype], device=args.device).model for d in pair_dirs(args))
+        except (OSError, ValueError) as error:
+            raise CliError(f"{error} (or pass --no-hf)") from None
+    target_dir, draft_dir = pair_dirs(args)
+    shipped = {mode: shipped_prior(draft_dir, target_dir, mode) or () for mode in ("greedy", "sampled")}
+    report = bench.run_bench(pair.target, pair.draft, pair.tokenizer, config, hf_models, progress=not args.json, acceptance_priors=shipped)
+    report.update(backend=args.backend, dtype=args.dtype)
+    if report["results"]:
+        report["outputs"] = [str(p) for p in write_after("--output-dir", args.output_dir, lambda: bench.write_outputs(report, args.output_dir), report)]
+    return report
+
+
+def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
+    """A target alone or with a trained feature-level draft: exactspec plain, prompt lookup (and the draft) against
+    llama.cpp plain and prompt lookup on the same GGUF file."""
+    from exactspec.models.base import is_gguf
+    from exactspec import peers
+
+    target = pair_dirs(args)[0]
+    skipped = None if is_gguf(target) else "the target is not a .gguf file"
+    if skipped is None and not peers.llama_cpp_available():
+        skipped = "llama_cpp is not installed (pip install llama-cpp-python; see docs/smollm2.md for build flags)"
+    flags = ["--backend", args.backend, "--device", args.device, "--dtype", args.dtype, "--weights", args.weights,
+             *(["--invariant"] if args.invariant else [])]
+    try:
+        config = peers.PeerBenchConfig(target, args.threads or torch.get_num_threads(), args.prompts, args.max_new_tokens,
+                                       args.repeats, args.llama_cpp_lookup, tuple(flags), llama_cpp=skipped is None,
+                                       draft=draft, modes=tuple(args.modes), workloads=tuple(args.workloads or PEER_WORKLOADS))
+        report = peers.run_peer_bench(config, progress=not args.json)
+    except (ValueError, RuntimeError) as error:
+        raise CliError(str(error)) from None
+    report["llama_cpp_skipped"] = skipped
+    report["outputs"] = [str(p) for p in write_after("--output-dir", args.output_dir, lambda: peers.write_peer_outputs(report, args.output_dir), report)]
+    return report
+
+
+def show(report: dict) -> None:
+    from exactspec.bench import format_table
+    from exactspec.peers import format_peer_table
+
+    if "llama_cpp_skipped" in report:
+        print(format_peer_table(report))
+        if report["llama_cpp_skipped"]:
+            print(f"[llama.cpp arms skipped: {report['llama_cpp_skipped']}]", file=sys.stderr)
+    elif report["results"]:
+        print(format_table(report))
+    if report.get("interrupted"):
+        kept = f"the arms finished so far are in {Path(report['outputs'][0]).parent}" if report.get("outputs") else "no arm had finished"
+        print(f"[bench interrupted: {kept}]", file=sys.stderr)
+
+
+def add(add_command) -> None:
+    """The ``bench`` command: its flags, run and show."""
+    bench = add_command("bench", help="side-by-side speed benchmark: plain, draft, adaptive, lookup, Hugging Face; a target without a draft model against llama.cpp")
+    add_model_arguments(bench)
+    names = tuple(dict.fromkeys(WORKLOADS + tuple(PEER_WORKLOADS)))
+    bench.add_argument("--workloads", type=list_of(one_of(names), f"names from {', '.join(names)}"), help=f"comma-separated workloads (default: {', '.join(WORKLOADS)} for a draft model; {', '.join(PEER_WORKLOADS)} against llama.cpp)")
+    bench.add_argument("--modes", type=list_of(one_of(("greedy", "sample")), "names from greedy (T=0), sample (T=1)"), default="greedy,sample", help="comma-separated sampling modes: greedy (T=0), sample (T=1)")
+    bench.add_argument("--gammas", type=list_of(integer(1), "integers >= 1"), default="2,4,6,8", help="fixed gamma values of the draft arms")
+    bench.add_argument("--hf-gamma", type=integer(1), default=4, help="gamma of Hugging Face assisted generation")
+    bench.add_argument("--lookup-gamma", type=integer(1), default=8, help="gamma of the prompt-lookup arm")
+    bench.add_argument("--prompts", type=integer(1), default=6, help="prompts per workload")
+    bench.add_argument("--max-new-tokens", type=integer(1), default=96, help="new tokens per prompt")
+    bench.add_argument("--repeats", type=integer(1), default=3, help="repetitions; medians are reported")
+    bench.add_argument("--seed", type=integer(0), default=0, help="seed of the first prompt (prompt i uses seed + i)")
+    bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face arms")
+    bench.add_argument("--llama-cpp-lookup", type=integer(1), default=2, help="tokens per llama.cpp prompt-lookup draft (a target without a draft model; 2 is llama-cpp-python's advice for CPUs)")
+    bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.add_argument("--record", help="write the run record (models' hashes, environment, measured figures) to this JSON file")
+    bench.set_defaults(run=run, show=show)

@@ -1,0 +1,204 @@
+"""What every command shares: the one-line error, flag types, the model and sampling flags, and the pair they name."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Callable, Sequence
+
+from exactspec.loading import LOOKUP, PACKAGED_MODELS, SMALL_MODEL_PARAMETERS, PairSpec
+from exactspec.sampling import SamplingParams
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2. ``result``: what the command had done by then (a file that
+    could not be written after the work), shown before the error."""
+
+    def __init__(self, message: str, result: dict | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise CliError(message)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except for flags and options without one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+#: Seeds are unsigned 64-bit integers (torch.Generator's range); -1 asks for a random one.
+MAX_SEED = 2**64 - 1
+
+
+def integer(minimum: int, maximum: int | None = None, expected: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer in [minimum, maximum], else an error that says what is expected."""
+    expected = expected or f"an integer >= {minimum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+seed_argument = integer(-1, MAX_SEED, "an integer in [0, 2^64 - 1], or -1 for a random seed")
+
+
+def list_of(item: Callable[[str], object], what: str) -> Callable[[str], tuple]:
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(item(part.strip()) for part in text.split(","))
+        except (ValueError, argparse.ArgumentTypeError):
+            values = ()
+        if not values:
+            raise argparse.ArgumentTypeError(f"must be comma-separated {what}, got {text!r}")
+        return values
+
+    return parse
+
+
+def one_of(choices: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(text)
+        return text
+
+    return parse
+
+
+def positive(name: str, value: float, allow_zero: bool = False) -> float:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise CliError(f"--{name} must be a {'non-negative' if allow_zero else 'positive'} number, got {value}")
+    return value
+
+
+def gamma_argument(text: str) -> str | int:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 0, got {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({error.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help=f"target checkpoint: a directory, a .gguf file, a packaged model ({', '.join(PACKAGED_MODELS)}), or a hub id (org/name) in the local Hugging Face cache (default: the shipped target)")
+    parser.add_argument("--draft", help=f"draft checkpoint, as --target, or '{LOOKUP}' for prompt-lookup drafting (default: the shipped draft; with --target alone, {LOOKUP})")
+    parser.add_argument("--download", action="store_true", help="fetch a hub id (org/name) that is not in the local Hugging Face cache; the only time exactspec uses the network")
+    parser.add_argument("--threads", type=integer(1), help=f"CPU threads for torch (default: 1 for targets under {SMALL_MODEL_PARAMETERS // 10**6}M parameters, whose calls are too short to share, else torch's own choice)")
+    parser.add_argument("--backend", choices=["lean", "hf"], default="lean", help="lean (Llama-family, fast) or hf (any causal LM)")
+    parser.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:N or mps")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="bfloat16: faster, flat verify cost; float32: closer to the checkpoint's own numbers")
+    parser.add_argument("--weights", choices=["auto", "dense", "q4"], default="auto", help="dense: dequantize every weight to --dtype; q4: keep a GGUF file's 4-bit projections and run torch's int4 CPU kernel (bfloat16, CPU, lean backend; faster one-token calls); auto: q4 where it can run, else dense")
+    parser.add_argument("--invariant", action="store_true", help="call-size-invariant numerics (lean backend): a position's logits are the same bits whether computed alone or in a block of up to 17, so speculative output follows exactly the law of plain decoding in this precision; costs time (see docs/precision.md)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, default_temperature: float = 1.0) -> None:
+    parser.add_argument("--temperature", type=float, default=default_temperature, help="0 means greedy")
+    parser.add_argument("--top-k", type=integer(0), default=0, help="keep the k most likely tokens (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set of tokens with this mass (1: off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top probability (0: off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="divide positive / multiply negative logits of seen tokens (1: off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="subtract from the logits of generated tokens")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times the count of each generated token")
+
+
+def sampling(args: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+        )
+    except ValueError as error:  # name the flag, not the field: "--top-p must be in (0, 1]"
+        message = str(error)
+        field = message.split()[0]
+        raise CliError(f"--{field.replace('_', '-')}{message[len(field):]}" if hasattr(args, field) else message) from None
+
+
+def pair_spec(args: argparse.Namespace, with_draft: bool = True) -> PairSpec:
+    """The pair the model flags name (see :class:`exactspec.loading.PairSpec`)."""
+    if args.target is None and args.draft not in (None, LOOKUP):
+        raise CliError("--draft needs --target (give neither for the shipped default pair)")
+    try:
+        return PairSpec(args.target, args.draft, with_draft, args.backend, args.dtype, args.weights, args.invariant, args.device,
+                        args.download, args.threads)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+
+
+def resolved_spec(args: argparse.Namespace, with_draft: bool = True) -> PairSpec:
+    """The pair resolved to local paths (a hub id is fetched, with --download, here and only here)."""
+    try:
+        return pair_spec(args, with_draft).resolved()
+    except FileNotFoundError as error:
+        raise CliError(str(error)) from None
+
+
+def pair_dirs(args: argparse.Namespace, with_draft: bool = True) -> tuple[Path, Path | None]:
+    """The target checkpoint and the draft model's (None for plain decoding or prompt lookup)."""
+    return resolved_spec(args, with_draft).dirs()
+
+
+def load(args: argparse.Namespace, with_draft: bool, spec: PairSpec | None = None):
+    try:
+        return (spec or pair_spec(args, with_draft)).load()
+    except (OSError, ValueError) as error:
+        raise CliError(str(error)) from None
+
+
+def precision(args: argparse.Namespace) -> str:
+    return pair_spec(args).precision
+
+
+def read_prompts(path: str | None, tokenizer) -> list[list[int]]:
+    """Prompts from a file, one per line (a literal \\n is a newline inside one), or the default set."""
+    from exactspec.certification.certify import default_prompts
+
+    if not path:
+        return default_prompts(tokenizer)
+    try:
+        lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as error:
+        raise CliError(f"--prompts-file {path}: {error}") from None
+    if not lines:
+        raise CliError(f"--prompts-file {path} has no prompt (one per line)")
+    return [tokenizer.encode_prompt(line.replace("\\n", "\n")) for line in lines]
+
+
+def require_ray() -> None:
+    try:
+        import ray  # noqa: F401  (only whether it imports)
+    except ImportError:
+        raise CliError("--ray needs Ray: pip install 'exactspec[ray]'") from None

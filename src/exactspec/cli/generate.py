@@ -1,0 +1,140 @@
+"""``exactspec generate``: one prompt through :class:`exactspec.Speculator`, streamed."""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import sys
+from pathlib import Path
+
+import torch
+
+from exactspec.chat import chat_messages
+from exactspec.cli.common import (
+    CliError, add_model_arguments, add_sampling_arguments, gamma_argument, integer, load, precision, resolved_spec, sampling,
+    seed_argument,
+)
+from exactspec.cli.files import check_record_path, write_record_file
+from exactspec.priors import PolicyCache
+from exactspec.sampling import SamplingParams
+from exactspec.speculator import Completion, Speculator
+from exactspec.tokenizer import stream_text
+
+
+def run(args: argparse.Namespace) -> dict:
+    params = sampling(args)
+    check_record_path(args.record)
+    text = _prompt_text(args)
+    spec = resolved_spec(args, not args.no_speculation)
+    speculator = Speculator(spec, load(args, not args.no_speculation, spec), None if args.no_policy_cache else PolicyCache())
+    try:  # before anything is printed
+        prompt = speculator.encode(_prompt_ids(args, text, speculator.tokenizer))
+        speculator.check_room(prompt, args.max_new_tokens)
+    except ValueError as error:
+        raise CliError(str(error).replace("max_new_tokens", "--max-new-tokens")) from None
+    completion = Completion(prompt, args.seed if args.seed >= 0 else secrets.randbits(64))
+    tokens = speculator.stream(prompt, args.max_new_tokens, params, args.gamma, completion.seed, not args.ignore_eos, completion)
+    stops = frozenset() if args.ignore_eos else speculator.tokenizer.eos_token_ids
+    pieces = []
+    try:
+        for piece in stream_text(speculator.tokenizer, (t for t in tokens if t not in stops)):  # stop: not printed
+            pieces.append(piece)
+            if not args.json:
+                print(piece, end="", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: keep what was generated and summarise it
+        completion.generation.stop_reason = "interrupted"
+    generation, stats = completion.generation, completion.generation.stats
+    result = {
+        "prompt": text,
+        "threads": torch.get_num_threads(),
+        "text": "".join(pieces),
+        "token_ids": list(generation.tokens),
+        "mode": "plain" if args.no_speculation else f"speculative ({speculator.proposal}), gamma {args.gamma}",
+        "gammas_used": sorted({r.drafted for r in stats.rounds[1:]}),
+        "seed": completion.seed,
+        "sampling": "greedy" if params.greedy else "sampled",
+        "stop_reason": generation.stop_reason,
+        "tokens_per_second": stats.committed / stats.total_seconds if stats.total_seconds else 0.0,
+        "policy": completion.policy,
+        **stats.summary(),
+    }
+    if args.record:
+        _write_generate_record(args, speculator, params, completion, result)
+    return result
+
+
+def _write_generate_record(args: argparse.Namespace, speculator: Speculator, params: SamplingParams, completion: Completion,
+                           result: dict) -> None:
+    from exactspec.records import run_record
+
+    generation = completion.generation
+    figures = {"token_ids": list(generation.tokens), "stop_reason": generation.stop_reason,
+               "sampling": "greedy" if params.greedy else "sampled", **generation.stats.summary()}
+    record = run_record("generate", args.argv, *speculator.dirs, params, speculator.proposal, f"{args.gamma}" if args.gamma == "auto" else f"fixed {args.gamma}",
+                        completion.seed, precision(args), figures)
+    write_record_file(record, args.record, result)
+
+
+def _prompt_text(args: argparse.Namespace) -> str:
+    """The prompt (or the user's chat turn) from the argument, standard input (``-``), ``--prompt-file`` or ``--user``:
+    exactly one of them."""
+    given = [args.prompt is not None, args.prompt_file is not None, args.user is not None]
+    if sum(given) != 1:
+        raise CliError("give the prompt as an argument, as - (standard input), with --prompt-file or with --user, exactly one of them")
+    if args.user is not None:
+        return args.user
+    if args.prompt_file is not None:
+        try:
+            return Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise CliError(f"--prompt-file {args.prompt_file}: {error}") from None
+    if args.prompt == "-":
+        try:
+            return sys.stdin.read()
+        except UnicodeDecodeError as error:
+            raise CliError(f"standard input is not text: {error}") from None
+    return args.prompt
+
+
+def _prompt_ids(args: argparse.Namespace, text: str, tokenizer) -> list[int]:
+    """Plain text as it is, or (with --chat, --system or --user) one user turn in the model's chat template."""
+    if not (args.chat or args.system is not None or args.user is not None):
+        return tokenizer.encode_prompt(text)
+    try:
+        return tokenizer.encode_chat(chat_messages(text, args.system))
+    except ValueError as error:
+        raise CliError(str(error)) from None
+
+
+def show(r: dict) -> None:
+    print()
+    print(
+        f"[{r['tokens']} tokens, {r['tokens_per_second']:.1f} tokens/s, "
+        f"acceptance {r['acceptance_rate']:.2f} of {r['drafted']} drafted, "
+        f"{r['tokens_per_round']:.2f} tokens/round, {r['mode']}, "
+        f"{'greedy' if r['sampling'] == 'greedy' else 'seed ' + str(r['seed'])}, stop: {r['stop_reason']}"
+        + (f", calibration {r['policy']['calibration']['seconds']:.2f} s, prior: {r['policy']['prior_source']}" if r["policy"] else "")
+        + "]",
+        file=sys.stderr,
+    )
+
+
+def add(add_command) -> None:
+    """The ``generate`` command: its flags, run and show."""
+    generate = add_command("generate", help="generate text with speculative decoding (default: the shipped pair)")
+    generate.add_argument("prompt", nargs="?", help="text to continue; - reads it from standard input")
+    generate.add_argument("--prompt-file", help="read the prompt from this file (UTF-8)")
+    generate.add_argument("--chat", action="store_true", help="send the prompt as a user turn through the model's chat template; stops at its end-of-turn token")
+    generate.add_argument("--system", help="system message of the chat (implies --chat)")
+    generate.add_argument("--user", help="the user's message (implies --chat; instead of the prompt argument)")
+    add_model_arguments(generate)
+    generate.add_argument("--gamma", type=gamma_argument, default="auto", help="draft tokens per round, or auto: chosen per round by the cost model")
+    generate.add_argument("--max-new-tokens", type=integer(1), default=128, help="stop after this many new tokens")
+    generate.add_argument("--seed", type=seed_argument, default=0, help="seed of the run's random generator, 0 to 2^64-1; -1 picks a random one (printed in the summary)")
+    generate.add_argument("--no-speculation", action="store_true", help="plain decoding of the target (the baseline)")
+    generate.add_argument("--no-policy-cache", action="store_true", help="with --gamma auto: neither read nor write the acceptance remembered from the last run of this pair (see `exactspec cache`)")
+    generate.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    add_sampling_arguments(generate)
+    generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    generate.add_argument("--record", help="write the run record (models' hashes, sampling, mechanism, environment, tokens) to this JSON file")
+    generate.set_defaults(run=run, show=show)

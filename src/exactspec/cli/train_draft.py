@@ -1,0 +1,46 @@
+"""``exactspec train-draft``: train a feature-level draft for a Llama-family target."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from exactspec.cli.common import CliError, integer
+from exactspec.cli.files import prepare_output_dir
+from exactspec.loading import resolve_checkpoint
+
+
+def run(args: argparse.Namespace) -> dict:
+    from exactspec.training.feature_draft import TrainDraftArgs, train_draft
+
+    prepare_output_dir(Path(args.out), "--out")
+    try:
+        from exactspec.models.base import check_local_checkpoint
+
+        target = check_local_checkpoint(resolve_checkpoint(args.target))
+        config = TrainDraftArgs(target, Path(args.out), args.minutes, args.vocab_subset, args.ttt_steps,
+                                answers_per_prompt=args.answers_per_prompt, seed=args.seed, threads=args.threads)
+        return train_draft(config)
+    except (FileNotFoundError, ValueError, RuntimeError) as error:
+        raise CliError(str(error)) from None
+
+
+def show(card: dict) -> None:
+    acceptance = card["held_out_acceptance_by_position"]
+    print(f"draft written to {card['out']}; held-out acceptance by position: T=1 "
+          f"{', '.join(f'{a:.2f}' for a in acceptance['sampled'])}; greedy {', '.join(f'{a:.2f}' for a in acceptance['greedy'])}")
+
+
+def add(add_command) -> None:
+    """The ``train-draft`` command: its flags, run and show."""
+    train = add_command("train-draft", help="train a feature-level (EAGLE-style) draft for a Llama-family target on the CPU, within a time budget; rerun to resume")
+    train.add_argument("--target", required=True, help="the target: a .gguf file, a Llama directory or a packaged model's name")
+    train.add_argument("--out", required=True, help="the run's directory (data, checkpoints; the draft lands in OUT/draft)")
+    train.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget for every phase together")
+    train.add_argument("--vocab-subset", type=integer(16), default=8192, help="tokens the draft's head covers (the most frequent in its data)")
+    train.add_argument("--answers-per-prompt", type=integer(1), default=4, help="the target's answers per training prompt, each sampled with its own seed, as time allows: every prompt once before any twice")
+    train.add_argument("--ttt-steps", type=integer(1), default=3, help="training-time-test depth: steps trained on the draft's own features")
+    train.add_argument("--threads", type=integer(1), help="CPU threads for torch (default: torch's choice)")
+    train.add_argument("--seed", type=integer(0), default=0, help="seed of the prompts, data order and initialisation")
+    train.add_argument("--json", action="store_true", help="print the model card as JSON")
+    train.set_defaults(run=run, show=show)
