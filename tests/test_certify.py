@@ -4,7 +4,7 @@ engine's pass fails with at most that probability; seeds are fixed, so each run 
 
 The sample here is small to keep the suite short: 160 x 32 tokens per configuration. It detects the residual
 drawn from p, the unprocessed q and the argmax draft. The penalties bug needs more tokens (rejected at 400 x 48
-tokens, p ~ 3e-8, see README), and the bf16 precision mismatch (about 0.002 TV per drafted token on this pair)
+tokens, p ~ 3e-8, see docs/certification.md), and the bf16 precision mismatch (about 0.002 TV per drafted token on this pair)
 is below the resolution of any sample certify draws in minutes: the draw replay catches it instead."""
 
 from __future__ import annotations
