@@ -19,7 +19,7 @@ from exactspec.proposers import Draft, DraftRequest, LookupOrDraft
 from exactspec.proposers.base import processed_q
 from exactspec.proposers.feature_draft import FeatureDraftProposer
 from exactspec.stats import RoundRecord
-from test_exactness import ALPHA, N, g_test_p_value
+from test_exactness import ALPHA, SIZES, g_test_p_value
 from test_feature_draft import GAMMA, NEW_TOKENS, PROMPT, VOCAB, exact_law, tiny_draft, tiny_target
 
 
@@ -87,7 +87,7 @@ class LookupAsSampled(LookupOrDraft):
         return [Draft(d.tokens, uniform(len(d.tokens))) if d.probs is None and d.tokens else d for d in super().propose(requests, draft_rule)]
 
 
-def combined_counts(params: SamplingParams, proposer_class=LookupOrDraft):
+def combined_counts(params: SamplingParams, n: int, proposer_class=LookupOrDraft):
     target = tiny_target()
     feature = FeatureDraftProposer.solo(tiny_draft(target), VOCAB, 32)
     proposer = proposer_class(feature, min_match=1, max_ngram=2)
@@ -97,19 +97,21 @@ def combined_counts(params: SamplingParams, proposer_class=LookupOrDraft):
     config = AdaptiveConfig(max_gamma=GAMMA, initial_gamma=GAMMA)
     decoder = SpeculativeDecoder(LeanModel(target), proposer, params, policy=AdaptiveGamma(config))
     counts: dict[tuple[int, ...], int] = {}
-    for seed in range(N):
+    for seed in range(n):
         tokens = tuple(decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, seed=seed)).tokens)
         counts[tokens] = counts.get(tokens, 0) + 1
     return counts, exact_law(LeanModel(tiny_target()), params), routes
 
 
-def test_lookup_combined_with_the_feature_draft_follows_the_target_law():
+@pytest.mark.parametrize("n", SIZES)
+def test_lookup_combined_with_the_feature_draft_follows_the_target_law(n):
     params = SamplingParams(temperature=0.8)
-    counts, law, routes = combined_counts(params)
-    assert routes["lookup"] > N and routes["draft"] > N // 10  # both sources serve many rounds
+    counts, law, routes = combined_counts(params, n)
+    assert routes["lookup"] > n and routes["draft"] > n // 10  # both sources serve many rounds
     assert g_test_p_value(counts, law) > ALPHA
 
 
-def test_the_same_test_rejects_lookup_verified_as_sampled():
-    counts, law, _ = combined_counts(SamplingParams(temperature=0.8), LookupAsSampled)
+@pytest.mark.parametrize("n", SIZES)
+def test_the_same_test_rejects_lookup_verified_as_sampled(n):
+    counts, law, _ = combined_counts(SamplingParams(temperature=0.8), n, LookupAsSampled)
     assert g_test_p_value(counts, law) < ALPHA

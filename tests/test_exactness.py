@@ -44,7 +44,10 @@ from exactspec.sampling import block_probs
 from exactspec.verify import VerifyResult, sample_from, verify_with_uniforms
 
 ALPHA = 1e-3
-N = 8_000
+N = 8_000  # the full sweep, behind the slow marker (.ci/run runs it after the README's test command)
+N_QUICK = 2_000  # the README's test command: every mutant is still rejected far below ALPHA (see each module)
+#: Each statistical test runs at both sizes: N_QUICK in the default run, N with ``-m slow``.
+SIZES = [pytest.param(N_QUICK, id=f"N={N_QUICK}"), pytest.param(N, id=f"N={N}", marks=pytest.mark.slow)]
 VOCAB, ORDER, PROMPT, NEW_TOKENS, GAMMA = 4, 2, [1, 2], 5, 3
 
 CONFIGS = {
@@ -185,46 +188,51 @@ class ArgmaxWithSampledRatio(WrongDraft):
 # --------------------------------------------------------------------- tests
 
 
+@pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_speculative_output_follows_the_target_law(name):
+def test_speculative_output_follows_the_target_law(name, n):
     target, draft = models()
     params = CONFIGS[name]
-    counts = sample_counts(SpeculativeDecoder(target, draft, params), N)
+    counts = sample_counts(SpeculativeDecoder(target, draft, params), n)
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
 
 
-def test_prompt_lookup_follows_the_target_law():
+@pytest.mark.parametrize("n", SIZES)
+def test_prompt_lookup_follows_the_target_law(n):
     """Deterministic n-gram proposals through the point-mass rule (4 tokens, prompt [1, 2])."""
     target, _ = models()
     params = CONFIGS["T=1"]
     decoder = SpeculativeDecoder(target, PromptLookupProposer(min_ngram=1, max_ngram=2), params)
-    counts = sample_counts(decoder, N)
+    counts = sample_counts(decoder, n)
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
 
 
-def test_adaptive_gamma_follows_the_target_law():
+@pytest.mark.parametrize("n", SIZES)
+def test_adaptive_gamma_follows_the_target_law(n):
     """Gamma chosen per round from timings and past acceptance: each round is still an exact step."""
     target, draft = models()
     params = CONFIGS["T=1"]
-    counts = sample_counts(SpeculativeDecoder(target, draft, params, policy=AdaptiveGamma(AdaptiveConfig(max_gamma=3, initial_gamma=3))), N)
+    counts = sample_counts(SpeculativeDecoder(target, draft, params, policy=AdaptiveGamma(AdaptiveConfig(max_gamma=3, initial_gamma=3))), n)
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
 
 
-def test_adaptive_gamma_from_priors_follows_the_target_law():
+@pytest.mark.parametrize("n", SIZES)
+def test_adaptive_gamma_from_priors_follows_the_target_law(n):
     """The cold-start policy: gamma from calibrated costs and an acceptance prior from the first round on."""
     target, draft = models()
     params = CONFIGS["top_p=0.8"]
     priors = PolicyPriors({n: 1.0 + 0.05 * n for n in range(1, 5)}, 0.1, (0.9, 0.4))
     policy = SyntheticClock(AdaptiveGamma(AdaptiveConfig(max_gamma=3, initial_gamma=3), priors), 0.1, lambda n: 1.0 + 0.05 * n)
-    counts = sample_counts(SpeculativeDecoder(target, draft, params, policy=policy), N)
+    counts = sample_counts(SpeculativeDecoder(target, draft, params, policy=policy), n)
     assert {2, 3} <= set(policy.chosen)  # gamma really varies with the estimates
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
 
 
-def test_plain_decoding_follows_the_target_law():
+@pytest.mark.parametrize("n", SIZES)
+def test_plain_decoding_follows_the_target_law(n):
     target, _ = models()
     params = CONFIGS["repetition=1.8,presence=0.5"]
-    counts = sample_counts(SpeculativeDecoder(target, None, params), N // 2)
+    counts = sample_counts(SpeculativeDecoder(target, None, params), n // 2)
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
 
 
@@ -260,10 +268,11 @@ MUTANTS = [
 ]
 
 
+@pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("mutant", MUTANTS)
-def test_the_same_test_rejects_each_wrong_variant(mutant, monkeypatch):
+def test_the_same_test_rejects_each_wrong_variant(mutant, monkeypatch, n):
     decoder, params = _mutant_decoder(mutant, monkeypatch)
-    counts = sample_counts(decoder, N)
+    counts = sample_counts(decoder, n)
     assert g_test_p_value(counts, exact_law(decoder.target, params)) < ALPHA
 
 

@@ -23,7 +23,7 @@ from exactspec.models.llama import LlamaDecoder
 from exactspec.models.llama_config import LlamaConfig
 from exactspec.proposers.feature_draft import FeatureDraftProposer
 from exactspec.sampling import block_probs
-from test_exactness import ALPHA, N, g_test_p_value, replacement_from_target
+from test_exactness import ALPHA, SIZES, g_test_p_value, replacement_from_target
 
 VOCAB, PROMPT, NEW_TOKENS, GAMMA = 4, [1, 2], 5, 3
 SUBSET = [0, 1, 3]  # token 2 is never drafted
@@ -136,28 +136,30 @@ class RawProbsReported(FeatureDraftProposer):
         return super().propose(requests, raw_reported)
 
 
-def counts_and_law(params: SamplingParams, proposer_class=FeatureDraftProposer):
+def counts_and_law(params: SamplingParams, n: int, proposer_class=FeatureDraftProposer):
     target = tiny_target()
     proposer = proposer_class.solo(tiny_draft(target), VOCAB, 32)
     decoder = SpeculativeDecoder(LeanModel(target), proposer, params)
     counts: dict[tuple[int, ...], int] = {}
-    for seed in range(N):
+    for seed in range(n):
         tokens = tuple(decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=seed)).tokens)
         counts[tokens] = counts.get(tokens, 0) + 1
     return counts, exact_law(LeanModel(tiny_target()), params), decoder
 
 
+@pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=3)], ids=["T=1", "T=0.7,top_k=3"])
-def test_speculative_output_with_the_feature_draft_follows_the_target_law(params):
-    counts, law, decoder = counts_and_law(params)
+def test_speculative_output_with_the_feature_draft_follows_the_target_law(params, n):
+    counts, law, decoder = counts_and_law(params, n)
     assert g_test_p_value(counts, law) > ALPHA
 
 
+@pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("mutant", ["replacement_from_target", "raw_probs_reported"])
-def test_the_same_test_rejects_wrong_variants_with_the_feature_draft(mutant, monkeypatch):
+def test_the_same_test_rejects_wrong_variants_with_the_feature_draft(mutant, monkeypatch, n):
     if mutant == "replacement_from_target":
         monkeypatch.setattr(engine_module, "verify_stochastic", replacement_from_target)
-        counts, law, _ = counts_and_law(SamplingParams())
+        counts, law, _ = counts_and_law(SamplingParams(), n)
     else:
-        counts, law, _ = counts_and_law(SamplingParams(temperature=0.7, top_k=3), RawProbsReported)
+        counts, law, _ = counts_and_law(SamplingParams(temperature=0.7, top_k=3), n, RawProbsReported)
     assert g_test_p_value(counts, law) < ALPHA

@@ -25,7 +25,7 @@ from exactspec.sampling import block_probs
 from exactspec.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.serving.server import build_engine
 from exactspec.workloads import workload_prompts
-from test_exactness import ALPHA, N, g_test_p_value
+from test_exactness import ALPHA, SIZES, g_test_p_value
 from test_feature_draft import exact_law, tiny_target
 
 
@@ -54,6 +54,13 @@ def recording_fed_rows(engine: BatchEngine) -> list[tuple[int, ...]]:
     calls, forward = [], engine.target.forward
     engine.target.forward = lambda rows: calls.extend(tuple(tokens) for _, tokens in rows) or forward(rows)
     return calls
+
+
+def test_the_served_policy_starts_from_the_acceptance_prior_it_is_given(pair):
+    """serve hands build_engine the pair's prior (policy cache, else shipped): the policy's first estimates are it."""
+    given = build_engine(pair, slots=2, max_len=64, calibrated=False, acceptance=(0.9, 0.6, 0.3))
+    assert given.policy.acceptance("draft", 4) == pytest.approx([0.9, 0.6, 0.3, 0.3])
+    assert build_engine(pair, slots=2, max_len=64, calibrated=False).policy.acceptance("draft", 3) != pytest.approx([0.9, 0.6, 0.3])
 
 
 def test_greedy_in_a_mixed_batch_equals_plain_decoding_alone(pair, prompts):
@@ -191,14 +198,14 @@ def solo_feature_decode(engine: BatchEngine, request: SequenceRequest, draft_pro
     return decoder.generate(list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens, gamma=3, seed=request.seed)).tokens
 
 
-def law_counts(engine: BatchEngine, params: SamplingParams = SamplingParams()) -> dict[tuple[int, ...], int]:
-    """N sequences of PROMPT (draft mode), interleaved with neighbours of other prompts, modes, temperatures."""
+def law_counts(engine: BatchEngine, n: int, params: SamplingParams = SamplingParams()) -> dict[tuple[int, ...], int]:
+    """n sequences of PROMPT (draft mode), interleaved with neighbours of other prompts, modes, temperatures."""
     requests, mine = [], []
-    for seed in range(N):
+    for seed in range(n):
         prompt, mode, temperature = NEIGHBOURS[seed % len(NEIGHBOURS)]
         mine.append(len(requests))
         requests.append(SequenceRequest(PROMPT, params, NEW_TOKENS, seed=seed, speculation="draft"))
-        requests.append(SequenceRequest(prompt, SamplingParams(temperature=temperature), 1 + seed % 6, seed=N + seed, speculation=mode))
+        requests.append(SequenceRequest(prompt, SamplingParams(temperature=temperature), 1 + seed % 6, seed=n + seed, speculation=mode))
     results = run(engine, requests)
     counts: dict[tuple[int, ...], int] = {}
     for i in mine:
@@ -207,13 +214,15 @@ def law_counts(engine: BatchEngine, params: SamplingParams = SamplingParams()) -
     return counts
 
 
-def test_a_sequences_law_is_unchanged_by_its_neighbours():
-    counts = law_counts(tiny_engine())
+@pytest.mark.parametrize("n", SIZES)
+def test_a_sequences_law_is_unchanged_by_its_neighbours(n):
+    counts = law_counts(tiny_engine(), n)
     assert g_test_p_value(counts, exact_law(LeanModel(tiny_target(3)), SamplingParams())) > ALPHA
 
 
+@pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("mutant", [None, "unprocessed_q"])
-def test_a_batched_feature_draft_keeps_the_law_and_a_wrong_q_is_rejected(mutant):
+def test_a_batched_feature_draft_keeps_the_law_and_a_wrong_q_is_rejected(mutant, n):
     """The feature-level draft batched over the sequences (ragged rows, per-slot rollback) passes the G-test at
     T=0.7, top_k=3; the self-check's unprocessed-q engine, whose bug lives in the draft-q hook the feature draft
     shares with a draft model, fails it."""
@@ -221,12 +230,13 @@ def test_a_batched_feature_draft_keeps_the_law_and_a_wrong_q_is_rejected(mutant)
 
     params = SamplingParams(temperature=0.7, top_k=3)
     engine = tiny_feature_engine(MUTANTS[mutant] if mutant else BatchEngine)
-    p_value = g_test_p_value(law_counts(engine, params), exact_law(LeanModel(tiny_target(3)), params))
+    p_value = g_test_p_value(law_counts(engine, n, params), exact_law(LeanModel(tiny_target(3)), params))
     assert engine.metrics.accepted > 0
     assert (p_value > ALPHA) if mutant is None else (p_value < ALPHA)
 
 
-def test_the_same_test_rejects_an_engine_that_mixes_up_rows():
+@pytest.mark.parametrize("n", SIZES)
+def test_the_same_test_rejects_an_engine_that_mixes_up_rows(n):
     engine = tiny_engine()
     forward = engine.target.forward
 
@@ -239,7 +249,7 @@ def test_the_same_test_rejects_an_engine_that_mixes_up_rows():
         return [torch.cat([s, s[-1:].expand(max(0, w - len(s)), -1)])[:w] for s, w in zip(shifted, widths)]
 
     engine.target.forward = rotated
-    counts = law_counts(engine)
+    counts = law_counts(engine, n)
     assert g_test_p_value(counts, exact_law(LeanModel(tiny_target(3)), SamplingParams())) < ALPHA
 
 
