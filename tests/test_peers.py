@@ -14,6 +14,7 @@ from conftest import save_tiny_checkpoint, tiny_tokenizer_json
 from exactspec import peers
 from exactspec.cli import main
 from exactspec.loading import PACKAGED_MODELS
+from exactspec.workloads import CHAT_WORKLOADS
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_a_failing_arm_and_bad_options_are_one_line_errors(target, tmp_path, cap
     code, _, err = bench(capsys, "--target", str(target), "--prompts", "1", "--repeats", "1", "--max-new-tokens", "2",
                          "--weights", "q4", "--output-dir", str(tmp_path / "out"))
     assert code == 2 and "exactspec plain failed" in err and "q4" in err and err.count("\n") == 1
-    code, _, err = bench(capsys, "--target", str(target), "--prompts", str(len(peers.PEER_WORKLOADS["code"]) + 1), "--output-dir", str(tmp_path / "out"))
+    code, _, err = bench(capsys, "--target", str(target), "--prompts", str(len(CHAT_WORKLOADS["code"]) + 1), "--output-dir", str(tmp_path / "out"))
     assert code == 2 and "prompts each at most" in err and err.count("\n") == 1
     code, _, err = bench(capsys, "--target", str(target), "--workloads", "heldout", "--output-dir", str(tmp_path / "out"))
     assert code == 2 and "against llama.cpp the workloads are" in err and err.count("\n") == 1

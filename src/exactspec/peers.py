@@ -29,35 +29,10 @@ from pathlib import Path
 
 from exactspec.chat import chat_messages
 from exactspec.tokenizer import TextTokenizer
+from exactspec.workloads import CHAT_WORKLOADS
 
-__all__ = ["PEER_WORKLOADS", "PeerBenchConfig", "run_peer_bench", "format_peer_table", "llama_cpp_available", "write_peer_outputs"]
+__all__ = ["PeerBenchConfig", "run_peer_bench", "format_peer_table", "llama_cpp_available", "write_peer_outputs"]
 
-PEER_WORKLOADS = {  # user turns for an instruct model
-    "chat": (  # questions about code and general tasks
-        "Write a Python function that returns the squares of a list, with a docstring and an example.",
-        "Explain how a hash table works, step by step.",
-        "Rewrite this sentence three times in different styles: The quick brown fox jumps over the lazy dog.",
-        "Write a short story about a robot who learns to paint.",
-        "List five tips for writing clear emails, with one sentence each.",
-        "What is the difference between a list and a tuple in Python? Give examples.",
-    ),
-    "code": (  # code completion
-        "Complete this Python code:\n\ndef fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-        "Complete this Python code:\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-        "Complete this Python code:\n\nimport json\n\ndef load_config(path):\n    \"\"\"Read a JSON file and return its content as a dict.\"\"\"\n",
-        "Complete this Python code:\n\ndef is_palindrome(text):\n    \"\"\"True if text reads the same backwards, ignoring case and spaces.\"\"\"\n",
-    ),
-    "grounded": (  # repeat a given text with a change
-        "Repeat this code, renaming the variable total to result:\n\ndef add_all(numbers):\n    total = 0\n"
-        "    for number in numbers:\n        total = total + number\n    print(total)\n    return total\n",
-        "Repeat this list, replacing every comma with a semicolon: apples, pears, plums, cherries, grapes, lemons, limes, "
-        "melons, figs, dates, oranges, kiwis, peaches, mangoes.",
-        "Copy this paragraph, changing the name Anna to Maria: Anna walked to the market in the morning. Anna bought "
-        "bread, cheese and tomatoes. On the way home Anna met a friend, and Anna told her about the new library.",
-        "Repeat this code with the function renamed from area to rectangle_area:\n\ndef area(width, height):\n"
-        "    \"\"\"Return the area of a rectangle.\"\"\"\n    return width * height\n\nprint(area(3, 4))\nprint(area(5, 6))\n",
-    ),
-}
 BASELINE = "llama.cpp plain"
 EXACTSPEC_PLAIN = "exactspec plain"
 HF_ASSISTED_SKIPPED = ("transformers' assisted generation takes a standalone draft model; exactspec's trained draft reads the "
@@ -77,7 +52,7 @@ class PeerBenchConfig:
     llama_cpp: bool = True
     draft: Path | None = None  # a trained draft: one more exactspec arm
     modes: tuple[str, ...] = ("greedy",)  # greedy: T = 0; sample: T = 1, no truncation
-    workloads: tuple[str, ...] = ("chat",)  # keys of PEER_WORKLOADS; num_prompts of each
+    workloads: tuple[str, ...] = ("chat",)  # keys of CHAT_WORKLOADS; num_prompts of each
 
     def __post_init__(self) -> None:
         for name in ("threads", "num_prompts", "max_new_tokens", "repeats", "lookup_tokens"):
@@ -85,9 +60,9 @@ class PeerBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.modes or set(self.modes) - set(MODES):
             raise ValueError(f"modes must be among {', '.join(MODES)}, got {self.modes}")
-        if not self.workloads or set(self.workloads) - set(PEER_WORKLOADS):
-            raise ValueError(f"--workloads: against llama.cpp the workloads are {', '.join(PEER_WORKLOADS)}, got {', '.join(self.workloads)}")
-        fewest = min(len(PEER_WORKLOADS[w]) for w in self.workloads)
+        if not self.workloads or set(self.workloads) - set(CHAT_WORKLOADS):
+            raise ValueError(f"--workloads: against llama.cpp the workloads are {', '.join(CHAT_WORKLOADS)}, got {', '.join(self.workloads)}")
+        fewest = min(len(CHAT_WORKLOADS[w]) for w in self.workloads)
         if self.num_prompts > fewest:
             raise ValueError(f"--prompts: these workloads have {fewest} prompts each at most, got {self.num_prompts}")
 
@@ -154,7 +129,7 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
     for mode in config.modes:
         for workload in config.workloads:
             arms = _arms(config, mode)
-            prompts = PEER_WORKLOADS[workload][: config.num_prompts]
+            prompts = CHAT_WORKLOADS[workload][: config.num_prompts]
             for i, prompt in enumerate(prompts):
                 runs = {arm.name: [] for arm in arms}
                 for r in range(config.repeats):

@@ -1,4 +1,5 @@
-"""Benchmark prompts, generated at run time from files on this machine (nothing is copied into the repo).
+"""The benchmark prompts every bench and check uses: code workloads cut at run time from files on this machine
+(nothing is copied into the repo), and chat workloads of user turns for an instruct model.
 
 * ``code``: code completion. Prompts are cut from the Python sources of installed
   third-party packages (site-packages), never from the standard library the
@@ -10,7 +11,9 @@
   the continuation repeats the input, which is where prompt lookup shines.
 
 Files are chosen deterministically (sorted paths, evenly spaced), so two runs
-on the same machine use the same prompts.
+on the same machine use the same prompts. ``CHAT_WORKLOADS`` (``chat``, ``code``, ``grounded``) are the same
+three tasks as user turns: what the bench against llama.cpp sends an instruct target, and the prompts ``certify``
+and ``audit`` use for a model with a chat template.
 """
 
 from __future__ import annotations
@@ -19,9 +22,36 @@ import re
 import site
 from pathlib import Path
 
-__all__ = ["WORKLOADS", "third_party_sources", "code_prompts", "grounded_prompts", "workload_prompts"]
+__all__ = ["CHAT_WORKLOADS", "WORKLOADS", "third_party_sources", "code_prompts", "grounded_prompts", "workload_prompts"]
 
 WORKLOADS = ("heldout", "code", "grounded")
+
+CHAT_WORKLOADS = {  # user turns for an instruct model, by workload
+    "chat": (  # questions about code and general tasks
+        "Write a Python function that returns the squares of a list, with a docstring and an example.",
+        "Explain how a hash table works, step by step.",
+        "Rewrite this sentence three times in different styles: The quick brown fox jumps over the lazy dog.",
+        "Write a short story about a robot who learns to paint.",
+        "List five tips for writing clear emails, with one sentence each.",
+        "What is the difference between a list and a tuple in Python? Give examples.",
+    ),
+    "code": (  # code completion
+        "Complete this Python code:\n\ndef fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        "Complete this Python code:\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+        "Complete this Python code:\n\nimport json\n\ndef load_config(path):\n    \"\"\"Read a JSON file and return its content as a dict.\"\"\"\n",
+        "Complete this Python code:\n\ndef is_palindrome(text):\n    \"\"\"True if text reads the same backwards, ignoring case and spaces.\"\"\"\n",
+    ),
+    "grounded": (  # repeat a given text with a change
+        "Repeat this code, renaming the variable total to result:\n\ndef add_all(numbers):\n    total = 0\n"
+        "    for number in numbers:\n        total = total + number\n    print(total)\n    return total\n",
+        "Repeat this list, replacing every comma with a semicolon: apples, pears, plums, cherries, grapes, lemons, limes, "
+        "melons, figs, dates, oranges, kiwis, peaches, mangoes.",
+        "Copy this paragraph, changing the name Anna to Maria: Anna walked to the market in the morning. Anna bought "
+        "bread, cheese and tomatoes. On the way home Anna met a friend, and Anna told her about the new library.",
+        "Repeat this code with the function renamed from area to rectangle_area:\n\ndef area(width, height):\n"
+        "    \"\"\"Return the area of a rectangle.\"\"\"\n    return width * height\n\nprint(area(3, 4))\nprint(area(5, 6))\n",
+    ),
+}
 
 
 def third_party_sources(min_bytes: int = 3000, max_bytes: int = 60000) -> list[Path]:

@@ -47,10 +47,9 @@ from exactspec.loading import LoadedPair, unwrapped
 from exactspec.sampling import GREEDY, SamplingParams, block_probs
 from exactspec.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.serving.server import build_engine
-from exactspec.peers import PEER_WORKLOADS
 from exactspec.tokenizer import TextTokenizer
 from exactspec.verify import sample_from
-from exactspec.workloads import workload_prompts
+from exactspec.workloads import CHAT_WORKLOADS, workload_prompts
 
 __all__ = ["CONFIGS", "MIN_TEST_TOKENS", "CertifyConfig", "LocalSampler", "certify", "default_prompts", "drafting", "merge_scored", "precision_mode",
            "run_tests", "score_runs", "shared_prompt_logits"]
@@ -320,7 +319,7 @@ def _numerics(pair: LoadedPair, prompts: list[list[int]], gamma: int) -> float:
 def default_prompts(tokenizer: TextTokenizer, count: int = 8) -> list[list[int]]:
     """Chat questions in the model's template where it has one (an instruct model), else code openings."""
     if tokenizer.chat_template:
-        turns = [t for workload in PEER_WORKLOADS.values() for t in workload][:count]
+        turns = [t for workload in CHAT_WORKLOADS.values() for t in workload][:count]
         return [tokenizer.encode_chat(chat_messages(turn)) for turn in turns]
     return [tokenizer.encode_prompt(text) for text in workload_prompts("code", count, lines=4)]
 

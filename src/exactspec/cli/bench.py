@@ -10,9 +10,8 @@ import torch
 
 from exactspec.cli.common import CliError, add_model_arguments, integer, list_of, load, one_of, pair_dirs, precision
 from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
-from exactspec.peers import PEER_WORKLOADS
 from exactspec.priors import shipped_prior
-from exactspec.workloads import WORKLOADS
+from exactspec.workloads import CHAT_WORKLOADS, WORKLOADS
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -84,7 +83,7 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
     try:
         config = peers.PeerBenchConfig(target, args.threads or torch.get_num_threads(), args.prompts, args.max_new_tokens,
                                        args.repeats, args.llama_cpp_lookup, tuple(flags), llama_cpp=skipped is None,
-                                       draft=draft, modes=tuple(args.modes), workloads=tuple(args.workloads or PEER_WORKLOADS))
+                                       draft=draft, modes=tuple(args.modes), workloads=tuple(args.workloads or CHAT_WORKLOADS))
         report = peers.run_peer_bench(config, progress=not args.json)
     except (ValueError, RuntimeError) as error:
         raise CliError(str(error)) from None
@@ -112,8 +111,8 @@ def add(add_command) -> None:
     """The ``bench`` command: its flags, run and show."""
     bench = add_command("bench", help="side-by-side speed benchmark: plain, draft, adaptive, lookup, Hugging Face; a target without a draft model against llama.cpp")
     add_model_arguments(bench)
-    names = tuple(dict.fromkeys(WORKLOADS + tuple(PEER_WORKLOADS)))
-    bench.add_argument("--workloads", type=list_of(one_of(names), f"names from {', '.join(names)}"), help=f"comma-separated workloads (default: {', '.join(WORKLOADS)} for a draft model; {', '.join(PEER_WORKLOADS)} against llama.cpp)")
+    names = tuple(dict.fromkeys(WORKLOADS + tuple(CHAT_WORKLOADS)))
+    bench.add_argument("--workloads", type=list_of(one_of(names), f"names from {', '.join(names)}"), help=f"comma-separated workloads (default: {', '.join(WORKLOADS)} for a draft model; {', '.join(CHAT_WORKLOADS)} against llama.cpp)")
     bench.add_argument("--modes", type=list_of(one_of(("greedy", "sample")), "names from greedy (T=0), sample (T=1)"), default="greedy,sample", help="comma-separated sampling modes: greedy (T=0), sample (T=1)")
     bench.add_argument("--gammas", type=list_of(integer(1), "integers >= 1"), default="2,4,6,8", help="fixed gamma values of the draft arms")
     bench.add_argument("--hf-gamma", type=integer(1), default=4, help="gamma of Hugging Face assisted generation")
