@@ -2,8 +2,8 @@
 
 Commands are taken from the pages themselves: each line of a ```bash block (continuations joined, comments cut)
 and each ``$ exactspec ...`` line of a ```text block, whose shown output must be what the command prints. The
-quick checks run in the README's test command; running every other command (a few minutes: each loads models) is
-behind the ``slow`` marker, which ``.ci/run`` runs after it. A command that takes minutes runs with only its size
+quick checks run in the README's test command; running every command (about 12 minutes on 2 cores: each loads
+models) is behind the ``extended`` marker (``python -m pytest -m extended``, before a release). A command that takes minutes runs with only its size
 flags reduced (``REDUCED``); the few that need something this machine may lack say so and are skipped (``NEEDS``).
 """
 
@@ -120,7 +120,7 @@ def test_the_library_snippets_run(page, tmp_path, monkeypatch):
 
 
 def test_the_reduction_touches_only_size_flags():
-    """Power of the slow test's reductions: they change sizes and nothing else."""
+    """Power of the extended test's reductions: they change sizes and nothing else."""
     assert reduced("exactspec bench --no-hf --workloads code --modes greedy --repeats 2") == \
         "exactspec bench --no-hf --workloads code --modes greedy --repeats 1 --prompts 1 --max-new-tokens 4 --gammas 2"
     assert reduced("exactspec explain --target 0.5,0.5 --draft 0.5,0.5") == "exactspec explain --target 0.5,0.5 --draft 0.5,0.5"
@@ -157,7 +157,7 @@ else:
 
 
 def test_every_exactspec_command_shown_parses():
-    """The quick half of the slow test below: every ``exactspec`` command on the pages parses, long ones included."""
+    """The quick half of the extended test below: every ``exactspec`` command on the pages parses, long ones included."""
     from exactspec.cli import build_parser
 
     shown = [c for page in PAGES for c in commands(page) + [o[0] for o in shown_outputs(page)] if c.startswith("exactspec ")]
@@ -166,7 +166,7 @@ def test_every_exactspec_command_shown_parses():
         build_parser().parse_args(shlex.split(command.rstrip("&"))[1:])
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_command_on_the_page_runs(page, tmp_path):
     script, left_out = _page_script(page)

@@ -24,7 +24,7 @@ disjoint ranges): replacement_from_target 1.9e-148 (and 5.5e-118, 1.9e-139,
 1.3e-115), penalty_once_per_round 9.5e-154, keeps_tokens_after_rejection,
 draft_probs_before_processors and argmax_with_sampled_ratio below 1e-300. Since
 each is more than 100 orders of magnitude below ALPHA, the power at this N is 1
-for practical purposes; ``pytest -m slow`` repeats every mutant over 5 seed ranges.
+for practical purposes; ``pytest -m extended`` repeats every mutant over 5 seed ranges.
 """
 
 from __future__ import annotations
@@ -276,10 +276,10 @@ def test_the_same_test_rejects_each_wrong_variant(mutant, monkeypatch, n):
     assert g_test_p_value(counts, exact_law(decoder.target, params)) < ALPHA
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_mutant_power_over_several_seed_offsets(mutant, monkeypatch):
-    """Slow sweep behind the marker: the mutant is rejected from 5 disjoint seed ranges."""
+    """Extended sweep behind its marker: the mutant is rejected from 5 disjoint seed ranges."""
     decoder, params = _mutant_decoder(mutant, monkeypatch)
     law = exact_law(decoder.target, params)
     p_values = [g_test_p_value(sample_counts(decoder, N, offset=k * N), law) for k in range(1, 6)]
