@@ -63,6 +63,7 @@ class LeanRuntime:
         self._cos = cos.to(self.device, self.dtype)  # (max_len + MAX_BLOCK, hd)
         self._sin = sin.to(self.device, self.dtype)
         self.one_token_head = None if invariant else one_row_head(decoder, self.device)  # (V, C) float16, or None
+        self._layers = list(decoder.layers)  # iterating a ModuleList costs more per call
         self.feature_layers: tuple[int, ...] = ()
         self.last_features: list[torch.Tensor] = []  # per row of the last call, (t_i, F), when capture_features asked
 
@@ -101,8 +102,9 @@ class LeanRuntime:
             else:
                 outputs = self._forward_ragged(slots, ids)
         self.last_features = [features for _, features in outputs] if self.feature_layers else []
-        cut = self.vocab_size if self.vocab_size < self.cfg.vocab_size else None  # padding rows of the embedding
-        return [logits[:, :cut].float().cpu() for logits, _ in outputs]
+        if self.vocab_size < self.cfg.vocab_size:  # padding rows of the embedding
+            outputs = [(logits[:, : self.vocab_size], features) for logits, features in outputs]
+        return [logits.float().cpu() for logits, _ in outputs]
 
     def _forward_one(self, slot: int, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:  # (t, V), (t, F)
         """One sequence's call against its slot, unpadded (or at INVARIANT_ROWS rows in the invariant mode)."""
@@ -114,7 +116,7 @@ class LeanRuntime:
         x = self.decoder.embed(idx)  # (1, R, C)
         mask = None if fixed or t == 1 else causal_mask(pos, t, self.device)
         features = []
-        for i, layer in enumerate(self.decoder.layers):
+        for i, layer in enumerate(self._layers):
             keys, values = self.cache.slot(i, slot)  # (1, nkv, capacity, hd) x 2
             if fixed:
                 x = layer.forward_invariant(x, cos, sin, keys, values, pos, t)
@@ -147,7 +149,7 @@ class LeanRuntime:
         cos, sin = self._cos[positions], self._sin[positions]  # (B, T, hd)
         x = self.decoder.embed(batch)  # (B, T, C)
         features = []
-        for i, layer in enumerate(self.decoder.layers):
+        for i, layer in enumerate(self._layers):
             q, k, v = layer.qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
             self.cache.write(i, index, positions, k, v)
             keys, values = self.cache.read(i, rows, end)  # (B, nkv, end, hd)
