@@ -113,6 +113,10 @@ def test_every_file_a_command_writes_is_checked_before_the_work_even_as_root(cap
     one_line_error(capsys, args, f"{args[-2]} {args[-1]}: cannot write")
 
 
+def test_an_empty_file_name_is_refused_not_ignored(capsys):
+    one_line_error(capsys, ["generate", "x", "--record", ""], "--record needs a file name, got an empty one")
+
+
 def test_a_file_that_fails_after_the_work_is_one_line_after_the_figures(tmp_path, capsys, monkeypatch):
     import exactspec.records as records
 

@@ -24,6 +24,8 @@ def check_record_path(path: str | None, flag: str = "--record") -> None:
     """Before the run: the file's directory exists and takes a new file (nothing is written to ``path`` itself)."""
     if path is None:
         return
+    if not path.strip():
+        raise CliError(f"{flag} needs a file name, got an empty one")
     parent = Path(path).resolve().parent
     if not parent.is_dir():
         raise CliError(f"{flag} {path}: the directory {parent} does not exist")
