@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("transformers")
 
 from conftest import save_tiny_checkpoint, tiny_tokenizer_json
-from exactspec.bench import BenchConfig
+from exactspec.bench.arms import BenchConfig
 from exactspec.cli import main
-from exactspec.workloads import third_party_sources, workload_prompts
+from exactspec.bench.workloads import third_party_sources, workload_prompts
 
 
 def test_code_prompts_come_from_third_party_packages_not_the_standard_library():
@@ -48,11 +48,11 @@ def test_bench_cli_runs_every_arm_and_writes_report_and_plots(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["kind"] == "bench" and record["figures"]["results"] == report["results"] and record["draft"]["weights_sha256"]
-    assert [r["mode"] for r in report["results"]] == ["greedy", "sample"]
-    arms = [row["arm"] for row in report["results"][0]["arms"]]
-    assert arms == ["plain", "draft g=1", "draft g=2", "adaptive", "lookup", "hf plain", "hf assisted g=4"]
-    plain, draft_row = report["results"][0]["arms"][:2]
-    assert plain["speedup"] == 1.0 and plain["tps_min"] <= plain["tokens_per_second"] <= plain["tps_max"]
+    names = ["plain", "draft g=1", "draft g=2", "adaptive", "lookup", "hf plain", "hf assisted g=4"]
+    assert [(r["mode"], r["arm"]) for r in report["results"]] == [(mode, arm) for mode in ("greedy", "sample") for arm in names]
+    plain, draft_row = report["results"][:2]
+    assert plain["speedup"] == 1.0 and plain["spread"][0] <= plain["tokens_per_second"] <= plain["spread"][1]
+    assert draft_row["vs_hf_assisted"] == draft_row["tokens_per_second"] / report["results"][6]["tokens_per_second"]
     assert draft_row["predicted_speedup"] > 0 and draft_row["efficiency"] > 0 and draft_row["alpha"] is not None
     for name in ("report.json", "report.txt", "speedup.png", "acceptance.png"):
         assert (out / name).stat().st_size > 0
@@ -61,7 +61,7 @@ def test_bench_cli_runs_every_arm_and_writes_report_and_plots(tmp_path, capsys):
 
 def test_ctrl_c_keeps_the_arms_finished_so_far(tmp_path, capsys, monkeypatch):
     """An interrupt in the second repetition of the fourth arm: every arm keeps its first repetition, exit 130."""
-    from exactspec import bench
+    from exactspec.bench import arms as bench
 
     tokenizer = tiny_tokenizer_json()
     target = save_tiny_checkpoint(tmp_path / "target", vocab_rows=300, layers=1, seed=0, tokenizer_json=tokenizer)
@@ -86,9 +86,10 @@ def test_ctrl_c_keeps_the_arms_finished_so_far(tmp_path, capsys, monkeypatch):
             "--gammas", "1,2", "--prompts", "1", "--max-new-tokens", "4", "--repeats", "3", "--no-hf", "--output-dir", str(out), "--json"]
     assert main(args) == 130
     report = json.loads(capsys.readouterr().out)
-    assert report["interrupted"] and len(report["results"]) == 1  # the second workload never started
-    result = report["results"][0]
-    assert result["repeats"] == 2 and [row["arm"] for row in result["arms"]] == ["plain", "draft g=1", "draft g=2", "adaptive", "lookup"]
-    # two repetitions before the interrupted arm, one from it on (min == max only for a single measurement)
-    assert [row["tps_min"] == row["tps_max"] for row in result["arms"]] == [False, False, False, True, True]
+    rows = report["results"]
+    assert report["interrupted"] and {row["workload"] for row in rows} == {"grounded"}  # the second workload never started
+    assert [row["arm"] for row in rows] == ["plain", "draft g=1", "draft g=2", "adaptive", "lookup"]
+    # two repetitions before the interrupted arm, one from it on (low == high only for a single measurement)
+    assert [row["repeats"] for row in rows] == [2, 2, 2, 1, 1]
+    assert [row["spread"][0] == row["spread"][1] for row in rows] == [False, False, False, True, True]
     assert json.loads((out / "report.json").read_text())["interrupted"] and (out / "speedup.png").stat().st_size > 0

@@ -9,7 +9,6 @@ import pytest
 from exactspec import MarkovLM
 from exactspec.calibration import calibrate
 from exactspec.proposers import DraftModelProposer
-from exactspec.sampling import SamplingParams
 
 
 class SleepyModel(MarkovLM):

@@ -18,7 +18,6 @@ from exactspec.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.proposers import Draft, DraftRequest, LookupOrDraft
 from exactspec.proposers.base import processed_q
 from exactspec.proposers.feature_draft import FeatureDraftProposer
-from exactspec.stats import RoundRecord
 from test_exactness import ALPHA, SIZES, g_test_p_value
 from test_feature_draft import GAMMA, NEW_TOKENS, PROMPT, VOCAB, exact_law, tiny_draft, tiny_target
 

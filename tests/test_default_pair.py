@@ -8,7 +8,7 @@ import torch
 
 from exactspec import GREEDY, GenerationConfig, SamplingParams, SpeculativeDecoder
 from exactspec.loading import default_pair_dirs, load_pair
-from exactspec.workloads import workload_prompts
+from exactspec.bench.workloads import workload_prompts
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The bounded load test (exactspec.serving.loadtest), short: 4 streaming clients for 4 seconds against a
+"""The bounded load test (exactspec.bench.loadtest), short: 4 streaming clients for 4 seconds against a
 server it starts on loopback; no error, every output equal to the same request run alone, and it ends by itself.
 Greedy, so token identity does not depend on where a low-order bit of a batched kernel lands (see the module)."""
 
@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
-from exactspec.serving import loadtest  # noqa: E402
+from exactspec.bench import loadtest  # noqa: E402
 
 
 def test_a_short_load_test_passes_and_reports(capsys):

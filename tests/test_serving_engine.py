@@ -24,7 +24,7 @@ from exactspec.proposers import DraftModelProposer, PromptLookupProposer
 from exactspec.sampling import block_probs
 from exactspec.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.serving.server import build_engine
-from exactspec.workloads import workload_prompts
+from exactspec.bench.workloads import workload_prompts
 from test_exactness import ALPHA, SIZES, g_test_p_value
 from test_feature_draft import exact_law, tiny_target
 

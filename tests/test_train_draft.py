@@ -128,20 +128,18 @@ def test_a_broken_feature_draft_is_a_one_line_error(target, tmp_path, capsys):
 
 
 def test_the_architecture_ablation_trains_each_variant_for_its_steps_on_one_run(target, tmp_path, monkeypatch, capsys):
-    """benchmarks/draft_ablation.py on a train-draft run: every variant stops at --steps, reads the feature layers
+    """python -m exactspec.training.ablation on a train-draft run: every variant stops at --steps, reads the feature layers
     and vocabulary it names, and gets acceptance by position, a draft step cost and a predicted speedup."""
     import runpy
     import sys
-    from pathlib import Path
 
     out = tmp_path / "run"
     assert main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.3", "--threads", "1",
                  "--vocab-subset", "128"]) == 0
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "draft_ablation.py"
-    monkeypatch.setattr(sys, "argv", [str(script), str(out), "--target", str(target), "--variants",
+    monkeypatch.setattr(sys, "argv", ["ablation", str(out), "--target", str(target), "--variants",
                                       "shipped,last-layer,vocab-full,ttt-1", "--steps", "3", "--threads", "1", "--repeats", "2",
                                       "--compare", str(out / "draft")])
-    runpy.run_path(str(script), run_name="__main__")
+    runpy.run_module("exactspec.training.ablation", run_name="__main__")
     report = json.loads((out / "ablation" / "ablation.json").read_text())
     by_name = {r["variant"]: r for r in report["variants"]}
     given = by_name.pop("given: draft")  # the run's own draft, evaluated untrained beside the variants

@@ -7,12 +7,17 @@ import re
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from exactspec.models.base import LanguageModel, check_local_checkpoint
 from exactspec.tokenizer import TextTokenizer
 from exactspec.vocab import RestrictedVocabulary, align_pair, restrict_to_vocabulary
+
+if TYPE_CHECKING:  # annotations only: both import this module's neighbours
+    from exactspec.models.eagle import FeatureDraft
+    from exactspec.proposers.base import Proposer
 
 __all__ = [
     "BACKENDS", "DTYPES", "LOOKUP", "PairSpec", "SMALL_MODEL_PARAMETERS", "default_pair_dirs", "hub_cache_dir", "load_model", "load_pair", "LoadedPair", "model_capacity",
@@ -201,10 +206,10 @@ def model_parameters(model: LanguageModel) -> int | None:
 @dataclass(frozen=True)
 class LoadedPair:
     target: LanguageModel
-    draft: "LanguageModel | FeatureDraft | None"
+    draft: LanguageModel | FeatureDraft | None
     tokenizer: TextTokenizer
 
-    def proposer(self) -> "LanguageModel | Proposer | None":
+    def proposer(self) -> LanguageModel | Proposer | None:
         """What a :class:`exactspec.decoder.SpeculativeDecoder` drafts with: the draft model itself (the decoder wraps
         it), or a feature-level draft's proposer (:mod:`exactspec.proposers.feature_draft`) combined with prompt
         lookup where the context repeats itself (:class:`exactspec.proposers.LookupOrDraft`)."""

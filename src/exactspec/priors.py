@@ -209,7 +209,7 @@ def _main() -> None:
     from exactspec.decoder import SpeculativeDecoder
     from exactspec.loading import default_pair_dirs, load_pair
     from exactspec.sampling import GREEDY
-    from exactspec.workloads import code_prompts, third_party_sources
+    from exactspec.bench.workloads import code_prompts, third_party_sources
 
     parser = argparse.ArgumentParser(description=_main.__doc__)
     parser.add_argument("--target", default=str(default_pair_dirs()[0]))

@@ -49,7 +49,7 @@ from exactspec.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.serving.server import build_engine
 from exactspec.tokenizer import TextTokenizer
 from exactspec.verify import sample_from
-from exactspec.workloads import CHAT_WORKLOADS, workload_prompts
+from exactspec.bench.workloads import CHAT_WORKLOADS, workload_prompts
 
 __all__ = ["CONFIGS", "MIN_TEST_TOKENS", "CertifyConfig", "LocalSampler", "certify", "default_prompts", "drafting", "merge_scored", "precision_mode",
            "run_tests", "score_runs", "shared_prompt_logits"]

@@ -11,7 +11,7 @@ import torch
 from exactspec.cli.common import CliError, add_model_arguments, integer, list_of, load, one_of, pair_dirs, precision
 from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
 from exactspec.priors import shipped_prior
-from exactspec.workloads import CHAT_WORKLOADS, WORKLOADS
+from exactspec.bench.workloads import CHAT_WORKLOADS, WORKLOADS
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def _bench_arms(args: argparse.Namespace) -> dict:
     """A target with a draft model: every exactspec arm and Hugging Face's assisted generation."""
-    from exactspec import bench
+    from exactspec.bench import arms as bench
 
     try:
         config = bench.BenchConfig(
@@ -72,7 +72,7 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
     """A target alone or with a trained feature-level draft: exactspec plain, prompt lookup (and the draft) against
     llama.cpp plain and prompt lookup on the same GGUF file."""
     from exactspec.models.base import is_gguf
-    from exactspec import peers
+    from exactspec.bench import peers
 
     target = pair_dirs(args)[0]
     skipped = None if is_gguf(target) else "the target is not a .gguf file"
@@ -93,8 +93,8 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
 
 
 def show(report: dict) -> None:
-    from exactspec.bench import format_table
-    from exactspec.peers import format_peer_table
+    from exactspec.bench.arms import format_table
+    from exactspec.bench.peers import format_peer_table
 
     if "llama_cpp_skipped" in report:
         print(format_peer_table(report))

@@ -3,7 +3,7 @@
 
 Prompts are generated from templates (general questions over a list of topics, coding tasks, and questions about
 stdlib code excerpts); every 20th is held out for the model card's acceptance figures. None of them is a
-benchmark prompt (:data:`exactspec.peers.CHAT_PROMPTS`). Answers are sampled from the target (temperature 0.7) by
+benchmark prompt (:data:`exactspec.bench.workloads.CHAT_WORKLOADS`). Answers are sampled from the target (temperature 0.7) by
 exactspec's continuous-batching engine on the target's dense bfloat16 weights, written one JSON line per answer as
 soon as it finishes, so an interrupted run continues where it stopped.
 """

@@ -208,7 +208,7 @@ def held_out_acceptance(draft: FeatureDraft, rows: list[dict], steps: int, vocab
     return {"sampled": [s / max(1, c) for s, c in zip(sampled, counts)], "greedy": [g / max(1, c) for g, c in zip(greedy, counts)]}
 
 
-def _train(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict], vocab_size: int, deadline: float,
+def train_steps(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict], vocab_size: int, deadline: float,
            max_steps: int | None = None) -> dict:
     """Train until ``deadline`` (or ``max_steps``, whichever comes first); the learning rate's cosine follows the
     larger share of either budget spent. Checkpoints every two minutes and resumes from the last checkpoint."""
@@ -305,7 +305,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     draft.vocab_ids.copy_(subset)
     draft.attach(model.decoder)
     draft.embed, draft.head = draft.embed.float(), draft.head.float()
-    state = _train(args, draft, rows, model.cfg.vocab_size, deadline("train"))
+    state = train_steps(args, draft, rows, model.cfg.vocab_size, deadline("train"))
     acceptance = held_out_acceptance(draft.eval(), held_rows, max(args.steps, 4), model.cfg.vocab_size)
     card = {
         "target": str(args.target), "out": str(args.out / "draft"), "architecture": asdict(cfg),

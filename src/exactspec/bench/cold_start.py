@@ -8,10 +8,10 @@ loading and calibration excluded). For each prompt the best fixed gamma is
 chosen in hindsight; the report gives auto over that best, per prompt and the
 median over prompts, for each sampling mode.
 
-    python benchmarks/cold_start.py                          # the default: code + heldout, greedy and T=1
-    python benchmarks/cold_start.py --prompts 2 --repeats 1  # a quick look
-    python benchmarks/cold_start.py --extra=--no-policy-cache  # first run on a machine: shipped priors only
-    python benchmarks/cold_start.py --gammas plain --extra=--target=T --extra=--draft=D  # a useless draft D: auto vs plain
+    python -m exactspec.bench.cold_start                          # the default: code + heldout, greedy and T=1
+    python -m exactspec.bench.cold_start --prompts 2 --repeats 1  # a quick look
+    python -m exactspec.bench.cold_start --extra=--no-policy-cache  # first run on a machine: shipped priors only
+    python -m exactspec.bench.cold_start --gammas plain --extra=--target=T --extra=--draft=D  # a useless draft D: auto vs plain
 
 Run it with nothing else busy on the machine; it states threads and dtype.
 """
@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 
-from exactspec.workloads import workload_prompts
+from exactspec.bench.workloads import workload_prompts
 
 MODES = {"greedy": ["--temperature", "0"], "sample": ["--temperature", "1"]}
 

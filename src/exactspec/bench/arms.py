@@ -23,7 +23,6 @@ target call over a 1-token one) and its prediction
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -43,7 +42,8 @@ from exactspec.proposers import DraftModelProposer, PromptLookupProposer
 from exactspec.sampling import GREEDY, SamplingParams
 from exactspec.stats import GenerationStats, RoundRecord
 from exactspec.tokenizer import TextTokenizer
-from exactspec.workloads import WORKLOADS, workload_prompts
+from exactspec.bench.report import Column, add_ratios, format_rows, groups, rate_row, write_report
+from exactspec.bench.workloads import WORKLOADS, workload_prompts
 
 __all__ = ["BenchConfig", "run_bench", "format_table", "write_outputs"]
 
@@ -144,7 +144,7 @@ def _arms(target, draft, hf_models, params: SamplingParams, config: BenchConfig,
     return arms
 
 
-def _summarise(records: list[ArmRecord]) -> list[dict]:
+def _summarise(mode: str, workload: str, records: list[ArmRecord], hf_assisted: str) -> list[dict]:
     """Per arm: speed, acceptance, and the cost model's prediction from costs measured inside the loop.
 
     c is the mean time of one draft step over the mean time of plain decoding's one-token target
@@ -153,42 +153,35 @@ def _summarise(records: list[ArmRecord]) -> list[dict]:
     overhead (proposing, verifying, bookkeeping) from the cost of the models.
     """
     plain = records[0]
-    baseline = statistics.median(plain.tokens_per_second)
     decode_baseline = statistics.median(plain.decode_tokens_per_second)
     plain_target_s = plain.totals()[4] / len(plain.rounds)
-    hf_assisted = next((r for r in records if r.name.startswith("hf assisted")), None)
     rows = []
     for record in records:
-        tps = statistics.median(record.tokens_per_second)
         drafted, accepted, committed, draft_s, target_s = record.totals()
+        rounds = len(record.rounds)
         alpha = costmodel.estimate_alpha((r.drafted, r.accepted) for r in record.rounds) if drafted else None
         cost_ratio = draft_s / drafted / plain_target_s if drafted else None
-        verify_cost = target_s / len(record.rounds) / plain_target_s if record.rounds else None
+        verify_cost = target_s / rounds / plain_target_s if rounds else None
         predicted = None
         if alpha is not None and record.gamma and record.name.startswith("draft"):
             predicted = costmodel.speedup(alpha, record.gamma, cost_ratio, verify_cost)
-        rows.append(
-            {
-                "arm": record.name,
-                "gamma": record.gamma,
-                "tokens_per_second": tps,
-                "tps_min": min(record.tokens_per_second),
-                "tps_max": max(record.tokens_per_second),
-                "speedup": tps / baseline,
-                "decode_speedup": statistics.median(record.decode_tokens_per_second) / decode_baseline
-                if record.decode_tokens_per_second else None,
-                "vs_hf_assisted": tps / statistics.median(hf_assisted.tokens_per_second) if hf_assisted else None,
-                "alpha": alpha,
-                "tokens_per_round": committed / len(record.rounds) if record.rounds else None,
-                "acceptance_by_position": GenerationStats(record.rounds).acceptance_by_position(),
-                "mean_gamma": drafted / len(record.rounds) if record.rounds else None,
-                "cost_ratio_in_loop": cost_ratio,
-                "verify_cost_in_loop": verify_cost,
-                "predicted_speedup": predicted,
-                "efficiency": statistics.median(record.decode_tokens_per_second) / decode_baseline / predicted
-                if predicted else None,
-            }
-        )
+        decode_speedup = statistics.median(record.decode_tokens_per_second) / decode_baseline if record.decode_tokens_per_second else None
+        rows.append(rate_row(
+            mode, workload, record.name, record.tokens_per_second,
+            gamma=record.gamma,
+            repeats=len(record.tokens_per_second),
+            decode_speedup=decode_speedup,
+            alpha=alpha,
+            tokens_per_round=committed / rounds if rounds else None,
+            acceptance_by_position=GenerationStats(record.rounds).acceptance_by_position(),
+            mean_gamma=drafted / rounds if rounds else None,
+            cost_ratio_in_loop=cost_ratio,
+            verify_cost_in_loop=verify_cost,
+            predicted_speedup=predicted,
+            efficiency=decode_speedup / predicted if predicted else None,
+        ))
+    add_ratios(rows, "speedup", "plain")
+    add_ratios(rows, "vs_hf_assisted", hf_assisted)
     return rows
 
 
@@ -240,8 +233,7 @@ def run_bench(
                 finally:  # also on Ctrl-C: keep every arm with at least one finished repetition
                     finished = [record for record, _ in arms if record.tokens_per_second]
                     if finished and finished[0].name == "plain":
-                        results.append({"workload": workload, "mode": mode, "repeats": len(finished[0].tokens_per_second),
-                                        "arms": _summarise(finished)})
+                        results += _summarise(mode, workload, finished, f"hf assisted g={config.hf_gamma}")
     except KeyboardInterrupt:
         interrupted = True
     bar.close()
@@ -284,73 +276,65 @@ def _run_arm(arm: tuple[ArmRecord, Arm], prompts: list[list[int]], seed: int, wa
         record.decode_tokens_per_second.append((tokens - len(prompts)) / (seconds - prefill_seconds))
 
 
+COLUMNS = (
+    Column("arm", "arm", "s", 18), Column("tok/s", "tokens_per_second", ".1f"), Column("min-max", "spread", "spread", 10),
+    Column("speedup", "speedup", suffix="x", width=9), Column("decode", "decode_speedup", suffix="x"),
+    Column("vs HF", "vs_hf_assisted", suffix="x", width=7), Column("alpha", "alpha", ".3f", 7),
+    Column("tok/rnd", "tokens_per_round"), Column("c", "cost_ratio_in_loop", ".3f", 7),
+    Column("verify", "verify_cost_in_loop", width=7), Column("pred", "predicted_speedup", suffix="x", width=7),
+    Column("meas/pred", "efficiency", width=10),
+)
+
+
 def format_table(report: dict) -> str:
-    lines = [
+    header = [
         f"target call {report['target_ms']:.2f} ms, draft call {report['draft_ms']:.2f} ms, c = {report['cost_ratio']:.3f}; "
         "verify cost (gamma: cost of gamma+1 tokens over 1) " + ", ".join(f"{g}: {v:.2f}" for g, v in enumerate(report["verify_cost"]) if g),
+        "one-token call, ms: " + ", ".join(f"{name} {ms:.2f}" for name, ms in report["call_ms"].items()),
     ]
-    lines.append("one-token call, ms: " + ", ".join(f"{name} {ms:.2f}" for name, ms in report["call_ms"].items()))
-    header = f"{'arm':<18}{'tok/s':>8}{'min-max':>12}{'speedup':>9}{'decode':>8}{'vs HF':>7}{'alpha':>7}{'tok/rnd':>8}{'c':>7}{'verify':>7}{'pred':>7}{'meas/pred':>10}"
-    fmt = lambda v, spec, suffix="": "-" if v is None else f"{v:{spec}}{suffix}"  # noqa: E731
-    for result in report["results"]:
-        partial = f" (interrupted after {result['repeats']} of {report['config']['repeats']} repetitions)" if result["repeats"] < report["config"]["repeats"] else ""
-        lines += ["", f"== {result['workload']} / {result['mode']} =={partial}", header]
-        for row in result["arms"]:
-            lines.append(
-                f"{row['arm']:<18}{row['tokens_per_second']:>8.1f}{row['tps_min']:>6.0f}-{row['tps_max']:<5.0f}"
-                f"{fmt(row['speedup'], '.2f', 'x'):>9}{fmt(row['decode_speedup'], '.2f', 'x'):>8}{fmt(row['vs_hf_assisted'], '.2f', 'x'):>7}{fmt(row['alpha'], '.3f'):>7}"
-                f"{fmt(row['tokens_per_round'], '.2f'):>8}{fmt(row['cost_ratio_in_loop'], '.3f'):>7}{fmt(row['verify_cost_in_loop'], '.2f'):>7}"
-                f"{fmt(row['predicted_speedup'], '.2f', 'x'):>7}{fmt(row['efficiency'], '.2f'):>10}"
-            )
-    return "\n".join(lines)
+    wanted = report["config"]["repeats"]
+    notes = {key: f" (interrupted after {group[0]['repeats']} of {wanted} repetitions)"
+             for key, group in groups(report["results"]).items() if group[0]["repeats"] < wanted}
+    return format_rows(header, report["results"], COLUMNS, notes)
 
 
-def write_outputs(report: dict, directory: str | Path) -> list[Path]:
-    """report.json, report.txt, speedup.png and acceptance.png."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    written = [directory / "report.json", directory / "report.txt"]
-    written[0].write_text(json.dumps(report, indent=2))
-    written[1].write_text(format_table(report) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = list(dict.fromkeys(r["mode"] for r in report["results"]))
-    workloads = list(dict.fromkeys(r["workload"] for r in report["results"]))
-
-    def grid(height: float):
-        figure, axes = plt.subplots(len(modes), len(workloads), figsize=(4.2 * len(workloads), height * len(modes)), squeeze=False)
-        return figure, [(axes[modes.index(r["mode"])][workloads.index(r["workload"])], r) for r in report["results"]]
-
-    figure, panels = grid(3.4)
-    for axis, result in panels:
-        draft_rows = [r for r in result["arms"] if r["arm"].startswith("draft")]
+def _plot_speedup(rows: list[dict], path: Path, plt) -> None:
+    """Measured speedup (decoding alone, and with the prefill) and the cost model's prediction against gamma."""
+    grouped = groups(rows)
+    figure, axes = plt.subplots(1, len(grouped), figsize=(4.2 * len(grouped), 3.4), squeeze=False)
+    for axis, ((mode, workload), group) in zip(axes[0], grouped.items()):
+        draft_rows = [r for r in group if r["arm"].startswith("draft")]
         if not draft_rows:  # an interrupted run may have none
             continue
         gammas = [r["gamma"] for r in draft_rows]
         axis.plot(gammas, [r["decode_speedup"] for r in draft_rows], "o-", label="measured, decoding")
         axis.plot(gammas, [r["speedup"] for r in draft_rows], "o:", label="measured, with prefill")
         axis.plot(gammas, [r["predicted_speedup"] for r in draft_rows], "s--", label="cost model (measured alpha, c, verify)")
-        for row in result["arms"]:
+        for row in group:
             if not row["arm"].startswith("draft") and row["arm"] != "plain":
                 axis.axhline(row["speedup"], linestyle=":", linewidth=1, color="grey")
                 axis.annotate(row["arm"], (max(gammas), row["speedup"]), fontsize=7, ha="right", va="bottom")
         axis.axhline(1.0, color="black", linewidth=0.8)
-        axis.set(title=f"{result['workload']} / {result['mode']}", xlabel="gamma", ylabel="speedup over plain")
+        axis.set(title=f"{workload} / {mode}", xlabel="gamma", ylabel="speedup over plain")
         axis.legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(directory / "speedup.png", dpi=110)
-    figure, panels = grid(3.0)
-    for axis, result in panels:
-        row = max((r for r in result["arms"] if r["arm"].startswith("draft")), key=lambda r: r["gamma"], default=None)
+    figure.savefig(path, dpi=110)
+
+
+def _plot_acceptance(rows: list[dict], path: Path, plt) -> None:
+    """Acceptance by draft position of the longest fixed-gamma arm."""
+    grouped = groups(rows)
+    figure, axes = plt.subplots(1, len(grouped), figsize=(4.2 * len(grouped), 3.0), squeeze=False)
+    for axis, ((mode, workload), group) in zip(axes[0], grouped.items()):
+        row = max((r for r in group if r["arm"].startswith("draft")), key=lambda r: r["gamma"], default=None)
         if row is None:
             continue
-        positions = range(1, len(row["acceptance_by_position"]) + 1)
-        axis.bar(positions, row["acceptance_by_position"])
-        axis.set(title=f"{result['workload']} / {result['mode']} ({row['arm']})", xlabel="draft position", ylabel="P(accepted | reached)", ylim=(0, 1))
+        axis.bar(range(1, len(row["acceptance_by_position"]) + 1), row["acceptance_by_position"])
+        axis.set(title=f"{workload} / {mode} ({row['arm']})", xlabel="draft position", ylabel="P(accepted | reached)", ylim=(0, 1))
     figure.tight_layout()
-    figure.savefig(directory / "acceptance.png", dpi=110)
-    plt.close("all")
-    return written + [directory / "speedup.png", directory / "acceptance.png"]
+    figure.savefig(path, dpi=110)
+
+
+def write_outputs(report: dict, directory: str | Path) -> list[Path]:
+    """report.json, report.txt, report.png (tokens/s per arm), speedup.png and acceptance.png."""
+    return write_report(report, directory, "report", format_table(report), {"speedup": _plot_speedup, "acceptance": _plot_acceptance})

@@ -1,4 +1,4 @@
-"""A bounded load test of an exactspec server on loopback: ``python -m exactspec.serving.loadtest``.
+"""A bounded load test of an exactspec server on loopback: ``python -m exactspec.bench.loadtest``.
 
 Phases, each bounded in time or count, so the test always ends by itself:
 
@@ -161,7 +161,7 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m exactspec.serving.loadtest", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m exactspec.bench.loadtest", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (loopback only)")
     parser.add_argument("--spawn", action="store_true", help="start `exactspec serve` on a free loopback port for the test")
     parser.add_argument("--target", help="with --spawn: the target to serve (default: the shipped pair)")

@@ -14,9 +14,9 @@ best chain length up to 4), beside the ceiling that the call costs allow (every 
 of EAGLE-3 against the last layer only (EAGLE), the head's vocabulary subset (FR-Spec) at 4k, 8k, 16k and the
 whole vocabulary, and the training-time test's depth.
 
-    python benchmarks/draft_ablation.py runs/smollm2_draft --steps 300 --threads 2
-    python benchmarks/draft_ablation.py runs/smollm2_draft --variants shipped,ttt-1 --steps 50   # a quick look
-    python benchmarks/draft_ablation.py runs/smollm2_draft --variants "" --compare packaged     # the shipped draft alone
+    python -m exactspec.training.ablation runs/smollm2_draft --steps 300 --threads 2
+    python -m exactspec.training.ablation runs/smollm2_draft --variants shipped,ttt-1 --steps 50   # a quick look
+    python -m exactspec.training.ablation runs/smollm2_draft --variants "" --compare packaged     # the shipped draft alone
 
 Writes OUT/ablation.json and prints a table. States threads, dtype and weights.
 """
@@ -41,7 +41,7 @@ from exactspec.models.lean import LeanModel
 from exactspec.proposers.feature_draft import FeatureDraftProposer
 from exactspec.sampling import SamplingParams
 from exactspec.tokenizer import TextTokenizer
-from exactspec.training.feature_draft import TrainDraftArgs, _train, held_out_acceptance, load_shards, vocabulary_subset
+from exactspec.training.feature_draft import TrainDraftArgs, train_steps, held_out_acceptance, load_shards, vocabulary_subset
 
 # name -> (which of the stored feature layers: "all" or "last"), vocabulary subset (0 = whole vocabulary), TTT depth
 VARIANTS = {
@@ -81,7 +81,7 @@ def run_variant(name: str, run: Path, target: LeanModel, tokenizer: TextTokenize
     out.mkdir(parents=True, exist_ok=True)
     train_args = TrainDraftArgs(target=run, out=out, steps=ttt, seed=args.seed)
     began = time.monotonic()
-    state = _train(train_args, draft, rows, target.cfg.vocab_size, deadline=math.inf, max_steps=args.steps)
+    state = train_steps(train_args, draft, rows, target.cfg.vocab_size, deadline=math.inf, max_steps=args.steps)
     acceptance = held_out_acceptance(draft.eval(), held, POSITIONS, target.cfg.vocab_size)
     draft.save(out / "draft")
     return {"variant": name, "draft_dir": str(out / "draft"), "feature_layers": list(cfg.feature_layers), "vocab_subset": len(subset),

@@ -7,7 +7,7 @@ default top-k, top-p and min-p are switched off), the same thread count, and exa
 tokens are never chosen: ``--ignore-eos`` here, a -inf logit bias in llama.cpp), so that no arm's rate is a
 different mix of prompt processing and decoding.
 
-Every run is its own process (exactspec: ``exactspec generate --json``; llama.cpp: ``python -m exactspec.peers``),
+Every run is its own process (exactspec: ``exactspec generate --json``; llama.cpp: ``python -m exactspec.bench.peers``),
 so no arm's threads compete with another's (llama.cpp's workers spin while idle) and each starts as a user's
 run would. A rate is new tokens over the generation's wall time, prompt processing included, loading (and
 exactspec's calibration) excluded. Arms interleave inside each repetition, so drift of a shared machine hits all
@@ -29,7 +29,8 @@ from pathlib import Path
 
 from exactspec.chat import chat_messages
 from exactspec.tokenizer import TextTokenizer
-from exactspec.workloads import CHAT_WORKLOADS
+from exactspec.bench.report import Column, add_ratios, format_rows, rate_row, write_report
+from exactspec.bench.workloads import CHAT_WORKLOADS
 
 __all__ = ["PeerBenchConfig", "run_peer_bench", "format_peer_table", "llama_cpp_available", "write_peer_outputs"]
 
@@ -91,7 +92,7 @@ def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
     if config.draft is not None:
         arms.append(PeerArm("exactspec trained draft + lookup (auto gamma)", [*generate, "--draft", str(config.draft), *prompt_flag]))
     if config.llama_cpp:
-        child = [sys.executable, "-m", "exactspec.peers", "--target", str(config.target), "--threads", str(config.threads),
+        child = [sys.executable, "-m", "exactspec.bench.peers", "--target", str(config.target), "--threads", str(config.threads),
                  "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature, *(["--chat"] if chat else [])]
         arms += [PeerArm(BASELINE, [*child, "--prompt"]),
                  PeerArm(f"llama.cpp prompt lookup ({config.lookup_tokens} tokens)", [*child, "--lookup-tokens", str(config.lookup_tokens), "--prompt"])]
@@ -124,7 +125,7 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
     """Run every arm on every prompt ``repeats`` times per mode and workload, interleaved; the report of
     :func:`format_peer_table`. Per arm: the median over prompts of each prompt's median over repetitions, the
     spread (lowest and highest prompt median), tokens per target call (exactspec) and ratios to llama.cpp plain
-    and to exactspec plain of the same run."""
+    (``vs_llama_cpp_plain``) and to exactspec plain (``speedup``) of the same run."""
     results = []
     for mode in config.modes:
         for workload in config.workloads:
@@ -143,14 +144,12 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
                             arm.tokens_per_call.append(float(result["tokens_per_round"]))
                 for arm in arms:
                     arm.per_prompt.append(runs[arm.name])
-            medians = {arm.name: [statistics.median(v) for v in arm.per_prompt] for arm in arms}
-            rates = {name: statistics.median(v) for name, v in medians.items()}
-            results += [{"mode": mode, "workload": workload, "arm": arm.name, "tokens_per_second": rates[arm.name],
-                         "spread": [min(medians[arm.name]), max(medians[arm.name])],
-                         "tokens_per_call": statistics.mean(arm.tokens_per_call) if arm.tokens_per_call else None,
-                         "vs_llama_cpp_plain": rates[arm.name] / rates[BASELINE] if BASELINE in rates else None,
-                         "vs_exactspec_plain": rates[arm.name] / rates[EXACTSPEC_PLAIN],
-                         "per_prompt": arm.per_prompt} for arm in arms]
+            rows = [rate_row(mode, workload, arm.name, [statistics.median(v) for v in arm.per_prompt],
+                             tokens_per_call=statistics.mean(arm.tokens_per_call) if arm.tokens_per_call else None,
+                             per_prompt=arm.per_prompt) for arm in arms]
+            add_ratios(rows, "speedup", EXACTSPEC_PLAIN)
+            add_ratios(rows, "vs_llama_cpp_plain", BASELINE)
+            results += rows
     if progress:
         print(file=sys.stderr)
     build = llama_cpp_build() if config.llama_cpp else None
@@ -158,48 +157,24 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
             "llama_cpp": build, "hf_assisted": HF_ASSISTED_SKIPPED, "results": results}
 
 
+COLUMNS = (Column("arm", "arm", "s", 46), Column("tokens/s", "tokens_per_second", ".1f", 9), Column("spread", "spread", "spread", 11),
+           Column("tok/call", "tokens_per_call"), Column("vs plain", "speedup"), Column("vs llama.cpp", "vs_llama_cpp_plain", width=13))
+
+
 def format_peer_table(report: dict) -> str:
     c = report["config"]
-    lines = [f"{Path(c['target']).name}: {c['max_new_tokens']} new tokens, {c['threads']} threads, {c['num_prompts']} prompts per "
-             f"workload x {c['repeats']} repetitions (medians; spread: lowest-highest prompt median), each run its own process; "
-             "greedy: T=0, sample: T=1"]
+    header = [f"{Path(c['target']).name}: {c['max_new_tokens']} new tokens, {c['threads']} threads, {c['num_prompts']} prompts per "
+              f"workload x {c['repeats']} repetitions (medians; spread: lowest-highest prompt median), each run its own process; "
+              "greedy: T=0, sample: T=1"]
     if report.get("llama_cpp"):
-        lines.append(f"llama-cpp-python {report['llama_cpp']['version']}: {report['llama_cpp']['system_info']}")
-    lines.append(f"HF assisted generation: not run ({report.get('hf_assisted', HF_ASSISTED_SKIPPED)})")
-    lines.append(f"{'mode':7s} {'workload':9s} {'arm':46s} {'tokens/s':>9s} {'spread':>11s} {'tok/call':>8s} {'vs plain':>8s} {'vs llama.cpp':>12s}")
-    for row in report["results"]:
-        low, high = row["spread"]
-        per_call = f"{row['tokens_per_call']:8.2f}" if row["tokens_per_call"] else f"{'-':>8s}"
-        ratio = f"{row['vs_llama_cpp_plain']:12.2f}" if row["vs_llama_cpp_plain"] else f"{'-':>12s}"
-        lines.append(f"{row['mode']:7s} {row['workload']:9s} {row['arm']:46s} {row['tokens_per_second']:9.1f} {low:5.0f}-{high:<5.0f} "
-                     f"{per_call} {row['vs_exactspec_plain']:8.2f} {ratio}")
-    return "\n".join(lines)
+        header.append(f"llama-cpp-python {report['llama_cpp']['version']}: {report['llama_cpp']['system_info']}")
+    header.append(f"HF assisted generation: not run ({report.get('hf_assisted', HF_ASSISTED_SKIPPED)})")
+    return format_rows(header, report["results"], COLUMNS)
 
 
 def write_peer_outputs(report: dict, directory: str | Path) -> list[Path]:
     """peers.json, peers.txt and peers.png (tokens/s of every arm, with its spread, per mode and workload)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "peers.json").write_text(json.dumps(report, indent=2))
-    (directory / "peers.txt").write_text(format_peer_table(report) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = list(dict.fromkeys((r["mode"], r["workload"]) for r in report["results"]))
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4.2), squeeze=False)
-    for axis, (mode, workload) in zip(axes[0], panels):
-        rows = [r for r in report["results"] if (r["mode"], r["workload"]) == (mode, workload)]
-        rates = [r["tokens_per_second"] for r in rows]
-        errors = [[rate - r["spread"][0] for rate, r in zip(rates, rows)], [r["spread"][1] - rate for rate, r in zip(rates, rows)]]
-        axis.bar(range(len(rows)), rates, yerr=errors, capsize=3, color=["tab:blue" if r["arm"].startswith("exactspec") else "tab:orange" for r in rows])
-        axis.set_xticks(range(len(rows)), [r["arm"].replace(" (", "\n(") for r in rows], rotation=60, ha="right", fontsize=7)
-        axis.set(title=f"{workload} / {mode}", ylabel="tokens/s (median; bars: prompt spread)")
-    figure.tight_layout()
-    figure.savefig(directory / "peers.png", dpi=110)
-    plt.close("all")
-    return [directory / "peers.json", directory / "peers.txt", directory / "peers.png"]
+    return write_report(report, directory, "peers", format_peer_table(report))
 
 
 def _llama_cpp_run(argv: list[str] | None = None) -> None:

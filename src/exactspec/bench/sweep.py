@@ -1,4 +1,4 @@
-"""Throughput and latency of the batch engine against concurrency: ``python -m exactspec.serving.sweep``.
+"""Throughput and latency of the batch engine against concurrency: ``python -m exactspec.bench.sweep``.
 
 For each concurrency c (default 1, 2, 4, 8, 16) and each speculation setting (``off``: plain decoding; ``draft``:
 the draft model at the fixed gamma; ``auto``: the gamma policy's choice per step), c sequences run at once for
@@ -57,7 +57,7 @@ def sweep(concurrency: tuple[int, ...] = (1, 2, 4, 8, 16), requests_per_slot: in
           dtype: torch.dtype = torch.float32, threads: int = 2) -> dict:
     from exactspec.loading import default_pair_dirs, load_pair
     from exactspec.serving.server import build_engine
-    from exactspec.workloads import workload_prompts
+    from exactspec.bench.workloads import workload_prompts
 
     torch.set_num_threads(threads)
     pair = load_pair(*default_pair_dirs(), backend="lean", dtype=dtype)
@@ -97,7 +97,7 @@ def write(report: dict, directory: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m exactspec.serving.sweep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m exactspec.bench.sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated concurrency levels")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-slot", type=int, default=3)
