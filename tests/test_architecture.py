@@ -1,4 +1,5 @@
-"""The package's layering rules, checked on its source: no module reaches into another's private names.
+"""The package's layering rules, checked on its source: no module imports a layer above its own, and no module
+reaches into another's private names.
 
 A private name (one leading underscore) is an implementation detail of the module or class that defines it. These
 tests parse every module under ``src/exactspec`` and fail on (1) an import of another module's private name and
@@ -65,6 +66,46 @@ def private_attribute_reads(modules) -> list[str]:
     return found
 
 
+# Lowest first. A module may import its own layer and those below; the package root (exactspec/__init__.py, which
+# holds __version__) is importable from anywhere. decoding/ and proposers/ share a layer: a proposer builds q with
+# the one sampling pipeline, and the engine drives proposers through their protocol.
+LAYERS = (
+    {"models", "vocab", "tokenizer", "chat"},
+    {"decoding", "proposers"},
+    {"loading", "speculator"},
+    {"jobs", "bench", "certification", "training", "serving"},
+    {"cli", "__main__"},
+)
+# The one import that climbs: `python -m exactspec.decoding.priors` measures a draft's shipped prior on a loaded
+# pair over the benchmark's code prompts (a command kept beside the priors it writes).
+CLIMBS_ALLOWED = {("decoding/priors.py", "exactspec.loading"), ("decoding/priors.py", "exactspec.bench.workloads")}
+
+
+def _layer(module: str) -> int | None:
+    """The layer of a dotted module name or a path under the package (None: the package root)."""
+    parts = module.replace("/", ".").removesuffix(".py").split(".")
+    top = parts[1] if parts[0] == "exactspec" else parts[0]
+    return next((i for i, names in enumerate(LAYERS) if top in names), None)
+
+
+def upward_imports(modules) -> list[str]:
+    found = []
+    for name, tree in modules:
+        own = _layer(name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("exactspec."):
+                target = _layer(node.module)
+                if own is not None and target is not None and target > own and (name, node.module) not in CLIMBS_ALLOWED:
+                    found.append(f"{name}:{node.lineno} imports {node.module} from a layer above")
+    return found
+
+
+def test_every_module_has_a_layer_and_none_imports_upward():
+    modules = _modules()
+    assert [name for name, _ in modules if _layer(name) is None] == ["__init__.py"]
+    assert upward_imports(modules) == []
+
+
 def test_no_module_imports_another_modules_private_name():
     assert private_imports(_modules()) == []
 
@@ -84,3 +125,5 @@ def test_the_checks_catch_a_reach_in():
     )
     assert private_imports([("x.py", broken)]) == ["x.py:1 imports _hidden from exactspec.loading"]
     assert private_attribute_reads([("x.py", broken)]) == ["x.py:5 reads foreign._k"]
+    climbing = ast.parse("from exactspec.decoding.sampling import block_probs\nfrom exactspec.serving.api import build_app\n")
+    assert upward_imports([("decoding/engine.py", climbing)]) == ["decoding/engine.py:2 imports exactspec.serving.api from a layer above"]

@@ -21,8 +21,8 @@ from exactspec.certification.mutants import MUTANTS  # noqa: E402
 from exactspec.cli import main  # noqa: E402
 from exactspec.loading import default_pair_dirs, load_pair  # noqa: E402
 from exactspec.serving.api import ServerSettings, create_app  # noqa: E402
-from exactspec.engine import BatchEngine  # noqa: E402
-from exactspec.serving.server import build_engine  # noqa: E402
+from exactspec.decoding.engine import BatchEngine  # noqa: E402
+from exactspec.speculator import build_engine  # noqa: E402
 
 MODEL = "toy"
 CONFIG = "T=0.8 top_k=50"

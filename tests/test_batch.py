@@ -1,4 +1,4 @@
-"""``exactspec generate-batch`` and the library entry point (exactspec.batch), locally: results in input order,
+"""``exactspec generate-batch`` and the library entry point (exactspec.jobs.batch), locally: results in input order,
 each equal to the same request run alone (shipped pair, float32, call-size invariant, so that token identity does
 not hang on a low-order bit of a batched kernel; seeded sequences draw with a fixed gamma on their own
 generators); a job killed mid-write resumes to the same file as an uninterrupted one; bad requests are refused,
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from exactspec.batch import BatchJobConfig, completed_lines, generate_batch
+from exactspec.jobs.batch import BatchJobConfig, completed_lines, generate_batch
 from exactspec.cli import main
 from exactspec.loading import default_pair_dirs, load_pair
 

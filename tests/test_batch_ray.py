@@ -1,4 +1,4 @@
-"""Batch generation on a local Ray cluster started by the test (exactspec.distributed): two engine replicas, and
+"""Batch generation on a local Ray cluster started by the test (exactspec.jobs.distributed): two engine replicas, and
 one of them killed (SIGKILL) while the job runs; the job finishes and its output equals the local run's line for
 line (shipped pair, float32, call-size invariant; per-request seeds and a fixed gamma make each result a function
 of its request)."""
@@ -15,9 +15,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from exactspec.batch import BatchJobConfig, generate_batch  # noqa: E402
+from exactspec.jobs.batch import BatchJobConfig, generate_batch  # noqa: E402
 from exactspec.cli import main  # noqa: E402
-from exactspec.distributed import ray_results  # noqa: E402
+from exactspec.jobs.distributed import ray_results  # noqa: E402
 from exactspec.loading import PairSpec  # noqa: E402
 from exactspec.loading import default_pair_dirs, load_pair  # noqa: E402
 
@@ -69,7 +69,7 @@ def test_the_command_on_ray_writes_what_the_local_command_writes(cluster, tmp_pa
 
 def test_certify_on_ray_merges_shards_into_one_verdict(cluster, tmp_path):
     from exactspec.certification.certify import CertifyConfig, certify, default_prompts
-    from exactspec.distributed import RaySampler
+    from exactspec.jobs.distributed import RaySampler
 
     pair = load_pair(*default_pair_dirs())
     prompts = default_prompts(pair.tokenizer)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from exactspec import MarkovLM
-from exactspec.calibration import calibrate
+from exactspec.decoding.calibration import calibrate
 from exactspec.proposers import DraftModelProposer
 
 

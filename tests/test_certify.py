@@ -19,8 +19,8 @@ from exactspec.certification.certify import CertifyConfig, LocalSampler, _Record
 from exactspec.certification.mutants import MUTANTS
 from exactspec.cli import main
 from exactspec.loading import default_pair_dirs, load_pair
-from exactspec.sampling import SamplingParams
-from exactspec.engine import BatchEngine
+from exactspec.decoding.sampling import SamplingParams
+from exactspec.decoding.engine import BatchEngine
 
 
 def test_the_command_passes_the_real_engine_and_writes_its_outputs(tmp_path):
@@ -138,7 +138,7 @@ def test_scoring_keeps_a_prefix_distribution_only_where_the_goodness_of_fit_test
     MIN_PREFIX_COUNT runs share it (the goodness-of-fit tests nothing else; keeping every row held gigabytes at 10^5
     tokens). Keeping none would break the test after the shared prefix; keeping all would show here."""
     from exactspec.certification.certify import MIN_PREFIX_COUNT, run_tests, score_runs
-    from exactspec.sampling import SamplingParams
+    from exactspec.decoding.sampling import SamplingParams
 
     pair = load_pair(*default_pair_dirs())
     prompt = default_prompts(pair.tokenizer)[0]

@@ -118,7 +118,7 @@ def test_an_empty_file_name_is_refused_not_ignored(capsys):
 
 
 def test_a_file_that_fails_after_the_work_is_one_line_after_the_figures(tmp_path, capsys, monkeypatch):
-    import exactspec.records as records
+    import exactspec.jobs.records as records
 
     def full_disk(record, path):
         raise OSError(28, "No space left on device")

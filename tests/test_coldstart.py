@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from exactspec import GenerationConfig, SpeculativeDecoder
-from exactspec.coldstart import ColdStart, cold_start
+from exactspec.decoding.coldstart import ColdStart, cold_start
 from exactspec.loading import default_pair_dirs, load_pair
-from exactspec.policy import AdaptiveGamma
-from exactspec.priors import PolicyCache, shipped_prior
+from exactspec.decoding.policy import AdaptiveGamma
+from exactspec.decoding.priors import PolicyCache, shipped_prior
 from exactspec.proposers import DraftModelProposer, LookupOrDraft
-from exactspec.sampling import GREEDY
+from exactspec.decoding.sampling import GREEDY
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Prompt lookup combined with a trained feature draft (exactspec.proposers.combined) and one gamma policy per source
-(exactspec.policy.AdaptiveGamma keeps its estimates per source).
+(exactspec.decoding.policy.AdaptiveGamma keeps its estimates per source).
 
 Statistical tests as in test_exactness.py (G-test, N = 8000, ALPHA = 1e-3 each, fixed seeds), on the tiny Llama
 target and feature draft of test_feature_draft.py. With min_match = 1 over 4 tokens most rounds after the first
@@ -14,7 +14,7 @@ import torch
 
 from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
 from exactspec.models.lean import LeanModel
-from exactspec.policy import AdaptiveConfig, AdaptiveGamma
+from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.proposers import Draft, DraftRequest, LookupOrDraft
 from exactspec.proposers.base import processed_q
 from exactspec.proposers.feature_draft import FeatureDraftProposer

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from exactspec import costmodel
+from exactspec.decoding import costmodel
 
 
 def test_reference_timing_example():

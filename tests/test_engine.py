@@ -1,4 +1,4 @@
-"""The decoding loop (exactspec.engine): greedy equivalence, caches, stops, streaming, seeds, statistics."""
+"""The decoding loop (exactspec.decoding.engine): greedy equivalence, caches, stops, streaming, seeds, statistics."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from exactspec import GREEDY, GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
 from exactspec.proposers import Draft, DraftRequest
 from exactspec.proposers.base import processed_q
-from exactspec.sampling import block_probs
+from exactspec.decoding.sampling import block_probs
 
 
 def pair(vocab=6, order=2, noise=0.7):
@@ -149,7 +149,7 @@ class FixedProposer:
 
 
 def test_deterministic_proposals_are_verified_with_the_point_mass_rule(monkeypatch):
-    import exactspec.engine as engine_module
+    import exactspec.decoding.engine as engine_module
 
     drafted_sizes = []
     real = engine_module.verify_point_mass

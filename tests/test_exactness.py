@@ -35,13 +35,13 @@ import pytest
 import torch
 from scipy import stats
 
-import exactspec.engine as engine_module
+import exactspec.decoding.engine as engine_module
 from conftest import SyntheticClock
 from exactspec import GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
 from exactspec.proposers import Draft, PromptLookupProposer
-from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
-from exactspec.sampling import block_probs
-from exactspec.verify import VerifyResult, sample_from, verify_with_uniforms
+from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
+from exactspec.decoding.sampling import block_probs
+from exactspec.decoding.verify import VerifyResult, sample_from, verify_with_uniforms
 
 ALPHA = 1e-3
 N = 8_000  # the full sweep, behind the slow marker (.ci/run runs it after the README's test command)

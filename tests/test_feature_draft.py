@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-import exactspec.engine as engine_module
+import exactspec.decoding.engine as engine_module
 from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
 from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig, ttt_mask
 from exactspec.models.feature_runtime import FeatureDraftRuntime
@@ -22,7 +22,7 @@ from exactspec.models.lean import LeanModel
 from exactspec.models.llama import LlamaDecoder
 from exactspec.models.llama_config import LlamaConfig
 from exactspec.proposers.feature_draft import FeatureDraftProposer
-from exactspec.sampling import block_probs
+from exactspec.decoding.sampling import block_probs
 from test_exactness import ALPHA, SIZES, g_test_p_value, replacement_from_target
 
 VOCAB, PROMPT, NEW_TOKENS, GAMMA = 4, [1, 2], 5, 3

@@ -99,9 +99,9 @@ def test_smollm2_greedy_speculative_equals_greedy_plain_in_bfloat16():
     """The promise the mode exists for: in bfloat16, prompt-lookup speculation (gamma 8) gives plain decoding's
     greedy tokens exactly."""
     from exactspec.chat import chat_messages
-    from exactspec.decoder import GenerationConfig, SpeculativeDecoder
+    from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
     from exactspec.proposers import PromptLookupProposer
-    from exactspec.sampling import SamplingParams
+    from exactspec.decoding.sampling import SamplingParams
     from exactspec.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer.from_path(SMOLLM2)

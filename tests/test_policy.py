@@ -1,4 +1,4 @@
-"""The gamma policy (exactspec.policy), for one sequence and for a batch: it follows the cost model on its
+"""The gamma policy (exactspec.decoding.policy), for one sequence and for a batch: it follows the cost model on its
 estimates, drops to plain decoding when speculation does not pay (alone or because the batch makes drafted rows
 dear), probes again with a growing wait, learns acceptance per proposal source, and keeps the output law."""
 
@@ -9,9 +9,9 @@ import torch
 
 from conftest import SyntheticClock
 from exactspec import GREEDY, GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
-from exactspec.costmodel import best_gamma, expected_tokens_per_round
-from exactspec.policy import AdaptiveConfig, AdaptiveGamma, CostCurve, PolicyPriors
-from exactspec.stats import RoundRecord
+from exactspec.decoding.costmodel import best_gamma, expected_tokens_per_round
+from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, CostCurve, PolicyPriors
+from exactspec.decoding.stats import RoundRecord
 
 
 def feed(policy: AdaptiveGamma, rounds: int, alpha_pattern, draft_ms: float, target_ms_of) -> None:

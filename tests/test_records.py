@@ -1,4 +1,4 @@
-"""Run records (exactspec.records) and ``exactspec replay``: a fixed-gamma sampled run replays to the same tokens;
+"""Run records (exactspec.jobs.records) and ``exactspec replay``: a fixed-gamma sampled run replays to the same tokens;
 a difference is explained; the record names the models by hash and the processors in the order they run."""
 
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 from exactspec.cli import main
-from exactspec.records import model_identity, processor_order, redacted, replay_verdict
+from exactspec.decoding.sampling import processor_order
+from exactspec.jobs.records import model_identity, redacted, replay_verdict
 from exactspec.loading import default_pair_dirs
-from exactspec.sampling import SamplingParams
+from exactspec.decoding.sampling import SamplingParams
 
 
 def test_a_fixed_gamma_record_replays_to_the_same_tokens(tmp_path, capsys):

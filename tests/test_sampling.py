@@ -1,11 +1,11 @@
-"""The logits -> probabilities pipeline (exactspec.sampling), each processor against a hand computation."""
+"""The logits -> probabilities pipeline (exactspec.decoding.sampling), each processor against a hand computation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from exactspec.sampling import GREEDY, MAX_MAGNITUDE, SamplingParams, block_probs, full_width
+from exactspec.decoding.sampling import GREEDY, MAX_MAGNITUDE, SamplingParams, block_probs, full_width
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0]])  # (1, 4)
 

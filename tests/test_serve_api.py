@@ -23,9 +23,9 @@ import uvicorn  # noqa: E402
 
 from exactspec import GREEDY, GenerationConfig, SpeculativeDecoder  # noqa: E402
 from exactspec.loading import default_pair_dirs, load_pair  # noqa: E402
-from exactspec.records import model_identity, run_record  # noqa: E402
+from exactspec.jobs.records import model_identity, run_record  # noqa: E402
 from exactspec.serving.api import ServerSettings, create_app  # noqa: E402
-from exactspec.serving.server import build_engine  # noqa: E402
+from exactspec.speculator import build_engine  # noqa: E402
 
 KEY = "test-key"
 MODEL = "toy"
@@ -186,7 +186,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server, client):
 
 
 def test_a_request_that_fails_inside_the_model_gets_500_and_the_server_goes_on(client, monkeypatch):
-    import exactspec.engine as module
+    import exactspec.decoding.engine as module
 
     real = module.block_probs
     monkeypatch.setattr(module, "block_probs", lambda logits, prefix, block, n, params, **columns: (

@@ -1,4 +1,4 @@
-"""Continuous batching with ragged speculative verification (exactspec.engine).
+"""Continuous batching with ragged speculative verification (exactspec.decoding.engine).
 
 * Greedy: every sequence of a mixed batch (speculation off, draft, lookup, auto; different prompts, lengths and
   budgets, joining as slots free up) equals plain decoding of the same prompt alone (shipped pair, float32).
@@ -21,9 +21,9 @@ from exactspec import GREEDY, GenerationConfig, SamplingParams, SpeculativeDecod
 from exactspec.loading import default_pair_dirs, load_pair
 from exactspec.models.lean import LeanModel, LeanRuntime
 from exactspec.proposers import DraftModelProposer, PromptLookupProposer
-from exactspec.sampling import block_probs
-from exactspec.engine import BatchEngine, EngineConfig, SequenceRequest
-from exactspec.serving.server import build_engine
+from exactspec.decoding.sampling import block_probs
+from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
+from exactspec.speculator import build_engine
 from exactspec.bench.workloads import workload_prompts
 from test_exactness import ALPHA, SIZES, g_test_p_value
 from test_feature_draft import exact_law, tiny_target
@@ -132,7 +132,7 @@ def test_a_prompt_an_active_sequence_shares_is_copied_from_its_cache(pair, promp
 
 
 def test_a_failing_sequence_ends_with_an_error_and_the_others_finish(pair, prompts, monkeypatch):
-    import exactspec.engine as module
+    import exactspec.decoding.engine as module
 
     real = module.block_probs
 

@@ -27,9 +27,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")  # transformers reads GGUF files through it
 
 from exactspec.cli import main  # noqa: E402
-from exactspec.decoder import GenerationConfig, SpeculativeDecoder  # noqa: E402
+from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder  # noqa: E402
 from exactspec.models.lean import LeanModel  # noqa: E402
-from exactspec.sampling import SamplingParams  # noqa: E402
+from exactspec.decoding.sampling import SamplingParams  # noqa: E402
 from exactspec.tokenizer import TextTokenizer  # noqa: E402
 
 #: float32 tolerance on prefill logits, lean vs transformers, same dequantized weights (observed 0 on CPU).

@@ -7,8 +7,8 @@ import pytest
 
 from exactspec import GenerationConfig, SpeculativeDecoder
 from exactspec.loading import LOOKUP, PairSpec, default_pair_dirs
-from exactspec.priors import PolicyCache
-from exactspec.sampling import GREEDY, SamplingParams
+from exactspec.decoding.priors import PolicyCache
+from exactspec.decoding.sampling import GREEDY, SamplingParams
 from exactspec.speculator import Speculator
 
 PROMPT = "def parse_args(argv):\n"

@@ -1,4 +1,4 @@
-"""Exact tests of the verifier (exactspec.verify).
+"""Exact tests of the verifier (exactspec.decoding.verify).
 
 The single-position tests check the law identity min(p,q) + P(reject) residual = p
 for hundreds of pairs. The block tests integrate the *real* verifier
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from conftest import disjoint_pair, random_distribution
-from exactspec import verify
-from exactspec.verify import (
+from exactspec.decoding import verify
+from exactspec.decoding.verify import (
     output_law,
     residual_distribution,
     verify_greedy,

@@ -6,11 +6,11 @@ output follow the target's sampling law exactly (Leviathan et al. 2023;
 Chen et al. 2023).
 """
 
-from exactspec.decoder import Generation, GenerationConfig, SpeculativeDecoder
+from exactspec.decoding.decoder import Generation, GenerationConfig, SpeculativeDecoder
 from exactspec.models.markov import MarkovLM
-from exactspec.sampling import GREEDY, SamplingParams
+from exactspec.decoding.sampling import GREEDY, SamplingParams
 from exactspec.speculator import Completion, Speculator
-from exactspec.stats import GenerationStats, RoundRecord
+from exactspec.decoding.stats import GenerationStats, RoundRecord
 
 __version__ = "0.1.0"
 

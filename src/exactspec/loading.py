@@ -210,7 +210,7 @@ class LoadedPair:
     tokenizer: TextTokenizer
 
     def proposer(self) -> LanguageModel | Proposer | None:
-        """What a :class:`exactspec.decoder.SpeculativeDecoder` drafts with: the draft model itself (the decoder wraps
+        """What a :class:`exactspec.decoding.decoder.SpeculativeDecoder` drafts with: the draft model itself (the decoder wraps
         it), or a feature-level draft's proposer (:mod:`exactspec.proposers.feature_draft`) combined with prompt
         lookup where the context repeats itself (:class:`exactspec.proposers.LookupOrDraft`)."""
         from exactspec.models.eagle import FeatureDraft

@@ -8,12 +8,12 @@ What ``generate`` does around the decoder lives here, so a library user gets all
 * **Which pair and how.** :class:`exactspec.loading.PairSpec`: the shipped pair, a packaged model's name, a path, a
   hub id in the local cache; the target's shipped draft, a draft checkpoint, prompt lookup or none; backend, precision,
   device and torch's threads (one for a small target).
-* **Gamma.** ``gamma="auto"`` runs :class:`exactspec.policy.AdaptiveGamma` from a cold start
-  (:func:`exactspec.coldstart.cold_start`: call costs measured once per sampling setting, the acceptance prior from
+* **Gamma.** ``gamma="auto"`` runs :class:`exactspec.decoding.policy.AdaptiveGamma` from a cold start
+  (:func:`exactspec.decoding.coldstart.cold_start`: call costs measured once per sampling setting, the acceptance prior from
   the policy cache or the draft's shipped figures) and adds each finished run's acceptance to the policy cache; the
   policy keeps learning across the object's calls. An integer fixes gamma (0: plain decoding).
 
-Every generation is the engine's exact round (:mod:`exactspec.engine`) whatever is chosen here: these choices move
+Every generation is the engine's exact round (:mod:`exactspec.decoding.engine`) whatever is chosen here: these choices move
 speed, never the output law.
 """
 
@@ -24,15 +24,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from exactspec.coldstart import ColdStart, cold_start
-from exactspec.decoder import Generation, GenerationConfig, SpeculativeDecoder
-from exactspec.loading import LoadedPair, PairSpec, model_capacity
+from exactspec.decoding.calibration import calibrate_engine
+from exactspec.decoding.coldstart import ColdStart, cold_start
+from exactspec.decoding.decoder import Generation, GenerationConfig, SpeculativeDecoder
+from exactspec.decoding.engine import BatchEngine, EngineConfig
+from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
+from exactspec.decoding.priors import PolicyCache
+from exactspec.decoding.sampling import SamplingParams
+from exactspec.loading import LoadedPair, PairSpec, model_capacity, unwrapped
 from exactspec.models.eagle import FeatureDraft
-from exactspec.priors import PolicyCache
+from exactspec.models.lean import LeanModel, LeanRuntime
 from exactspec.proposers import PromptLookupProposer
-from exactspec.sampling import SamplingParams
 
-__all__ = ["Completion", "Speculator"]
+__all__ = ["Completion", "Speculator", "build_engine"]
 
 
 @dataclass
@@ -61,7 +65,7 @@ class Speculator:
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
              policy_cache: "PolicyCache | bool" = True, **options) -> "Speculator":
         """Load a pair (``options``: the other fields of :class:`exactspec.loading.PairSpec`). ``policy_cache`` True
-        is the user's cache (:class:`exactspec.priors.PolicyCache`), False none, or a cache of one's own."""
+        is the user's cache (:class:`exactspec.decoding.priors.PolicyCache`), False none, or a cache of one's own."""
         spec = PairSpec(target, draft, **options).resolved()
         return cls(spec, spec.load(), PolicyCache() if policy_cache is True else policy_cache or None)
 
@@ -139,3 +143,29 @@ class Speculator:
     def text(self, completion: Completion) -> str:
         """The completion's text, its stop token left out."""
         return self.tokenizer.decode([t for t in completion.tokens if t not in self.tokenizer.eos_token_ids])
+
+
+def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfig = EngineConfig(), calibrated: bool = True,
+                 engine_class: type[BatchEngine] = BatchEngine, acceptance: Sequence[float] = ()) -> BatchEngine:
+    """A batch engine over the pair's lean models, with ``slots`` sequences of up to ``max_len`` positions. A draft
+    model is batched like the target, and so is a feature-level draft (its one layer's slot cache). The gamma policy
+    starts from ``acceptance`` (the draft's by position: :func:`exactspec.decoding.priors.acceptance_prior`) and, with
+    ``calibrated``, from call costs measured now."""
+    from exactspec.models.feature_runtime import FeatureDraftRuntime
+    from exactspec.proposers import DraftModelProposer
+    from exactspec.proposers.feature_draft import FeatureDraftProposer
+
+    target = unwrapped(pair.target)
+    if not isinstance(target, LeanModel):
+        raise ValueError("serve runs the lean backend (Llama-family checkpoints); --backend hf is for generate and bench")
+    batched = LeanRuntime.like(target, slots, max_len, pair.target.vocab_size)
+    proposer = None
+    if isinstance(pair.draft, FeatureDraft):
+        proposer = FeatureDraftProposer(FeatureDraftRuntime(pair.draft, slots, batched.max_len, target.device, target.dtype, target.invariant),
+                                        pair.target.vocab_size)
+    elif pair.draft is not None:
+        proposer = DraftModelProposer(LeanRuntime.like(unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size))
+    engine = engine_class(batched, proposer, config, AdaptiveGamma(AdaptiveConfig.up_to(config.max_gamma), PolicyPriors(acceptance=acceptance)))
+    if calibrated:
+        calibrate_engine(engine)
+    return engine

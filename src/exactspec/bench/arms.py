@@ -4,7 +4,7 @@ Arms (each decodes every prompt of a workload, ``max_new_tokens`` tokens, EOS ig
 
 * ``plain``: plain decoding of the target through the same engine (the baseline);
 * ``draft g=K``: speculative decoding with the draft model at fixed gamma K;
-* ``adaptive``: the draft model with :class:`exactspec.policy.AdaptiveGamma`, started as
+* ``adaptive``: the draft model with :class:`exactspec.decoding.policy.AdaptiveGamma`, started as
   ``generate --gamma auto`` starts it: calibrated call costs and the draft's shipped acceptance prior
   (never the per-pair cache, so that runs are comparable);
 * ``lookup``: prompt-lookup drafting (no draft model), gamma ``lookup_gamma``;
@@ -31,16 +31,16 @@ from typing import Callable
 
 import torch
 
-from exactspec import costmodel
-from exactspec.calibration import calibrate, measure_call_ms
-from exactspec.decoder import GenerationConfig, SpeculativeDecoder
+from exactspec.decoding import costmodel
+from exactspec.decoding.calibration import calibrate, measure_call_ms
+from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
 from exactspec.loading import model_capacity
 from exactspec.models.base import LanguageModel
-from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
-from exactspec.priors import mode_key
+from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
+from exactspec.decoding.priors import mode_key
 from exactspec.proposers import DraftModelProposer, PromptLookupProposer
-from exactspec.sampling import GREEDY, SamplingParams
-from exactspec.stats import GenerationStats, RoundRecord
+from exactspec.decoding.sampling import GREEDY, SamplingParams
+from exactspec.decoding.stats import GenerationStats, RoundRecord
 from exactspec.tokenizer import TextTokenizer
 from exactspec.bench.report import Column, add_ratios, format_rows, groups, rate_row, write_report
 from exactspec.bench.workloads import WORKLOADS, workload_prompts

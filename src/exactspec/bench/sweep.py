@@ -24,8 +24,8 @@ SETTINGS = ("off", "draft", "auto")
 
 
 def _cell(engine, prompts: list[list[int]], concurrency: int, mode: str, requests: int, max_tokens: int) -> dict:
-    from exactspec.sampling import GREEDY
-    from exactspec.engine import SequenceRequest
+    from exactspec.decoding.sampling import GREEDY
+    from exactspec.decoding.engine import SequenceRequest
 
     on, off = engine.metrics.speculation_on, engine.metrics.speculation_off
     started, latencies, tokens, submitted, live = time.perf_counter(), [], [0], 0, []
@@ -56,7 +56,7 @@ def _cell(engine, prompts: list[list[int]], concurrency: int, mode: str, request
 def sweep(concurrency: tuple[int, ...] = (1, 2, 4, 8, 16), requests_per_slot: int = 3, max_tokens: int = 64,
           dtype: torch.dtype = torch.float32, threads: int = 2) -> dict:
     from exactspec.loading import default_pair_dirs, load_pair
-    from exactspec.serving.server import build_engine
+    from exactspec.speculator import build_engine
     from exactspec.bench.workloads import workload_prompts
 
     torch.set_num_threads(threads)

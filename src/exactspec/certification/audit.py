@@ -31,7 +31,7 @@ from tqdm import tqdm
 from exactspec.certification.certify import CONFIGS, MIN_TEST_TOKENS, ORDERS, precision_mode, run_tests, score_runs
 from exactspec.certification.pit import TestResult, holm, ks_critical_value
 from exactspec.loading import LoadedPair
-from exactspec.sampling import SamplingParams
+from exactspec.decoding.sampling import SamplingParams
 from exactspec.tokenizer import TextTokenizer
 
 __all__ = ["AuditConfig", "audit", "format_audit_table"]

@@ -3,10 +3,10 @@
 Per sampling configuration:
 
 1. sample: ``sequences`` continuations of ``max_tokens`` tokens with the draft at a fixed gamma, through the
-   server's batch engine (:mod:`exactspec.engine`), each sequence seeded; every token is tagged with its
+   server's batch engine (:mod:`exactspec.decoding.engine`), each sequence seeded; every token is tagged with its
    position in its round and whether it was an accepted draft token or the round's replacement/bonus token;
 2. score: a plain cache-free target forward of each whole sequence (the prompt's positions computed once for all
-   its sequences, :func:`shared_prompt_logits`) gives the target's processed distribution at every generated position (:func:`exactspec.sampling.block_probs` on the prefix of that position), and each token's
+   its sequences, :func:`shared_prompt_logits`) gives the target's processed distribution at every generated position (:func:`exactspec.decoding.sampling.block_probs` on the prefix of that position), and each token's
    randomized PIT value (:mod:`.pit`);
 3. test: uniformity (Kolmogorov-Smirnov) of all PIT values and of those at each position in the round, and a
    chi-square goodness of fit of the next token after every prefix seen often enough, per prefix depth
@@ -42,13 +42,13 @@ from exactspec.certification.mutants import MUTANTS, applies
 from exactspec.certification.pit import (TestResult, binned_uniform, holm, ks_critical_value, ks_uniform, p_order_masses, pit_values,
                                          ratio_pit_values, recency_pit_values, token_goodness_of_fit)
 from exactspec.chat import chat_messages
-from exactspec.decoder import GenerationConfig, SpeculativeDecoder
+from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
 from exactspec.loading import LoadedPair, unwrapped
-from exactspec.sampling import GREEDY, SamplingParams, block_probs
-from exactspec.engine import BatchEngine, EngineConfig, SequenceRequest
-from exactspec.serving.server import build_engine
+from exactspec.decoding.sampling import GREEDY, SamplingParams, block_probs
+from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
+from exactspec.speculator import build_engine
 from exactspec.tokenizer import TextTokenizer
-from exactspec.verify import sample_from
+from exactspec.decoding.verify import sample_from
 from exactspec.bench.workloads import CHAT_WORKLOADS, workload_prompts
 
 __all__ = ["CONFIGS", "MIN_TEST_TOKENS", "CertifyConfig", "LocalSampler", "certify", "default_prompts", "drafting", "merge_scored", "precision_mode",
@@ -105,7 +105,7 @@ class _RecordsDraftProbs:
     position was verified with (known before the position's token is drawn, so a valid order for its PIT). And
     replays each sampled draft token's draw: from the sequence's generator state before the round's drafting, in the
     engine's draw order (one uniform per draft token, in order), the inverse-CDF draw from the reported q
-    (:func:`exactspec.verify.sample_from`, the engine's own sampler) must be the token proposed."""
+    (:func:`exactspec.decoding.verify.sample_from`, the engine's own sampler) must be the token proposed."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -369,7 +369,7 @@ class LocalSampler:
 def certify(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, progress: bool = True, sampler=None) -> dict:
     """Sample, score and test every configuration (module docstring); with ``config.self_check``, the mutants too.
     ``sampler`` (default: a :class:`LocalSampler`) makes the scored samples, e.g. on Ray
-    (:class:`exactspec.distributed.RaySampler`). The report keeps every configuration's PIT values (token id
+    (:class:`exactspec.jobs.distributed.RaySampler`). The report keeps every configuration's PIT values (token id
     order) under ``per_config[name]["pit"]``."""
     started = time.perf_counter()
     total = config.sequences * config.max_tokens * (len(config.configs) + (len(config.mutants) if config.self_check else 0))

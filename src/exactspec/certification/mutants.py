@@ -1,6 +1,6 @@
 """Known-wrong speculative samplers, kept for the certification's self-check and for tests only.
 
-Each is a :class:`exactspec.engine.BatchEngine` with one rule of a round replaced by a bug that real
+Each is a :class:`exactspec.decoding.engine.BatchEngine` with one rule of a round replaced by a bug that real
 engines have shipped (see the reference texts): the certification must reject every one of them at the sample
 size it runs, which shows its power on the pair and settings at hand. ``needs`` says what a mutant's bug lives in:
 a draft's distribution q (a draft model's or a trained feature-level draft's, both drafted through the engine's
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from exactspec.sampling import SamplingParams, block_probs
-from exactspec.engine import BatchEngine
-from exactspec.verify import VerifyResult, sample_from, verify_stochastic
+from exactspec.decoding.sampling import SamplingParams, block_probs
+from exactspec.decoding.engine import BatchEngine
+from exactspec.decoding.verify import VerifyResult, sample_from, verify_stochastic
 
 __all__ = ["MUTANTS", "applies"]
 

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.output:
         write_after("--output", args.output, lambda: Path(args.output).write_text(json.dumps(report, indent=2)), report)
     if args.record:
-        from exactspec.records import run_record
+        from exactspec.jobs.records import run_record
 
         figures = {"passed": report["passed"], "tokens": report["tokens"], "detectable_tv": report["detectable_tv"]}
         write_record_file(run_record("audit", args.argv, resolve_checkpoint(args.target_weights), None, None, f"black box: the server at {args.endpoint}",

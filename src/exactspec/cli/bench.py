@@ -10,7 +10,7 @@ import torch
 
 from exactspec.cli.common import CliError, add_model_arguments, integer, list_of, load, one_of, pair_dirs, precision
 from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
-from exactspec.priors import shipped_prior
+from exactspec.decoding.priors import shipped_prior
 from exactspec.bench.workloads import CHAT_WORKLOADS, WORKLOADS
 
 
@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> dict:
     peers_only = draft_dir is None or FeatureDraft.is_feature_draft(draft_dir)
     report = _bench_against_peers(args, draft_dir) if peers_only else _bench_arms(args)
     if args.record:
-        from exactspec.records import run_record
+        from exactspec.jobs.records import run_record
 
         arms = "exactspec and llama.cpp arms (see figures)" if peers_only else "plain, fixed gammas, adaptive, lookup and Hugging Face arms (see figures)"
         write_record_file(run_record("bench", args.argv, *pair_dirs(args), None, arms, f"fixed {', '.join(map(str, args.gammas))} and auto",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from exactspec.priors import PolicyCache
+from exactspec.decoding.priors import PolicyCache
 
 
 def run(args: argparse.Namespace) -> dict:

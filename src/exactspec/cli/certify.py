@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> dict:
     prompts = read_prompts(args.prompts_file, pair.tokenizer)
     sampler = None
     if args.ray is not None:
-        from exactspec.distributed import RaySampler
+        from exactspec.jobs.distributed import RaySampler
 
         sampler = RaySampler(resolved_spec(args), prompts, config, args.ray or None, args.workers)
     try:
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> dict:
     for c in report["per_config"].values():
         c.pop("pit")
     if args.record:
-        from exactspec.records import run_record
+        from exactspec.jobs.records import run_record
 
         figures = {key: report[key] for key in ("passed", "tokens", "detectable_tv", "greedy", "numerics_max_logit_difference", "seconds")}
         figures["self_check"] = {name: m["rejected"] for name, m in report.get("self_check", {}).items()}

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from exactspec.loading import LOOKUP, PACKAGED_MODELS, SMALL_MODEL_PARAMETERS, PairSpec
-from exactspec.sampling import SamplingParams
+from exactspec.decoding.sampling import SamplingParams
 
 
 class CliError(Exception):

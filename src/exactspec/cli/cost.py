@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from exactspec import costmodel
+from exactspec.decoding import costmodel
 from exactspec.cli.common import CliError, integer, positive
 
 

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from exactspec import verify
+from exactspec.decoding import verify
 from exactspec.cli.common import CliError
 
 

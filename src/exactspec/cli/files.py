@@ -53,6 +53,6 @@ def write_after(flag: str, path: str | Path, write: Callable[[], T], result: dic
 
 
 def write_record_file(record: dict, path: str, result: dict) -> None:
-    from exactspec.records import write_record
+    from exactspec.jobs.records import write_record
 
     write_after("--record", path, lambda: write_record(record, path), result)

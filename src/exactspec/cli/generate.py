@@ -15,8 +15,8 @@ from exactspec.cli.common import (
     seed_argument,
 )
 from exactspec.cli.files import check_record_path, write_record_file
-from exactspec.priors import PolicyCache
-from exactspec.sampling import SamplingParams
+from exactspec.decoding.priors import PolicyCache
+from exactspec.decoding.sampling import SamplingParams
 from exactspec.speculator import Completion, Speculator
 from exactspec.tokenizer import stream_text
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def _write_generate_record(args: argparse.Namespace, speculator: Speculator, params: SamplingParams, completion: Completion,
                            result: dict) -> None:
-    from exactspec.records import run_record
+    from exactspec.jobs.records import run_record
 
     generation = completion.generation
     figures = {"token_ids": list(generation.tokens), "stop_reason": generation.stop_reason,

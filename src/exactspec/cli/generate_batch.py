@@ -10,8 +10,8 @@ from exactspec.cli.files import check_record_path
 
 
 def run(args: argparse.Namespace) -> dict:
-    from exactspec import batch
-    from exactspec.records import run_record
+    from exactspec.jobs import batch
+    from exactspec.jobs.records import run_record
 
     output = Path(args.output)
     check_record_path(str(output), "--output")
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.ray is None:
         produce = lambda remaining, first: batch.generate_batch(pair, remaining, config, first)  # noqa: E731
     else:
-        from exactspec.distributed import ray_results
+        from exactspec.jobs.distributed import ray_results
 
         spec = resolved_spec(args)  # resolved here, loaded by each actor (one torch thread unless --threads)
         produce = lambda remaining, first: ray_results(spec, remaining, config, first, args.ray or None, args.workers, args.shard_size)  # noqa: E731

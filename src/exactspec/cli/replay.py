@@ -11,7 +11,7 @@ from exactspec.cli.common import CliError, Parser
 
 
 def run(args: argparse.Namespace) -> dict:
-    from exactspec.records import replay_verdict
+    from exactspec.jobs.records import replay_verdict
 
     try:
         record = json.loads(Path(args.record_file).read_text())

@@ -7,15 +7,16 @@ import os
 import sys
 
 from exactspec.cli.common import CliError, add_model_arguments, integer, load, pair_dirs, precision
-from exactspec.priors import PolicyCache, acceptance_prior
-from exactspec.sampling import SamplingParams
+from exactspec.decoding.priors import PolicyCache, acceptance_prior
+from exactspec.decoding.sampling import SamplingParams
 
 
 def run(args: argparse.Namespace) -> dict:
     try:
         from exactspec.serving.api import ServerSettings, create_app
-        from exactspec.engine import BatchEngine, EngineConfig
-        from exactspec.serving.server import build_engine, run_server
+        from exactspec.decoding.engine import BatchEngine, EngineConfig
+        from exactspec.serving.server import run_server
+        from exactspec.speculator import build_engine
     except ImportError as error:
         raise CliError(f"serve needs the server extras ({error.name} is missing): pip install 'exactspec[serve]'") from None
     if args.backend != "lean":
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> dict:
     except ValueError as error:
         raise CliError(str(error)) from None
     name = args.model_name or (args.target or "exactspec-default")
-    from exactspec.records import run_record
+    from exactspec.jobs.records import run_record
 
     proposal = "the draft per request's speculation field: draft model or trained feature draft, prompt lookup, or off"
     record_base = run_record("serve", args.argv, target_dir, draft_dir, None, proposal, f"fixed {args.gamma} for draft, lookup and seeded auto requests",

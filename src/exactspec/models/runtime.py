@@ -1,6 +1,6 @@
 """The runtime interface the engine drives: a model's KV cache for a batch of slots.
 
-A runtime holds ``slots`` sequences, each with its own length. The engine (:mod:`exactspec.engine`) talks to it
+A runtime holds ``slots`` sequences, each with its own length. The engine (:mod:`exactspec.decoding.engine`) talks to it
 only through:
 
 * ``forward(rows)``      feed each (slot, tokens) row its tokens; get their logits ``(t_i, V)`` per row;

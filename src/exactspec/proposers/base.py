@@ -5,7 +5,7 @@ token was drawn from (``probs``) when the proposal is stochastic, or ``None`` wh
 mass: n-gram lookup, a draft model's argmax). The engine picks the matching verification rule, so a deterministic
 proposal is never checked with the ratio meant for sampled ones.
 
-The engine (:mod:`exactspec.engine`) drives every proposer through :class:`Proposer`, one call per round for all
+The engine (:mod:`exactspec.decoding.engine`) drives every proposer through :class:`Proposer`, one call per round for all
 the sequences that draft in it; nothing in the loop knows a proposer's type. A proposer that draws from a model's
 distribution builds q with the engine's ``draft_rule`` (:data:`DraftRule`, by default :func:`processed_q`: the same
 pipeline as the target's p), so that the certification's known-wrong variants can replace that one rule.
@@ -20,7 +20,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from exactspec.sampling import SamplingParams, block_probs
+from exactspec.decoding.sampling import SamplingParams, block_probs
 
 __all__ = ["Draft", "DraftRequest", "DraftRule", "OneSequence", "Proposer", "SequenceProposer", "as_proposer", "common_prefix", "processed_q"]
 
@@ -57,7 +57,7 @@ DraftRule = Callable[[torch.Tensor, list, int, SamplingParams, "torch.Tensor | N
 
 def processed_q(logits: torch.Tensor, prefix: list[int], prompt_length: int, params: SamplingParams,
                 token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact rule: q from the same pipeline as the target's p (:func:`exactspec.sampling.block_probs`), the
+    """The exact rule: q from the same pipeline as the target's p (:func:`exactspec.decoding.sampling.block_probs`), the
     same distribution drawn from and reported."""
     q = block_probs(logits, prefix, [], prompt_length, params, token_ids=token_ids)[0]
     return q, q

@@ -23,8 +23,8 @@ import torch
 from exactspec.models.kv_cache import MAX_BLOCK
 from exactspec.models.runtime import as_runtime
 from exactspec.proposers.base import Draft, DraftRequest, DraftRule, ReadsNothing, common_prefix
-from exactspec.sampling import full_width
-from exactspec.verify import greedy_token, sample_from
+from exactspec.decoding.sampling import full_width
+from exactspec.decoding.verify import greedy_token, sample_from
 
 __all__ = ["DraftModelProposer", "ModelDraft"]
 

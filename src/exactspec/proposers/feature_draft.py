@@ -8,7 +8,7 @@ round's predicted slots), the missing ones are fed in the round's first draft ca
 the draft's own output as the next feature and its last token.
 
 q of each step is the draft's distribution over its vocabulary subset S with the same sampling pipeline as the
-target's p (:func:`exactspec.sampling.block_probs` on S's columns, equal to the full vocabulary's with logits
+target's p (:func:`exactspec.decoding.sampling.block_probs` on S's columns, equal to the full vocabulary's with logits
 -inf outside S), so a sampled token is checked with min(1, p/q) and a greedy one as a point mass, as for any
 proposer. Drafting is :class:`exactspec.proposers.draft_model.ModelDraft`'s loop.
 """

@@ -8,7 +8,7 @@ Limits (:class:`ServerSettings`): request body bytes, ``max_tokens``, ``n``, and
 running); past them a request gets a 4xx with an OpenAI-style error body and nothing runs. With an API key every
 request but ``/health`` needs ``Authorization: Bearer KEY``.
 
-The engine runs in one background thread (:meth:`exactspec.engine.BatchEngine.run`); request handlers
+The engine runs in one background thread (:meth:`exactspec.decoding.engine.BatchEngine.run`); request handlers
 hand it sequences and receive tokens through asyncio queues. A client that disconnects mid-stream cancels its
 sequences: they leave the batch at the next step and their slots are freed.
 """
@@ -29,8 +29,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
-from exactspec.sampling import SamplingParams
-from exactspec.engine import BatchEngine, SequenceHandle, SequenceRequest, TokenEvent
+from exactspec.decoding.sampling import SamplingParams
+from exactspec.decoding.engine import BatchEngine, SequenceHandle, SequenceRequest, TokenEvent
 from exactspec.serving.protocol import ChatRequest, CompletionRequest
 from exactspec.tokenizer import TextTokenizer
 
@@ -45,7 +45,7 @@ class ServerSettings:
     max_tokens: int = 1024  # largest max_tokens a request may ask for
     max_n: int = 8
     max_sequences: int = 64  # queued + running sequences; more: 429
-    record_base: dict | None = None  # the server's part of a run record (exactspec.records.run_record), for return_record
+    record_base: dict | None = None  # the server's part of a run record (exactspec.jobs.records.run_record), for return_record
 
 
 class ApiError(Exception):
@@ -270,7 +270,7 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
 
 def _record(base: dict, requests: list[SequenceRequest], choices: list[_Choice], prompt: list[int]) -> dict:
     """The server's run record completed with this request: its effective sampling, seeds, tokens and figures."""
-    from exactspec.records import processor_order
+    from exactspec.decoding.sampling import processor_order
 
     request = requests[0]
     return {**base, "kind": "served request", "sampling": processor_order(request.params),

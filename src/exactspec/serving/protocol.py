@@ -14,7 +14,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from exactspec.engine import SPECULATION_MODES
+from exactspec.decoding.engine import SPECULATION_MODES
 
 __all__ = ["ChatRequest", "CompletionRequest", "ChatMessage"]
 
@@ -40,7 +40,7 @@ class _Common(BaseModel):
     stream_options: dict | None = None
     speculation: str = "auto"
     return_token_ids: bool = False
-    return_record: bool = False  # exactspec: the request's run record (exactspec.records) in the response
+    return_record: bool = False  # exactspec: the request's run record (exactspec.jobs.records) in the response
     user: str | None = None
 
     @field_validator("speculation")

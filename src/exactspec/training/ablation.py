@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from exactspec import costmodel
-from exactspec.calibration import calibrate
+from exactspec.decoding import costmodel
+from exactspec.decoding.calibration import calibrate
 from exactspec.loading import PACKAGED_MODELS, resolve_checkpoint
 from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig
 from exactspec.models.lean import LeanModel
 from exactspec.proposers.feature_draft import FeatureDraftProposer
-from exactspec.sampling import SamplingParams
+from exactspec.decoding.sampling import SamplingParams
 from exactspec.tokenizer import TextTokenizer
 from exactspec.training.feature_draft import TrainDraftArgs, train_steps, held_out_acceptance, load_shards, vocabulary_subset
 

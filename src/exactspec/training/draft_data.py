@@ -124,8 +124,8 @@ def generate_answers(
 
     from exactspec.chat import chat_messages
     from exactspec.models.lean import LeanModel, LeanRuntime
-    from exactspec.sampling import SamplingParams
-    from exactspec.engine import BatchEngine, SequenceRequest
+    from exactspec.decoding.sampling import SamplingParams
+    from exactspec.decoding.engine import BatchEngine, SequenceRequest
     from exactspec.tokenizer import TextTokenizer
 
     done = {answer_key(row) for row in read_answers(out)}

@@ -30,7 +30,7 @@ import torch
 
 from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig
 from exactspec.models.lean import LeanModel
-from exactspec.priors import write_shipped_prior
+from exactspec.decoding.priors import write_shipped_prior
 from exactspec.tokenizer import TextTokenizer
 from exactspec.training.draft_data import chat_prompts, corpus_chunks, generate_answers, read_answers
 

@@ -13,7 +13,7 @@ Sequences join a running batch as slots free up and leave when they finish or ar
    lookup, or lookup where the context repeats and the draft elsewhere);
 4. verifies every sequence's block ``[last committed token] + draft`` in one call of the target runtime
    (:mod:`exactspec.models.runtime`);
-5. per sequence: p from the same pipeline as q (:func:`exactspec.sampling.block_probs`), the rule that fits its
+5. per sequence: p from the same pipeline as q (:func:`exactspec.decoding.sampling.block_probs`), the rule that fits its
    proposal (:func:`verify_block`), its own accepted length, its own cache rollback (the cache then holds every
    committed token but the newest, fed at the start of the next round), its tokens handed to its listener.
 
@@ -21,7 +21,7 @@ Plain autoregressive decoding is the same round with gamma = 0: the verifier sam
 
 Random numbers: each sequence has its own ``torch.Generator`` (seeded by its request). The first token consumes
 one uniform; per round the draft's draws come first (one per sampled draft token), then the verifier's
-(:mod:`exactspec.verify`). So a sequence's law does not depend on its neighbours, and a seeded sequence whose
+(:mod:`exactspec.decoding.verify`). So a sequence's law does not depend on its neighbours, and a seeded sequence whose
 gamma does not depend on the batch (speculation off, or a fixed gamma) draws the same tokens alone as among any
 others, up to the low-order bits of batched matrix kernels (:mod:`exactspec.models.lean`).
 
@@ -42,12 +42,12 @@ import torch
 from exactspec.models.base import LanguageModel, check_token_ids
 from exactspec.models.kv_cache import MAX_BLOCK
 from exactspec.models.runtime import Runtime, as_runtime
-from exactspec.policy import AdaptiveConfig, AdaptiveGamma
+from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.proposers.base import Draft, DraftRequest, Proposer, common_prefix, processed_q
 from exactspec.proposers.prompt_lookup import PromptLookupProposer
-from exactspec.sampling import SamplingParams, block_probs
-from exactspec.stats import GenerationStats, RoundRecord
-from exactspec.verify import VerifyResult, verify_greedy, verify_point_mass, verify_stochastic
+from exactspec.decoding.sampling import SamplingParams, block_probs
+from exactspec.decoding.stats import GenerationStats, RoundRecord
+from exactspec.decoding.verify import VerifyResult, verify_greedy, verify_point_mass, verify_stochastic
 
 __all__ = ["BatchEngine", "EngineConfig", "SequenceRequest", "SequenceHandle", "SPECULATION_MODES", "TokenEvent",
            "verify_block"]

@@ -1,6 +1,6 @@
 """One generation at a time: :class:`SpeculativeDecoder`, the library's entry point, as a batch of one.
 
-It runs the engine's loop (:mod:`exactspec.engine`; Leviathan et al. 2023, Algorithm 1) on one slot over the
+It runs the engine's loop (:mod:`exactspec.decoding.engine`; Leviathan et al. 2023, Algorithm 1) on one slot over the
 target model itself (:class:`exactspec.models.runtime.SequenceSlots`), so a generation here and a served request
 are the same rounds and the same rules::
 
@@ -12,7 +12,7 @@ are the same rounds and the same rules::
 
 Random numbers: a fresh ``torch.Generator`` seeded with ``GenerationConfig.seed``; the first token (from the
 prompt's prefill) consumes one uniform, then per round the proposer's draws come first, then the verifier's (see
-:mod:`exactspec.verify`). With a fixed gamma a seeded generation is reproducible.
+:mod:`exactspec.decoding.verify`). With a fixed gamma a seeded generation is reproducible.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from exactspec.engine import BatchEngine, SequenceRequest, verify_block
+from exactspec.decoding.engine import BatchEngine, SequenceRequest, verify_block
 from exactspec.models.base import LanguageModel, check_token_ids
 from exactspec.models.runtime import SequenceSlots
-from exactspec.policy import AdaptiveGamma
+from exactspec.decoding.policy import AdaptiveGamma
 from exactspec.proposers import DraftModelProposer, Proposer, SequenceProposer
 from exactspec.proposers.base import as_proposer
-from exactspec.sampling import SamplingParams
-from exactspec.stats import GenerationStats
+from exactspec.decoding.sampling import SamplingParams
+from exactspec.decoding.stats import GenerationStats
 
 __all__ = ["GenerationConfig", "Generation", "SpeculativeDecoder", "verify_block"]
 
@@ -61,7 +61,7 @@ class SpeculativeDecoder:
 
     ``draft`` is a language model with the target's vocabulary (drafted with the target's sampling settings), a
     :class:`exactspec.proposers.Proposer`, a single-sequence proposer (``reset`` / ``propose(context, gamma,
-    generator)``), or ``None`` for plain decoding. ``policy`` (:class:`exactspec.policy.AdaptiveGamma`) chooses
+    generator)``), or ``None`` for plain decoding. ``policy`` (:class:`exactspec.decoding.policy.AdaptiveGamma`) chooses
     gamma per round, for the source each context routes to, and keeps learning across generations; without one,
     every round drafts ``GenerationConfig.gamma``.
     """

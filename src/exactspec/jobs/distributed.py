@@ -1,7 +1,7 @@
 """Batch generation and certification scaled out on Ray: one engine replica per Ray actor, its models loaded
 once, shards of requests (or of certification sequences) sent to the actors and their results merged in order.
 
-Results are the same as a local run's (:func:`exactspec.batch.generate_batch`): every request carries its own seed
+Results are the same as a local run's (:func:`exactspec.jobs.batch.generate_batch`): every request carries its own seed
 and draws with the fixed gamma on its own generator, so which actor runs it and which requests share its batch
 do not change its law, and in the call-size invariant mode not its tokens either. An actor that dies is restarted
 and its shard retried (Ray's ``max_restarts`` / ``max_task_retries``); since the shard's results are a function
@@ -14,7 +14,7 @@ import logging
 from dataclasses import asdict, replace
 from typing import Iterator
 
-from exactspec.batch import BatchJobConfig, generate_batch
+from exactspec.jobs.batch import BatchJobConfig, generate_batch
 from exactspec.loading import PairSpec
 
 __all__ = ["RaySampler", "ray_results"]
@@ -40,7 +40,7 @@ class BatchWorker:
     """A Ray actor: the pair and its engine, loaded once; ``run`` generates one shard."""
 
     def __init__(self, spec: dict, config: BatchJobConfig) -> None:
-        from exactspec.batch import build_batch_engine
+        from exactspec.jobs.batch import build_batch_engine
 
         self.pair = _load(spec)
         self.config = config

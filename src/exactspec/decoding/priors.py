@@ -11,7 +11,7 @@ Two sources, best first:
   ``--no-policy-cache`` neither reads nor writes it;
 * the draft's **shipped prior** ``acceptance_prior.json`` in its directory:
   acceptance by position measured on held-out prompts with the target it was
-  made for (``python -m exactspec.priors`` writes one), used only when the
+  made for (``python -m exactspec.decoding.priors`` writes one), used only when the
   fingerprint of the pair (both models' config and weights) matches.
 
 A prior only sets where the policy starts; gamma never depends on the current
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from exactspec.sampling import SamplingParams
+from exactspec.decoding.sampling import SamplingParams
 
 __all__ = [
     "PRIOR_FILE", "PolicyCache", "acceptance_prior", "default_cache_dir", "fingerprint", "mode_key", "shipped_prior",
@@ -191,8 +191,8 @@ class PolicyCache:
 
 def measure_acceptance(decoder, prompts: Sequence[Sequence[int]], gamma: int, max_new_tokens: int) -> list[float]:
     """Acceptance by draft position (conditional on reaching it) over fixed-gamma runs of ``decoder`` on ``prompts``."""
-    from exactspec.decoder import GenerationConfig
-    from exactspec.stats import GenerationStats
+    from exactspec.decoding.decoder import GenerationConfig
+    from exactspec.decoding.stats import GenerationStats
 
     rounds = []
     for seed, prompt in enumerate(prompts):
@@ -201,14 +201,14 @@ def measure_acceptance(decoder, prompts: Sequence[Sequence[int]], gamma: int, ma
 
 
 def _main() -> None:
-    """python -m exactspec.priors [--target DIR --draft DIR]: measure and write the draft's shipped prior."""
+    """python -m exactspec.decoding.priors [--target DIR --draft DIR]: measure and write the draft's shipped prior."""
     import argparse
 
     import torch
 
-    from exactspec.decoder import SpeculativeDecoder
+    from exactspec.decoding.decoder import SpeculativeDecoder
     from exactspec.loading import default_pair_dirs, load_pair
-    from exactspec.sampling import GREEDY
+    from exactspec.decoding.sampling import GREEDY
     from exactspec.bench.workloads import code_prompts, third_party_sources
 
     parser = argparse.ArgumentParser(description=_main.__doc__)
@@ -221,7 +221,7 @@ def _main() -> None:
     try:
         pair = load_pair(args.target, args.draft, dtype=torch.bfloat16)
     except (OSError, ValueError) as error:
-        parser.exit(2, f"exactspec.priors: error: {error}\n")
+        parser.exit(2, f"exactspec.decoding.priors: error: {error}\n")
     files = third_party_sources()  # odd multiples of 1/(2n): never the files the benchmarks pick (multiples of 1/n)
     chosen = [files[(2 * i + 1) * len(files) // (2 * args.prompts)] for i in range(args.prompts)]
     prompts = [pair.tokenizer.encode_prompt(text)[-512:] for text in code_prompts(args.prompts, files=chosen)]

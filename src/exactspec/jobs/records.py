@@ -1,7 +1,7 @@
 """Run records: what a claim of unchanged sampling has to name, written beside a run as one JSON file.
 
 A record holds the target's and draft's identity (path and SHA-256 of config, weights and tokenizer), the effective
-sampling configuration in the order the processors run (:func:`exactspec.sampling.block_probs`), the proposal
+sampling configuration in the order the processors run (:func:`exactspec.decoding.sampling.block_probs`), the proposal
 mechanism, acceptance criterion, residual rule, cache and rollback method, gamma policy, seed and the version of the
 order of random draws, the precision mode and whether it is call-size invariant, the package version and source
 revision, library versions, threads, hardware, and the run's own figures. ``exactspec replay`` reruns a generate
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from exactspec import __version__
-from exactspec.sampling import SamplingParams
+from exactspec.decoding.sampling import SamplingParams, processor_order
 
-__all__ = ["RECORD_VERSION", "DRAW_ORDER_VERSION", "model_identity", "redacted", "processor_order", "environment", "run_record",
+__all__ = ["RECORD_VERSION", "DRAW_ORDER_VERSION", "model_identity", "redacted", "environment", "run_record",
            "write_record", "replay_verdict"]
 
 RECORD_VERSION = 1
@@ -66,20 +66,6 @@ def model_identity(path: str | Path | None) -> dict | None:
             "config_sha256": _digest_of([p for p in files if p.name == "config.json"]),
             "weights_sha256": _digest_of([p for p in files if p.suffix in WEIGHT_SUFFIXES]),
             "tokenizer_sha256": _digest_of([p for p in files if p.name.startswith("tokenizer") or p.name == "chat_template.jinja"])}
-
-
-def processor_order(params: SamplingParams) -> list[list]:
-    """The effective processors, in the order they run, with their settings (defaults that do nothing left out)."""
-    steps = [["logit_bias", params.logit_bias], ["repetition_penalty", params.repetition_penalty],
-             ["presence_penalty", params.presence_penalty], ["frequency_penalty", params.frequency_penalty],
-             ["banned_token_ids", sorted(params.banned_token_ids) if params.banned_token_ids else None],
-             ["allowed_token_ids", sorted(params.allowed_token_ids) if params.allowed_token_ids is not None else None]]
-    if params.greedy:
-        steps.append(["argmax", True])
-    else:
-        steps += [["temperature", params.temperature], ["top_k", params.top_k], ["top_p", params.top_p], ["min_p", params.min_p]]
-    neutral = {"repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0}
-    return [[name, value] for name, value in steps if value not in (None, 0, 0.0, {}) and neutral.get(name) != value]
 
 
 def _source_revision() -> str | None:

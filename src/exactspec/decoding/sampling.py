@@ -40,9 +40,9 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from exactspec.verify import greedy_token
+from exactspec.decoding.verify import greedy_token
 
-__all__ = ["SamplingParams", "block_probs", "full_width", "GREEDY", "MAX_MAGNITUDE"]
+__all__ = ["SamplingParams", "block_probs", "full_width", "processor_order", "GREEDY", "MAX_MAGNITUDE"]
 
 #: Largest penalty or bias magnitude (and inverse of the smallest non-zero temperature) accepted.
 MAX_MAGNITUDE = 1e30
@@ -268,3 +268,17 @@ def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:  # (n, V) temper
     drop_sorted = mass_before >= top_p  # keeps the smallest prefix reaching top_p (at least one token)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return scores.masked_fill(drop, -math.inf)
+
+
+def processor_order(params: SamplingParams) -> list[list]:
+    """The effective processors, in the order they run, with their settings (defaults that do nothing left out)."""
+    steps = [["logit_bias", params.logit_bias], ["repetition_penalty", params.repetition_penalty],
+             ["presence_penalty", params.presence_penalty], ["frequency_penalty", params.frequency_penalty],
+             ["banned_token_ids", sorted(params.banned_token_ids) if params.banned_token_ids else None],
+             ["allowed_token_ids", sorted(params.allowed_token_ids) if params.allowed_token_ids is not None else None]]
+    if params.greedy:
+        steps.append(["argmax", True])
+    else:
+        steps += [["temperature", params.temperature], ["top_k", params.top_k], ["top_p", params.top_p], ["min_p", params.min_p]]
+    neutral = {"repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0}
+    return [[name, value] for name, value in steps if value not in (None, 0, 0.0, {}) and neutral.get(name) != value]

@@ -1,8 +1,8 @@
 """The adaptive policy's cold start: call costs measured at load and an acceptance prior, before the first round.
 
-:func:`cold_start` gives a :class:`exactspec.engine.SpeculativeDecoder` the policy that ``generate --gamma auto``
-runs: :class:`exactspec.policy.AdaptiveGamma` started from :func:`exactspec.calibration.calibrate` (the target at
-every call size the policy may use, one draft step) and from :func:`exactspec.priors.acceptance_prior` (the policy
+:func:`cold_start` gives a :class:`exactspec.decoding.engine.SpeculativeDecoder` the policy that ``generate --gamma auto``
+runs: :class:`exactspec.decoding.policy.AdaptiveGamma` started from :func:`exactspec.decoding.calibration.calibrate` (the target at
+every call size the policy may use, one draft step) and from :func:`exactspec.decoding.priors.acceptance_prior` (the policy
 cache's entry for the pair and sampling mode, else the draft's shipped prior). A draft combined with prompt lookup
 is one policy with estimates per source: lookup's steps cost next to nothing and its acceptance is learnt.
 :meth:`ColdStart.remember` adds a finished run's acceptance to the cache, where the next run of the pair starts.
@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from exactspec.calibration import calibrate
-from exactspec.decoder import SpeculativeDecoder
-from exactspec.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
-from exactspec.priors import PolicyCache, acceptance_prior, fingerprint, mode_key
+from exactspec.decoding.calibration import calibrate
+from exactspec.decoding.decoder import SpeculativeDecoder
+from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
+from exactspec.decoding.priors import PolicyCache, acceptance_prior, fingerprint, mode_key
 from exactspec.proposers import LookupOrDraft
-from exactspec.sampling import SamplingParams
-from exactspec.stats import GenerationStats
+from exactspec.decoding.sampling import SamplingParams
+from exactspec.decoding.stats import GenerationStats
 
 __all__ = ["CALIBRATION_TOKENS", "ColdStart", "cold_start"]
 

@@ -25,7 +25,7 @@ from exactspec.models.base import LanguageModel
 from exactspec.models.runtime import Runtime, SequenceSlots
 from exactspec.proposers.base import DraftRequest, Proposer, processed_q
 from exactspec.proposers.combined import LookupOrDraft
-from exactspec.sampling import SamplingParams
+from exactspec.decoding.sampling import SamplingParams
 
 __all__ = ["Calibration", "calibrate", "calibrate_engine", "draft_step_seconds", "measure_call_ms", "SLOW_CALL_MS"]
 
@@ -133,7 +133,7 @@ def draft_step_seconds(proposer: Proposer, target: Runtime, slots: list[int], co
 
 
 def calibrate_engine(engine, repeats: int = 2) -> None:
-    """Give a :class:`exactspec.engine.BatchEngine`'s gamma policy call costs before the first request: target calls
+    """Give a :class:`exactspec.decoding.engine.BatchEngine`'s gamma policy call costs before the first request: target calls
     of 1 and ``max_gamma + 1`` tokens per row, and draft steps of its proposer, for one sequence and for a full
     batch (each after an untimed warm-up). Leaves every slot empty."""
     target, history = engine.target, [0] * 8  # a short history, as in a running batch

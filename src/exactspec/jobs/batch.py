@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from exactspec.loading import LoadedPair
-from exactspec.sampling import SamplingParams
-from exactspec.engine import BatchEngine, EngineConfig, SequenceRequest
+from exactspec.decoding.sampling import SamplingParams
+from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
 
 __all__ = ["BatchJobConfig", "build_batch_engine", "generate_batch", "parse_request", "run_job", "completed_lines"]
 
@@ -81,7 +81,7 @@ def parse_request(obj: object, line: int, tokenizer, config: BatchJobConfig) -> 
 
 
 def build_batch_engine(pair: LoadedPair, config: BatchJobConfig) -> BatchEngine:
-    from exactspec.serving.server import build_engine
+    from exactspec.speculator import build_engine
 
     return build_engine(pair, config.slots, config.max_len, EngineConfig(gamma=config.gamma), calibrated=False)
 
@@ -161,7 +161,7 @@ def run_job(requests: list[dict], output: Path, record: dict, produce: Callable[
     ``produce(remaining, first_line)`` makes them (locally or on Ray). The run record goes beside the output."""
     from tqdm import tqdm
 
-    from exactspec.records import write_record
+    from exactspec.jobs.records import write_record
 
     done = completed_lines(output)
     rid = record_id(record)

@@ -1,0 +1,16 @@
+"""The one decoding loop and everything it decides with.
+
+* :mod:`~exactspec.decoding.verify`: the verification rules as pure functions on tensors (stochastic, point mass,
+  greedy) and the exact-law helpers;
+* :mod:`~exactspec.decoding.sampling`: :class:`SamplingParams` and the one logits -> probabilities pipeline, used for
+  the target's p and the draft's q alike;
+* :mod:`~exactspec.decoding.engine`: a round over a batch of slots (one generation is a batch of one);
+  :mod:`~exactspec.decoding.decoder` is that loop for one sequence (:class:`SpeculativeDecoder`);
+* :mod:`~exactspec.decoding.policy`: the one gamma policy; :mod:`~exactspec.decoding.costmodel` its expected-tokens
+  and speedup formulas; :mod:`~exactspec.decoding.calibration` the call costs measured at load;
+  :mod:`~exactspec.decoding.priors` acceptance priors; :mod:`~exactspec.decoding.coldstart` the policy a run starts
+  with; :mod:`~exactspec.decoding.stats` per-round records.
+
+Nothing here knows about HTTP, files of jobs or the command line; models are reached only through the runtime
+interface (:mod:`exactspec.models.runtime`).
+"""
