@@ -35,7 +35,7 @@ def test_medians_spread_and_ratios_come_from_every_run(target, monkeypatch):
     rates = itertools.count(1.0)
     monkeypatch.setattr(peers, "_run", lambda arm, prompt: {"tokens_per_second": next(rates),
                                                             **({"tokens_per_round": 2.0} if "lookup" in arm.name else {})})
-    monkeypatch.setattr(peers, "llama_cpp_build", lambda: {"version": "x", "system_info": "AVX2 = 1"})
+    monkeypatch.setattr(peers, "llama_cpp_version", lambda: {"version": "x", "system_info": "AVX2 = 1"})
     config = peers.PeerBenchConfig(target, threads=1, num_prompts=2, repeats=3)  # greedy, chat only
     report = peers.run_peer_bench(config, progress=False)
     rows = {row["arm"]: row for row in report["results"]}
@@ -95,7 +95,9 @@ def test_smollm2_against_llama_cpp(tmp_path, capsys, monkeypatch):
     rows = {row["arm"]: row for row in report["results"]}
     assert rows["exactspec trained draft + lookup (auto gamma)"]["tokens_per_call"] >= 1
     if available:
-        assert report["llama_cpp_skipped"] is None and len(rows) == 5 and report["llama_cpp"]["version"]
+        assert report["llama_cpp_skipped"] is None and len(rows) == 7 and report["llama_cpp"]["version"]
         assert rows["llama.cpp plain"]["vs_llama_cpp_plain"] == 1.0 and rows["exactspec plain"]["vs_llama_cpp_plain"] > 0
+        assert rows["exactspec prompt lookup (llama.cpp runtime, auto gamma)"]["tokens_per_call"] >= 1
+        assert rows["exactspec plain (llama.cpp runtime)"]["tokens_per_call"] == 1
     else:
         assert "pip install llama-cpp-python" in report["llama_cpp_skipped"] and "llama.cpp plain" not in rows

@@ -24,7 +24,7 @@ __all__ = [
     "model_parameters", "PACKAGED_MODELS", "resolve_checkpoint",
 ]
 
-BACKENDS = ("lean", "hf")
+BACKENDS = ("lean", "hf", "llamacpp")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -127,8 +127,11 @@ def load_model(
     device: str | torch.device = "cpu",
 ) -> LanguageModel:
     """One model from a local checkpoint directory or ``.gguf`` file (never a download), on ``device``.
-    ``weights`` and ``invariant`` are the lean backend's (:meth:`exactspec.models.lean.LeanModel.from_pretrained`)."""
+    ``weights`` and ``invariant`` are the lean backend's (:meth:`exactspec.models.lean.LeanModel.from_pretrained`);
+    the llamacpp backend runs a ``.gguf`` file as it is stored (``dtype`` does not apply: llama.cpp computes in float32)."""
     device = check_device(device)
+    if backend == "llamacpp":
+        return _llama_cpp_model(path, weights, invariant, device)
     if backend == "lean":
         from exactspec.models.lean import LeanModel
 
@@ -150,6 +153,18 @@ def load_model(
     raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
+def _llama_cpp_model(path: str | Path, weights: str, invariant: bool, device: torch.device) -> LanguageModel:
+    from exactspec.models.base import is_gguf
+    from exactspec.models.llamacpp import LlamaCppModel
+
+    if not is_gguf(path):
+        raise ValueError(f"--backend llamacpp runs .gguf files; {path} is not one (use --backend lean for a checkpoint directory)")
+    if weights != "auto" or invariant:
+        raise ValueError("--weights and --invariant are options of the lean backend: llamacpp runs the file's weights as "
+                         "stored and is not call-size invariant")
+    return LlamaCppModel.from_file(path, device=device)
+
+
 def _feature_draft(directory: str | Path, target: LanguageModel):
     """A feature-level draft attached to ``target`` (the lean backend, whose config it must match)."""
     from exactspec.models.eagle import FeatureDraft
@@ -163,6 +178,28 @@ def _feature_draft(directory: str | Path, target: LanguageModel):
             or int(draft.vocab_ids.max()) >= target.cfg.vocab_size:
         raise ValueError(f"{directory} was trained for another target (hidden size {cfg.target_hidden_size}, layers {cfg.feature_layers})")
     return draft.attach(target.decoder)
+
+
+def native_bfloat16(device: str | torch.device = "cpu") -> bool:
+    """Whether ``device`` computes in bfloat16 natively: a CUDA device that supports it, or a CPU with AVX-512 BF16
+    or AMX (elsewhere oneDNN emulates it: the toy pair ran 1.5x slower in bfloat16 than in float32 on an AVX2 CPU).
+    ``ATEN_CPU_CAPABILITY`` set below avx512 (imitating an older CPU) counts as no."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu" or os.environ.get("ATEN_CPU_CAPABILITY", "avx512").lower() not in ("avx512", "default", ""):
+        return False
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith(("flags", "Features"))), [])
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(flags))
+
+
+def default_dtype(device: str | torch.device = "cpu") -> str:
+    """bfloat16 where the device has it natively (faster, a flat verify cost), else float32."""
+    return "bfloat16" if native_bfloat16(device) else "float32"
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -290,9 +327,11 @@ class PairSpec:
             raise ValueError("a draft needs its target (give neither for the shipped default pair)")
 
     def shipped_draft(self) -> Path | None:
-        """The draft exactspec ships for a packaged target given without a draft."""
+        """The draft exactspec ships for a packaged target given without a draft. None on the llamacpp backend: the
+        shipped drafts read the target's hidden states, which that runtime does not hand back yet (prompt lookup
+        drafts there instead)."""
         packaged = PACKAGED_MODELS.get(str(self.target)) if self.target is not None and self.draft is None else None
-        return packaged.shipped_draft() if packaged else None
+        return packaged.shipped_draft() if packaged and self.backend != "llamacpp" else None
 
     @property
     def lookup(self) -> bool:
@@ -320,6 +359,8 @@ class PairSpec:
     @property
     def precision(self) -> str:
         """The precision mode, as a run record names it."""
+        if self.backend == "llamacpp":
+            return "llama.cpp: the GGUF file's weights as stored, float32 activations, float16 KV cache, call-size dependent"
         return f"{self.dtype}, {self.weights} weights, {'call-size invariant' if self.invariant else 'call-size dependent'}"
 
     def load(self) -> LoadedPair:
@@ -329,4 +370,7 @@ class PairSpec:
         small = (model_parameters(pair.target) or SMALL_MODEL_PARAMETERS) < SMALL_MODEL_PARAMETERS
         if self.threads or small:  # else torch's own choice
             torch.set_num_threads(self.threads or 1)
+        for model in (pair.target, pair.draft):  # a runtime with threads of its own (llama.cpp) takes the same count
+            if hasattr(unwrapped(model), "set_threads"):
+                unwrapped(model).set_threads(torch.get_num_threads())
         return pair

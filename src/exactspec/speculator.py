@@ -156,16 +156,25 @@ def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfi
     from exactspec.proposers.feature_draft import FeatureDraftProposer
 
     target = unwrapped(pair.target)
-    if not isinstance(target, LeanModel):
-        raise ValueError("serve runs the lean backend (Llama-family checkpoints); --backend hf is for generate and bench")
-    batched = LeanRuntime.like(target, slots, max_len, pair.target.vocab_size)
+    batched = _batched(target, slots, max_len, pair.target.vocab_size)
     proposer = None
     if isinstance(pair.draft, FeatureDraft):
         proposer = FeatureDraftProposer(FeatureDraftRuntime(pair.draft, slots, batched.max_len, target.device, target.dtype, target.invariant),
                                         pair.target.vocab_size)
     elif pair.draft is not None:
-        proposer = DraftModelProposer(LeanRuntime.like(unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size))
+        proposer = DraftModelProposer(_batched(unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size))
     engine = engine_class(batched, proposer, config, AdaptiveGamma(AdaptiveConfig.up_to(config.max_gamma), PolicyPriors(acceptance=acceptance)))
     if calibrated:
         calibrate_engine(engine)
     return engine
+
+
+def _batched(model, slots: int, max_len: int, vocab_size: int):
+    """A runtime of ``slots`` slots over the weights ``model`` (one sequence) runs on: torch's or llama.cpp's."""
+    from exactspec.models.llamacpp import LlamaCppModel, LlamaCppRuntime
+
+    if isinstance(model, LlamaCppModel):
+        return LlamaCppRuntime.like(model, slots, max_len)
+    if not isinstance(model, LeanModel):
+        raise ValueError("serving and batch jobs run the lean or llamacpp backend; --backend hf is for generate and bench")
+    return LeanRuntime.like(model, slots, max_len, vocab_size)

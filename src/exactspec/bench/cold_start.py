@@ -64,7 +64,7 @@ def main() -> None:
                     if arm == "auto":
                         raw[key].setdefault("auto_gammas", []).append(result["gammas_used"])
                     print(f"{key} {arm:>4} {result['tokens_per_second']:7.1f} tok/s", file=sys.stderr)
-    print(f"{args.max_new_tokens} new tokens per run, {args.repeats} repetitions, dtype bfloat16 (the default), torch threads: default")
+    print(f"{args.max_new_tokens} new tokens per run, {args.repeats} repetitions, dtype: the default (bfloat16 where the CPU has it natively, else float32), torch threads: default")
     print(f"{'mode/prompt':<18}" + "".join(f"{a:>8}" for a in arms) + f"{'best':>6}{'auto/best':>11}")
     for mode in args.modes.split(","):
         ratios = []

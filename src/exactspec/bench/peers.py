@@ -1,7 +1,8 @@
 """``exactspec bench`` for a target without a draft model: exactspec against llama.cpp on the same GGUF file.
 
 Arms: exactspec plain (``--no-speculation``), exactspec with prompt lookup, exactspec with a trained draft (when
-one is given or shipped), llama.cpp plain and llama.cpp with prompt lookup (llama-cpp-python's
+one is given or shipped), the first two again on exactspec's llama.cpp runtime (``--backend llamacpp``, when
+llama-cpp-python is installed: the same kernels as the llama.cpp arms, so the difference is the method), llama.cpp plain and llama.cpp with prompt lookup (llama-cpp-python's
 ``LlamaPromptLookupDecoding``). Same chat prompts, greedy (T=0) and/or sampled (T=1, no truncation: llama.cpp's
 default top-k, top-p and min-p are switched off), the same thread count, and exactly ``max_new_tokens`` new tokens in every arm (end-of-sequence
 tokens are never chosen: ``--ignore-eos`` here, a -inf logit bias in llama.cpp), so that no arm's rate is a
@@ -18,7 +19,6 @@ given as a ratio to llama.cpp plain measured in the same run.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from exactspec.chat import chat_messages
+from exactspec.models.llamacpp import llama_cpp_available, llama_cpp_version
 from exactspec.tokenizer import TextTokenizer
 from exactspec.bench.report import Column, add_ratios, format_rows, rate_row, write_report
 from exactspec.bench.workloads import CHAT_WORKLOADS
@@ -76,10 +77,6 @@ class PeerArm:
     tokens_per_call: list[float] = field(default_factory=list)  # exactspec arms: new tokens per target call, every run
 
 
-def llama_cpp_available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
 def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
     temperature = str(MODES[mode])
     generate = [sys.executable, "-m", "exactspec", "generate", "--target", str(config.target), "--json", "--ignore-eos",
@@ -91,6 +88,10 @@ def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
             PeerArm("exactspec prompt lookup (auto gamma)", [*generate, "--draft", "lookup", *prompt_flag])]
     if config.draft is not None:
         arms.append(PeerArm("exactspec trained draft + lookup (auto gamma)", [*generate, "--draft", str(config.draft), *prompt_flag]))
+    if config.llama_cpp and "--invariant" not in config.generate_flags:  # the same file on exactspec's llama.cpp runtime
+        on_llama = [*generate, "--backend", "llamacpp"]
+        arms += [PeerArm(f"{EXACTSPEC_PLAIN} (llama.cpp runtime)", [*on_llama, "--no-speculation", *prompt_flag]),
+                 PeerArm("exactspec prompt lookup (llama.cpp runtime, auto gamma)", [*on_llama, "--draft", "lookup", *prompt_flag])]
     if config.llama_cpp:
         child = [sys.executable, "-m", "exactspec.bench.peers", "--target", str(config.target), "--threads", str(config.threads),
                  "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature, *(["--chat"] if chat else [])]
@@ -111,14 +112,6 @@ def _run(arm: PeerArm, prompt: str) -> dict:
         return result
     except (ValueError, KeyError):
         raise RuntimeError(f"{arm.name} printed no tokens_per_second: {done.stdout.strip()[-200:]!r}") from None
-
-
-def llama_cpp_build() -> dict:
-    """llama-cpp-python's version and the CPU features its build uses."""
-    import llama_cpp
-
-    info = llama_cpp.llama_print_system_info()
-    return {"version": llama_cpp.__version__, "system_info": (info.decode() if isinstance(info, bytes) else str(info)).strip()}
 
 
 def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
@@ -152,7 +145,7 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
             results += rows
     if progress:
         print(file=sys.stderr)
-    build = llama_cpp_build() if config.llama_cpp else None
+    build = llama_cpp_version() if config.llama_cpp else None
     return {"config": {**asdict(config), "target": str(config.target), "draft": config.draft and str(config.draft)},
             "llama_cpp": build, "hf_assisted": HF_ASSISTED_SKIPPED, "results": results}
 

@@ -19,6 +19,7 @@ from exactspec.cli import (
     audit, bench, cache, certify, cost, explain, generate, generate_batch, replay, serve, train_draft,
 )
 from exactspec.cli.common import CliError, HelpFormatter, Parser
+from exactspec.loading import default_dtype
 
 __all__ = ["build_parser", "main"]
 
@@ -47,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)
+        if getattr(args, "dtype", None) == "auto":  # the precision this machine computes fastest in
+            args.dtype = default_dtype(args.device)
         result = args.run(args)
         _show(args, result)
     except CliError as error:

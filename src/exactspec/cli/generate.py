@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "prompt": text,
         "threads": torch.get_num_threads(),
+        "runtime": args.backend,
+        "precision": precision(args),
         "text": "".join(pieces),
         "token_ids": list(generation.tokens),
         "mode": "plain" if args.no_speculation else f"speculative ({speculator.proposal}), gamma {args.gamma}",
@@ -112,7 +114,8 @@ def show(r: dict) -> None:
         f"[{r['tokens']} tokens, {r['tokens_per_second']:.1f} tokens/s, "
         f"acceptance {r['acceptance_rate']:.2f} of {r['drafted']} drafted, "
         f"{r['tokens_per_round']:.2f} tokens/round, {r['mode']}, "
-        f"{'greedy' if r['sampling'] == 'greedy' else 'seed ' + str(r['seed'])}, stop: {r['stop_reason']}"
+        f"{'greedy' if r['sampling'] == 'greedy' else 'seed ' + str(r['seed'])}, stop: {r['stop_reason']}, "
+        f"{r['runtime']} runtime, {r['threads']} threads"
         + (f", calibration {r['policy']['calibration']['seconds']:.2f} s, prior: {r['policy']['prior_source']}" if r["policy"] else "")
         + "]",
         file=sys.stderr,

@@ -19,8 +19,8 @@ def run(args: argparse.Namespace) -> dict:
         from exactspec.speculator import build_engine
     except ImportError as error:
         raise CliError(f"serve needs the server extras ({error.name} is missing): pip install 'exactspec[serve]'") from None
-    if args.backend != "lean":
-        raise CliError("serve runs the lean backend (Llama-family checkpoints); --backend hf is for generate and bench")
+    if args.backend == "hf":
+        raise CliError("serve runs the lean or llamacpp backend; --backend hf is for generate and bench")
     api_key = args.api_key or os.environ.get("EXACTSPEC_API_KEY")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         raise CliError(f"--host {args.host} exposes the server beyond this machine: give it an --api-key")

@@ -1,0 +1,233 @@
+"""llama.cpp as a runtime: a GGUF file's slots as llama.cpp sequences in one context.
+
+Through llama-cpp-python's bindings of llama.cpp's C API (the optional extra ``exactspec[llamacpp]``), this module
+implements the runtime interface (:mod:`exactspec.models.runtime`) on llama.cpp's own kernels and KV cache:
+
+* ``forward(rows)``: one ``llama_decode`` for every row of the call, each row's tokens at its slot's next positions
+  in sequence ``slot``, logits requested for every fed position and read back in the batch's order ``(t_i, V)``;
+* ``rollback(slot, n)``: ``llama_memory_seq_rm(slot, n, -1)``; the cells past ``n`` are free again;
+* ``copy_prefix(source, slot, n)``: the slot's cells dropped, then the source's first ``n`` positions shared with
+  it (``llama_memory_seq_cp``: no recomputation, the cells are tagged with both sequences).
+
+The cache is llama.cpp's unified one: ``slots * max_len`` cells that every sequence draws from, so a shared prompt
+costs its cells once. Numerics are llama.cpp's: weights as the file stores them (no requantizing), activations in
+float32, keys and values cached in float16 (llama.cpp's default), and a position's logits may differ in the last bits with the call's size and the other rows beside it
+(llama.cpp's matrix kernels pick their tiling by batch size), so this runtime is not call-size invariant
+(``invariant`` is False) and refuses to be asked to be. Hidden states for a feature-level draft are not handed
+back yet: ``capture_features`` says so.
+
+:class:`LlamaCppModel` is one slot of a runtime: the single-sequence model protocol
+(:class:`exactspec.models.base.LanguageModel`) that ``generate`` and the library's decoder take, as
+:class:`exactspec.models.lean.LeanModel` is for the torch runtime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .base import check_rollback_length, check_token_ids
+
+__all__ = ["LlamaCppRuntime", "LlamaCppModel", "llama_cpp_available", "llama_cpp_version"]
+
+_BACKEND: dict = {}  # the imported module and the no-op log callback (kept alive while llama.cpp may call it)
+
+
+def llama_cpp_available() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("llama_cpp") is not None
+
+
+def _llama():
+    """llama_cpp, initialised once, its log output silenced (it would mix with streamed text)."""
+    if "module" not in _BACKEND:
+        try:
+            import llama_cpp
+        except ImportError:
+            raise ValueError("the llamacpp backend needs llama-cpp-python: pip install 'exactspec[llamacpp]' "
+                             "(it builds llama.cpp for this CPU, about 15 minutes on 2 cores)") from None
+        llama_cpp.llama_backend_init()
+        _BACKEND["log"] = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        llama_cpp.llama_log_set(_BACKEND["log"], ctypes.c_void_p(0))
+        _BACKEND["module"] = llama_cpp
+    return _BACKEND["module"]
+
+
+def llama_cpp_version() -> dict:
+    """llama-cpp-python's version and the CPU features its llama.cpp build uses."""
+    llama = _llama()
+    return {"version": llama.__version__, "system_info": llama.llama_print_system_info().decode().strip()}
+
+
+class _Weights:
+    """A loaded GGUF file (``llama_model``), shared by every context made over it and freed with the last."""
+
+    def __init__(self, path: Path, device: torch.device) -> None:
+        llama = _llama()
+        params = llama.llama_model_default_params()
+        params.n_gpu_layers = 0 if device.type == "cpu" else 999  # all layers on the accelerator llama.cpp was built for
+        self.handle = llama.llama_model_load_from_file(str(path).encode(), params)
+        if not self.handle:
+            raise ValueError(f"llama.cpp could not load {path} (not a GGUF model file of an architecture it knows?)")
+        weakref.finalize(self, llama.llama_model_free, self.handle)
+        self.path = path
+        self.vocab_size = int(llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self.handle)))
+        self.context_length = int(llama.llama_model_n_ctx_train(self.handle))
+
+
+class LlamaCppRuntime:
+    """``slots`` sequences of up to ``max_len`` positions each, decoded by llama.cpp (see the module docstring)."""
+
+    invariant = False
+    last_features: list[torch.Tensor] = []
+
+    def __init__(self, path: str | Path | _Weights, slots: int = 1, max_len: int | None = None, threads: int | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        llama = _llama()
+        self.device = torch.device(device)
+        self.weights = path if isinstance(path, _Weights) else _Weights(Path(path), self.device)
+        if slots < 1:
+            raise ValueError(f"a runtime needs at least one slot, got {slots}")
+        self.slots = slots
+        self.max_len = min(max_len or self.weights.context_length, self.weights.context_length)
+        self.threads = threads or torch.get_num_threads()
+        params = llama.llama_context_default_params()
+        params.n_ctx = slots * self.max_len
+        params.n_batch = params.n_ctx  # one call may feed every slot its whole prompt
+        params.n_ubatch = min(512, params.n_ctx)
+        params.n_seq_max = slots
+        params.kv_unified = True
+        params.n_threads = params.n_threads_batch = self.threads
+        params.no_perf = True
+        self._ctx = llama.llama_init_from_model(self.weights.handle, params)
+        if not self._ctx:
+            raise ValueError(f"llama.cpp could not make a context of {slots} x {self.max_len} positions for {self.weights.path}")
+        weakref.finalize(self, llama.llama_free, self._ctx)
+        self._memory = llama.llama_get_memory(self._ctx)
+        self._lengths = [0] * slots
+
+    @classmethod
+    def like(cls, model: "LlamaCppModel", slots: int, max_len: int | None = None, vocab_size: int | None = None) -> "LlamaCppRuntime":
+        """A runtime of ``slots`` slots over the same loaded file and threads as ``model`` (weights loaded once)."""
+        del vocab_size  # the file's vocabulary; the caller's restriction (padding rows) wraps the logits
+        return cls(model.runtime.weights, slots, max_len or model.max_len, model.runtime.threads, model.runtime.device)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weights.vocab_size
+
+    @property
+    def lengths(self) -> list[int]:
+        return list(self._lengths)
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
+        _llama().llama_set_n_threads(self._ctx, threads, threads)
+
+    def capture_features(self, layers: Sequence[int]) -> None:
+        raise ValueError("the llamacpp backend does not hand back the target's hidden states yet, which a feature-level "
+                         "draft reads: use --backend lean for it, or --draft lookup")
+
+    def forward(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+        """``rows``: (slot, tokens to append) per sequence, slots distinct. Returns each row's logits ``(t_i, V)``
+        (float32, CPU) and advances each slot's length by ``t_i``."""
+        llama = _llama()
+        slots = [slot for slot, _ in rows]
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
+            raise ValueError(f"rows need distinct slots in [0, {self.slots}), got {slots}")
+        ids = [check_token_ids(tokens, self.vocab_size) for _, tokens in rows]
+        for slot, tokens in zip(slots, ids):
+            if self._lengths[slot] + len(tokens) > self.max_len:
+                raise ValueError(f"slot {slot}: {self._lengths[slot]} cached + {len(tokens)} new tokens exceeds {self.max_len} positions")
+        total = sum(len(t) for t in ids)
+        batch = llama.llama_batch_init(total, 0, 1)
+        try:
+            i = 0
+            for slot, tokens in zip(slots, ids):
+                for offset, token in enumerate(tokens):
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, self._lengths[slot] + offset, 1
+                    batch.seq_id[i][0], batch.logits[i] = slot, 1
+                    i += 1
+            batch.n_tokens = total
+            status = llama.llama_decode(self._ctx, batch)
+            if status != 0:
+                raise RuntimeError(f"llama_decode failed with status {status} on {total} tokens in {len(rows)} rows")
+            logits = np.ctypeslib.as_array(llama.llama_get_logits(self._ctx), shape=(total, self.vocab_size))
+            logits = torch.from_numpy(logits.copy())  # (total, V): llama.cpp reuses the buffer on the next call
+        finally:
+            llama.llama_batch_free(batch)
+        for slot, tokens in zip(slots, ids):
+            self._lengths[slot] += len(tokens)
+        return list(logits.split([len(t) for t in ids]))
+
+    def rollback(self, slot: int, length: int) -> None:
+        check_rollback_length(length, self._lengths[slot])
+        if length < self._lengths[slot]:
+            _llama().llama_memory_seq_rm(self._memory, slot, length, -1)
+            self._lengths[slot] = length
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        check_rollback_length(length, self._lengths[source])
+        llama = _llama()
+        llama.llama_memory_seq_rm(self._memory, slot, 0, -1)
+        if length:
+            llama.llama_memory_seq_cp(self._memory, source, slot, 0, length)
+        self._lengths[slot] = length
+
+
+class LlamaCppModel:
+    """One sequence on llama.cpp: slot 0 of a :class:`LlamaCppRuntime` of one slot (the single-sequence protocol)."""
+
+    invariant = False
+
+    def __init__(self, runtime: LlamaCppRuntime) -> None:
+        if runtime.slots != 1:
+            raise ValueError("LlamaCppModel is one sequence: give it a runtime of one slot")
+        self.runtime = runtime
+        self.device = runtime.device
+
+    @classmethod
+    def from_file(cls, path: str | Path, max_len: int | None = None, threads: int | None = None,
+                  device: str | torch.device = "cpu") -> "LlamaCppModel":
+        return cls(LlamaCppRuntime(path, 1, max_len, threads, device))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runtime.vocab_size
+
+    @property
+    def max_len(self) -> int:
+        return self.runtime.max_len
+
+    @property
+    def length(self) -> int:
+        return self.runtime.lengths[0]
+
+    @property
+    def last_features(self) -> None:
+        return None
+
+    def capture_features(self, layers: Sequence[int]) -> None:
+        self.runtime.capture_features(layers)
+
+    def set_threads(self, threads: int) -> None:
+        self.runtime.set_threads(threads)
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:  # (n, V)
+        self.runtime.rollback(0, 0)
+        return self.forward(token_ids)
+
+    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:  # (n, V)
+        return self.runtime.forward([(0, token_ids)])[0]
+
+    def rollback(self, length: int) -> None:
+        self.runtime.rollback(0, length)
+
+    def __repr__(self) -> str:
+        return f"LlamaCppModel({self.runtime.weights.path.name}, {self.runtime.threads} threads, max_len={self.max_len})"

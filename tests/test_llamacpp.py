@@ -1,0 +1,212 @@
+"""The llama.cpp runtime (exactspec.models.llamacpp) on tiny GGUF files written here, and the engine on it.
+
+The files: a random 2-layer Llama (64 wide, 256 tokens: a SentencePiece vocabulary of three control tokens and
+byte tokens, which llama.cpp needs to load a model) written with test_gguf's writer, as F32; the draft is the same
+model with noise (0.15 of the weights' scale) added to every matrix (acceptance 0.87 at T=1 over 4 allowed tokens).
+
+* The runtime against exactspec's own torch decoder on the same file: logits agree to ATOL, so positions, rows and
+  the cache are fed as llama.cpp means them (llama.cpp's float16 cache: ATOL_TORCH).
+* The runtime's operations: a ragged call, a rollback and a copied prefix give the logits of a fresh call.
+* Exactness through the engine: greedy speculative equals plain greedy; a seeded request draws the same tokens alone
+  and among others; and a G-test of the law of 4 new tokens over 4 allowed tokens (256 outcomes) against the law
+  computed from the runtime's own single-prefix logits, with the same false-positive rate as test_exactness (ALPHA
+  = 1e-3, N_QUICK and N sizes). Power: the same test rejects the engine with the replacement drawn from p instead
+  of the residual (test_exactness.replacement_from_target). Measured at N = 2,000 (seeds 0..1999): the correct
+  engine p = 0.38 with acceptance 0.87; the mutant p = 4.5e-22, so the test asserts p < 1e-12, far below ALPHA.
+
+llama.cpp's numerics are call-size dependent (its kernels tile by batch size): the measured largest logit
+difference of a position computed alone and inside a block or beside other rows is printed by
+test_a_block_and_a_batch_give_the_logits_of_calls_alone and bounded there by ATOL.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+import exactspec.decoding.engine as engine_module  # noqa: E402
+from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder  # noqa: E402
+from exactspec.decoding.engine import SequenceRequest  # noqa: E402
+from exactspec.decoding.sampling import GREEDY, block_probs  # noqa: E402
+from exactspec.loading import LoadedPair  # noqa: E402
+from exactspec.models.lean import LeanModel  # noqa: E402
+from exactspec.models.llamacpp import LlamaCppModel, LlamaCppRuntime  # noqa: E402
+from exactspec.speculator import build_engine  # noqa: E402
+from test_exactness import ALPHA, SIZES, g_test_p_value, replacement_from_target  # noqa: E402
+from test_gguf import VOCAB, llama_metadata, random_hf_weights, write_llama_gguf  # noqa: E402
+
+#: llama.cpp against itself (the same kernels and float16 KV cache, another call shape).
+ATOL = 1e-3
+#: llama.cpp against exactspec's float32 torch decoder: llama.cpp keeps keys and values in float16 (its default
+#: cache type), so logits of std ~2 differ by up to about 2e-2 (measured 0.018); a position fed one place off
+#: or a wrong rotary layout differs by O(1).
+ATOL_TORCH = 0.05
+PROMPT, NEW_TOKENS, GAMMA = [1, 7, 9], 4, 3
+ALLOWED = frozenset({3, 4, 5, 6})
+PARAMS = SamplingParams(allowed_token_ids=ALLOWED)
+
+
+def spm_metadata(writer, arch):
+    """The tiny Llama's hyperparameters and a SentencePiece vocabulary llama.cpp accepts: <unk>, <s>, </s>, bytes."""
+    llama_metadata(writer, arch)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(VOCAB - 3)]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * VOCAB)
+    writer.add_token_types([2, 3, 3] + [6] * (VOCAB - 3))
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llamacpp")
+    target = random_hf_weights(tie=False, seed=0)
+    noise = random_hf_weights(tie=False, seed=1)
+    draft = {name: w + 0.15 * noise[name] if w.dim() == 2 else w for name, w in target.items()}
+    return (write_llama_gguf(directory / "target.gguf", target, metadata=spm_metadata),
+            write_llama_gguf(directory / "draft.gguf", draft, metadata=spm_metadata))
+
+
+@pytest.fixture(scope="module")
+def target(files):
+    return LlamaCppModel.from_file(files[0], max_len=64, threads=1)
+
+
+@pytest.fixture(scope="module")
+def draft(files):
+    return LlamaCppModel.from_file(files[1], max_len=64, threads=1)
+
+
+def test_logits_equal_exactspecs_torch_decoder_on_the_same_file(files, target):
+    ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    lean = LeanModel.from_pretrained(files[0], dtype=torch.float32, weights="dense")
+    expected = lean.prefill(ids)
+    got = target.prefill(ids)
+    assert got.shape == (24, VOCAB) and got.dtype == torch.float32
+    assert (got - expected).abs().max() < ATOL_TORCH and expected.std() > 1.0  # far from uniform: the check has teeth
+    shifted = target.prefill([0] + ids)[1:]  # the same tokens one position later: the check sees positions
+    assert (shifted - expected).abs().max() > 10 * ATOL_TORCH
+
+
+def test_a_block_and_a_batch_give_the_logits_of_calls_alone(files):
+    runtime = LlamaCppRuntime(files[0], slots=3, max_len=64, threads=1)
+    alone = runtime.forward([(0, PROMPT + [11, 12, 13, 14])])[0]  # (7, V)
+    runtime.rollback(0, 0)
+    one_by_one = torch.cat([runtime.forward([(0, [token])])[0] for token in PROMPT + [11, 12, 13, 14]])
+    runtime.rollback(0, 3)
+    ragged = runtime.forward([(0, [11, 12]), (1, PROMPT + [11]), (2, [5])])
+    differences = [(alone - one_by_one).abs().max(), (ragged[0] - alone[3:5]).abs().max(), (ragged[1] - alone[:4]).abs().max()]
+    print("llama.cpp, largest logit difference, block vs one token at a time, ragged vs alone:", [f"{d:.1e}" for d in differences])
+    assert max(differences) < ATOL
+    assert [len(r) for r in ragged] == [2, 4, 1] and runtime.lengths == [5, 4, 1]
+
+
+def test_rollback_and_a_copied_prefix_continue_as_a_fresh_call(files):
+    runtime = LlamaCppRuntime(files[0], slots=2, max_len=64, threads=1)
+    fresh = runtime.forward([(0, [1, 20, 21, 22, 23])])[0]
+    runtime.rollback(0, 2)
+    again = runtime.forward([(0, [21, 22])])[0]
+    runtime.copy_prefix(0, 1, 3)
+    copied = runtime.forward([(1, [22, 23])])[0]
+    assert (again - fresh[2:4]).abs().max() < ATOL and (copied - fresh[3:5]).abs().max() < ATOL
+    assert runtime.lengths == [4, 5]
+
+
+def test_bad_calls_are_clear_errors(files, target):
+    runtime = LlamaCppRuntime(files[0], slots=2, max_len=8, threads=1)
+    with pytest.raises(ValueError, match="exceeds 8 positions"):
+        runtime.forward([(0, list(range(3, 12)))])
+    with pytest.raises(ValueError, match="distinct slots"):
+        runtime.forward([(0, [3]), (0, [4])])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        runtime.forward([(1, [VOCAB])])
+    with pytest.raises(ValueError, match="cannot roll back to length 2"):
+        runtime.rollback(1, 2)
+    with pytest.raises(ValueError, match="hidden states"):
+        target.capture_features([0])
+    assert runtime.lengths == [0, 0]  # nothing half-done
+
+
+def test_a_file_llama_cpp_cannot_load_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ValueError, match="llama.cpp could not load"):
+        LlamaCppModel.from_file(bad)
+
+
+def test_greedy_speculative_equals_plain_greedy(target, draft):
+    config = GenerationConfig(max_new_tokens=24, gamma=GAMMA)
+    for prompt in ([1, 7, 9], [1, 40, 41, 42], [1, 100]):
+        plain = SpeculativeDecoder(target, None, GREEDY).generate(prompt, config).tokens
+        speculative = SpeculativeDecoder(target, draft, GREEDY).generate(prompt, config)
+        assert speculative.tokens == plain and speculative.stats.acceptance_rate > 0
+
+
+def _run(engine, requests):
+    results = [[] for _ in requests]
+    handles = [engine.submit(r, lambda events, out=out: out.extend(e.token for e in events), lambda h: None)
+               for r, out in zip(requests, results)]
+    while any(h.finish_reason is None for h in handles):
+        engine.step()
+    return results
+
+
+def test_a_seeded_request_draws_the_same_tokens_alone_and_among_others(target, draft):
+    pair = LoadedPair(target, draft, tokenizer=None)  # build_engine reads no text
+    mine = SequenceRequest(tuple(PROMPT), SamplingParams(), 20, seed=77, speculation="draft", gamma=GAMMA)
+    others = [SequenceRequest((1, 50 + i, 60 + i), SamplingParams(top_p=0.9), 16 + i, seed=i, speculation="draft", gamma=2) for i in range(3)]
+    alone = _run(build_engine(pair, slots=4, max_len=64, calibrated=False), [mine])[0]
+    crowded = _run(build_engine(pair, slots=4, max_len=64, calibrated=False), others[:2] + [mine] + others[2:])[2]
+    solo = SpeculativeDecoder(target, draft, SamplingParams()).generate(PROMPT, GenerationConfig(max_new_tokens=20, gamma=GAMMA, seed=77))
+    assert alone == crowded == solo.tokens
+
+
+def exact_law(model: LlamaCppModel) -> dict[tuple[int, ...], float]:
+    """P(new tokens = s) from the runtime's logits of each prefix computed alone, through the pipeline."""
+    law = {}
+    for sequence in itertools.product(sorted(ALLOWED), repeat=NEW_TOKENS):
+        prob, prefix = 1.0, list(PROMPT)
+        for token in sequence:
+            logits = model.prefill(prefix)[-1:]
+            prob *= float(block_probs(logits, prefix, [], len(PROMPT), PARAMS)[0, token])
+            prefix.append(token)
+        law[sequence] = prob
+    return law
+
+
+def sample_counts(decoder: SpeculativeDecoder, n: int) -> tuple[dict[tuple[int, ...], int], float]:
+    """Outcome counts over seeds 0..n-1, and the acceptance rate over all their rounds."""
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = drafted = 0
+    for seed in range(n):
+        generation = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=seed))
+        counts[tuple(generation.tokens)] = counts.get(tuple(generation.tokens), 0) + 1
+        accepted, drafted = accepted + generation.stats.accepted, drafted + generation.stats.drafted
+    return counts, accepted / drafted
+
+
+@pytest.fixture(scope="module")
+def law(files):
+    return exact_law(LlamaCppModel.from_file(files[0], max_len=64, threads=1))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_speculative_sampling_on_llama_cpp_follows_the_target_law(target, draft, law, n):
+    counts, acceptance = sample_counts(SpeculativeDecoder(target, draft, PARAMS), n)
+    assert 0.5 < acceptance < 0.95  # rejections and replacements occur
+    assert g_test_p_value(counts, law) > ALPHA
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_the_same_test_rejects_the_replacement_drawn_from_the_target(target, draft, law, monkeypatch, n):
+    monkeypatch.setattr(engine_module, "verify_stochastic", replacement_from_target)
+    counts, _ = sample_counts(SpeculativeDecoder(target, draft, PARAMS), n)
+    assert g_test_p_value(counts, law) < 1e-12
