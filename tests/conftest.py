@@ -104,3 +104,38 @@ class SyntheticClock:
 
     def observe_draft(self, sources, seconds_per_step) -> None:
         self.policy.observe_draft(sources, self.draft_ms / 1000)
+
+
+def engine_counts(engine, prompt, n: int, params, new_tokens: int, gamma: int | str) -> dict[tuple[int, ...], int]:
+    """Outcome counts of ``n`` sequences of ``prompt`` (seeds 0..n-1, draft mode) drawn through one batch engine
+    with every slot busy. A seeded sequence draws from its own generator, so this is the experiment of n solo runs
+    (the law of each sequence is the target's whatever its neighbours: test_serving_engine) in far fewer calls."""
+    from exactspec.decoding.engine import SequenceRequest
+
+    outcomes = [[] for _ in range(n)]
+    handles = [engine.submit(SequenceRequest(tuple(prompt), params, new_tokens, seed=seed, speculation="draft", gamma=gamma),
+                             lambda events, out=outcomes[seed]: out.extend(e.token for e in events), lambda h: None)
+               for seed in range(n)]
+    while any(h.finish_reason is None for h in handles):
+        engine.step()
+    counts: dict[tuple[int, ...], int] = {}
+    for tokens in outcomes:
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    return counts
+
+
+def sequence_law(next_probs, prompt, new_tokens: int) -> dict[tuple[int, ...], float]:
+    """P(the next ``new_tokens`` tokens = s) for every s with P > 0, by walking the tree of prefixes once:
+    ``next_probs(prefix)`` gives the next token's distribution ``(V,)`` after ``prefix`` (prompt included)."""
+    law: dict[tuple[int, ...], float] = {}
+
+    def walk(prefix: list[int], generated: tuple[int, ...], prob: float) -> None:
+        if len(generated) == new_tokens:
+            law[generated] = prob
+            return
+        probs = next_probs(prefix)
+        for token in torch.nonzero(probs > 0).flatten().tolist():
+            walk(prefix + [token], generated + (token,), prob * float(probs[token]))
+
+    walk(list(prompt), (), 1.0)
+    return law

@@ -13,13 +13,16 @@ import pytest
 import torch
 
 from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
-from exactspec.models.lean import LeanModel
+from conftest import engine_counts
+from exactspec.decoding.engine import BatchEngine, EngineConfig
+from exactspec.models.feature_runtime import FeatureDraftRuntime
+from exactspec.models.lean import LeanModel, LeanRuntime
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.proposers import Draft, DraftRequest, LookupOrDraft
 from exactspec.proposers.base import processed_q
 from exactspec.proposers.feature_draft import FeatureDraftProposer
 from test_exactness import ALPHA, SIZES, g_test_p_value
-from test_feature_draft import GAMMA, NEW_TOKENS, PROMPT, VOCAB, exact_law, tiny_draft, tiny_target
+from test_feature_draft import GAMMA, NEW_TOKENS, PROMPT, SLOTS, VOCAB, exact_law, tiny_draft, tiny_target
 
 
 class Recorder:
@@ -88,17 +91,15 @@ class LookupAsSampled(LookupOrDraft):
 
 def combined_counts(params: SamplingParams, n: int, proposer_class=LookupOrDraft):
     target = tiny_target()
-    feature = FeatureDraftProposer.solo(tiny_draft(target), VOCAB, 32)
+    feature = FeatureDraftProposer(FeatureDraftRuntime(tiny_draft(target), SLOTS, 32), VOCAB)
     proposer = proposer_class(feature, min_match=1, max_ngram=2)
     routes = {"lookup": 0, "draft": 0}
     route = proposer.route
     proposer.route = lambda context: routes.__setitem__(r := route(context), routes[r] + 1) or r
-    config = AdaptiveConfig(max_gamma=GAMMA, initial_gamma=GAMMA)
-    decoder = SpeculativeDecoder(LeanModel(target), proposer, params, policy=AdaptiveGamma(config))
-    counts: dict[tuple[int, ...], int] = {}
-    for seed in range(n):
-        tokens = tuple(decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, seed=seed)).tokens)
-        counts[tokens] = counts.get(tokens, 0) + 1
+    engine = BatchEngine(LeanRuntime.like(LeanModel(target), SLOTS, 32), proposer, EngineConfig(gamma=GAMMA))
+    # A fixed gamma: the policy would learn from these tiny calls' timings to stop drafting (its per-source choice
+    # is test_engine_asks_and_teaches_the_policy_per_source's), and every round should draft from one source or the other.
+    counts = engine_counts(engine, PROMPT, n, params, NEW_TOKENS, GAMMA)
     return counts, exact_law(LeanModel(tiny_target()), params), routes
 
 

@@ -9,16 +9,17 @@ samples from the processed q but reports the raw one are rejected at the same N.
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
 
 import exactspec.decoding.engine as engine_module
+from conftest import engine_counts, sequence_law
 from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
 from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig, ttt_mask
 from exactspec.models.feature_runtime import FeatureDraftRuntime
-from exactspec.models.lean import LeanModel
+from exactspec.decoding.engine import BatchEngine, EngineConfig
+from exactspec.models.lean import LeanModel, LeanRuntime
 from exactspec.models.llama import LlamaDecoder
 from exactspec.models.llama_config import LlamaConfig
 from exactspec.proposers.feature_draft import FeatureDraftProposer
@@ -114,16 +115,8 @@ def test_greedy_equals_plain_greedy_and_drafts_come_from_the_subset():
 
 
 def exact_law(model: LeanModel, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    law = {}
-    for sequence in itertools.product(range(VOCAB), repeat=NEW_TOKENS):
-        prob, prefix = 1.0, list(PROMPT)
-        for token in sequence:
-            logits = model.prefill(prefix)[-1:]
-            prob *= float(block_probs(logits, prefix, [], len(PROMPT), params)[0, token])
-            prefix.append(token)
-        if prob > 0:
-            law[sequence] = prob
-    return law
+    """The law of NEW_TOKENS tokens after PROMPT from the model's logits of each prefix computed alone."""
+    return sequence_law(lambda prefix: block_probs(model.prefill(prefix)[-1:], prefix, [], len(PROMPT), params)[0], PROMPT, NEW_TOKENS)
 
 
 class RawProbsReported(FeatureDraftProposer):
@@ -136,15 +129,17 @@ class RawProbsReported(FeatureDraftProposer):
         return super().propose(requests, raw_reported)
 
 
+#: Sequences drawn at once by the statistical tests (one batch engine, seeds 0..n-1; see conftest.engine_counts).
+SLOTS = 48
+
+
 def counts_and_law(params: SamplingParams, n: int, proposer_class=FeatureDraftProposer):
+    """The feature draft batched over SLOTS slots beside the target's LeanRuntime, as serve runs it."""
     target = tiny_target()
-    proposer = proposer_class.solo(tiny_draft(target), VOCAB, 32)
-    decoder = SpeculativeDecoder(LeanModel(target), proposer, params)
-    counts: dict[tuple[int, ...], int] = {}
-    for seed in range(n):
-        tokens = tuple(decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=seed)).tokens)
-        counts[tokens] = counts.get(tokens, 0) + 1
-    return counts, exact_law(LeanModel(tiny_target()), params), decoder
+    proposer = proposer_class(FeatureDraftRuntime(tiny_draft(target), SLOTS, 32), VOCAB)
+    engine = BatchEngine(LeanRuntime.like(LeanModel(target), SLOTS, 32), proposer, EngineConfig(gamma=GAMMA))
+    counts = engine_counts(engine, PROMPT, n, params, NEW_TOKENS, GAMMA)
+    return counts, exact_law(LeanModel(tiny_target()), params), engine
 
 
 @pytest.mark.parametrize("n", SIZES)

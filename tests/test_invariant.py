@@ -88,6 +88,7 @@ needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None or not SMOLLM2.is_file(), rea
 
 
 @needs_smollm2
+@pytest.mark.slow  # minutes where bfloat16 is emulated (AVX2); the toy target's checks above cover both dtypes quickly
 @pytest.mark.parametrize("weights", ["dense", "q4"])
 def test_smollm2_is_bit_identical_in_every_block_size_in_bfloat16(weights):
     model = LeanModel.from_pretrained(SMOLLM2, dtype=torch.bfloat16, max_len=256, weights=weights, invariant=True)
@@ -95,6 +96,7 @@ def test_smollm2_is_bit_identical_in_every_block_size_in_bfloat16(weights):
 
 
 @needs_smollm2
+@pytest.mark.slow  # as above
 def test_smollm2_greedy_speculative_equals_greedy_plain_in_bfloat16():
     """The promise the mode exists for: in bfloat16, prompt-lookup speculation (gamma 8) gives plain decoding's
     greedy tokens exactly."""

@@ -21,8 +21,6 @@ test_a_block_and_a_batch_give_the_logits_of_calls_alone and bounded there by ATO
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -38,6 +36,7 @@ from exactspec.loading import LoadedPair  # noqa: E402
 from exactspec.models.lean import LeanModel  # noqa: E402
 from exactspec.models.llamacpp import LlamaCppModel, LlamaCppRuntime  # noqa: E402
 from exactspec.speculator import build_engine  # noqa: E402
+from conftest import sequence_law  # noqa: E402
 from test_exactness import ALPHA, SIZES, g_test_p_value, replacement_from_target  # noqa: E402
 from test_gguf import VOCAB, llama_metadata, random_hf_weights, write_llama_gguf  # noqa: E402
 
@@ -171,15 +170,7 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_among_others(target, d
 
 def exact_law(model: LlamaCppModel) -> dict[tuple[int, ...], float]:
     """P(new tokens = s) from the runtime's logits of each prefix computed alone, through the pipeline."""
-    law = {}
-    for sequence in itertools.product(sorted(ALLOWED), repeat=NEW_TOKENS):
-        prob, prefix = 1.0, list(PROMPT)
-        for token in sequence:
-            logits = model.prefill(prefix)[-1:]
-            prob *= float(block_probs(logits, prefix, [], len(PROMPT), PARAMS)[0, token])
-            prefix.append(token)
-        law[sequence] = prob
-    return law
+    return sequence_law(lambda prefix: block_probs(model.prefill(prefix)[-1:], prefix, [], len(PROMPT), PARAMS)[0], PROMPT, NEW_TOKENS)
 
 
 def sample_counts(decoder: SpeculativeDecoder, n: int) -> tuple[dict[tuple[int, ...], int], float]:

@@ -39,14 +39,15 @@ def test_medians_spread_and_ratios_come_from_every_run(target, monkeypatch):
     config = peers.PeerBenchConfig(target, threads=1, num_prompts=2, repeats=3)  # greedy, chat only
     report = peers.run_peer_bench(config, progress=False)
     rows = {row["arm"]: row for row in report["results"]}
-    assert list(rows) == ["exactspec plain", "exactspec prompt lookup (auto gamma)", "llama.cpp plain", "llama.cpp prompt lookup (2 tokens)"]
-    # Interleaved: prompt 1 repetition 1 runs arms 1..4 (rates 1..4), repetition 2 rates 5..8, and so on.
-    assert rows["exactspec plain"]["per_prompt"] == [[1, 5, 9], [13, 17, 21]]
-    assert rows["exactspec plain"]["tokens_per_second"] == (5 + 17) / 2 and rows["exactspec plain"]["spread"] == [5, 17]
-    assert rows["llama.cpp plain"]["tokens_per_second"] == (7 + 19) / 2
-    assert rows["exactspec plain"]["vs_llama_cpp_plain"] == pytest.approx(11 / 13)
+    assert list(rows) == ["exactspec plain", "exactspec prompt lookup (auto gamma)", "exactspec plain (llama.cpp runtime)",
+                          "exactspec prompt lookup (llama.cpp runtime, auto gamma)", "llama.cpp plain", "llama.cpp prompt lookup (2 tokens)"]
+    # Interleaved: prompt 1 repetition 1 runs arms 1..6 (rates 1..6), repetition 2 rates 7..12, and so on.
+    assert rows["exactspec plain"]["per_prompt"] == [[1, 7, 13], [19, 25, 31]]
+    assert rows["exactspec plain"]["tokens_per_second"] == (7 + 25) / 2 and rows["exactspec plain"]["spread"] == [7, 25]
+    assert rows["llama.cpp plain"]["tokens_per_second"] == (11 + 29) / 2
+    assert rows["exactspec plain"]["vs_llama_cpp_plain"] == pytest.approx(16 / 20)
     assert rows["llama.cpp plain"]["vs_llama_cpp_plain"] == 1.0
-    assert rows["exactspec prompt lookup (auto gamma)"]["speedup"] == pytest.approx(12 / 11)
+    assert rows["exactspec prompt lookup (auto gamma)"]["speedup"] == pytest.approx(17 / 16)
     assert rows["exactspec prompt lookup (auto gamma)"]["tokens_per_call"] == 2.0 and rows["exactspec plain"]["tokens_per_call"] is None
     assert report["llama_cpp"]["system_info"] == "AVX2 = 1" and "hidden states" in report["hf_assisted"]
 
@@ -54,12 +55,12 @@ def test_medians_spread_and_ratios_come_from_every_run(target, monkeypatch):
 def test_a_safetensors_target_runs_the_exactspec_arms_and_says_why_llama_cpp_did_not(target, tmp_path, capsys):
     out = tmp_path / "out"
     code, stdout, err = bench(capsys, "--target", str(target), "--prompts", "1", "--repeats", "2", "--max-new-tokens", "4",
-                              "--threads", "1", "--output-dir", str(out), "--json", "--modes", "greedy,sample", "--workloads", "chat,grounded")
+                              "--threads", "1", "--output-dir", str(out), "--json", "--modes", "greedy,sample", "--workloads", "grounded")
     assert code == 0, err
     report = json.loads(stdout)
     assert report["llama_cpp_skipped"] == "the target is not a .gguf file"
     assert [(row["mode"], row["workload"], row["arm"]) for row in report["results"]] == [
-        (mode, workload, arm) for mode in ("greedy", "sample") for workload in ("chat", "grounded")
+        (mode, "grounded", arm) for mode in ("greedy", "sample")
         for arm in ("exactspec plain", "exactspec prompt lookup (auto gamma)")]
     for row in report["results"]:
         (runs,) = row["per_prompt"]

@@ -231,7 +231,7 @@ def test_sigterm_finishes_cleanly(tmp_path):
 
 @pytest.mark.parametrize("flags, words", [
     (["--host", "0.0.0.0"], "give it an --api-key"),
-    (["--backend", "hf"], "lean backend"),
+    (["--backend", "hf"], "--backend hf is for generate"),
 ])
 def test_serve_refuses_unsafe_or_unsupported_settings_in_one_line(flags, words, capsys):
     from exactspec.cli import main

@@ -168,6 +168,8 @@ def test_a_cancelled_sequence_leaves_and_frees_its_slot(pair, prompts):
 
 PROMPT, NEW_TOKENS, VOCAB = (1, 2), 5, 4
 NEIGHBOURS = [((3, 0, 1), "lookup", 0.5), ((2,), "off", 1.0), ((0, 0, 3, 2), "draft", 1.5)]
+#: Slots of the engines the law tests sample through: many sequences share each call (fewer calls for the same N).
+LAW_SLOTS = 48
 
 
 def tiny_engine(slots: int = 4) -> BatchEngine:
@@ -216,7 +218,7 @@ def law_counts(engine: BatchEngine, n: int, params: SamplingParams = SamplingPar
 
 @pytest.mark.parametrize("n", SIZES)
 def test_a_sequences_law_is_unchanged_by_its_neighbours(n):
-    counts = law_counts(tiny_engine(), n)
+    counts = law_counts(tiny_engine(LAW_SLOTS), n)
     assert g_test_p_value(counts, exact_law(LeanModel(tiny_target(3)), SamplingParams())) > ALPHA
 
 
@@ -229,7 +231,7 @@ def test_a_batched_feature_draft_keeps_the_law_and_a_wrong_q_is_rejected(mutant,
     from exactspec.certification.mutants import MUTANTS
 
     params = SamplingParams(temperature=0.7, top_k=3)
-    engine = tiny_feature_engine(MUTANTS[mutant] if mutant else BatchEngine)
+    engine = tiny_feature_engine(MUTANTS[mutant] if mutant else BatchEngine, slots=LAW_SLOTS)
     p_value = g_test_p_value(law_counts(engine, n, params), exact_law(LeanModel(tiny_target(3)), params))
     assert engine.metrics.accepted > 0
     assert (p_value > ALPHA) if mutant is None else (p_value < ALPHA)
@@ -237,7 +239,7 @@ def test_a_batched_feature_draft_keeps_the_law_and_a_wrong_q_is_rejected(mutant,
 
 @pytest.mark.parametrize("n", SIZES)
 def test_the_same_test_rejects_an_engine_that_mixes_up_rows(n):
-    engine = tiny_engine()
+    engine = tiny_engine(LAW_SLOTS)
     forward = engine.target.forward
 
     def rotated(rows):

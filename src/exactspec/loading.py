@@ -183,8 +183,12 @@ def _feature_draft(directory: str | Path, target: LanguageModel):
 def native_bfloat16(device: str | torch.device = "cpu") -> bool:
     """Whether ``device`` computes in bfloat16 natively: a CUDA device that supports it, or a CPU with AVX-512 BF16
     or AMX (elsewhere oneDNN emulates it: the toy pair ran 1.5x slower in bfloat16 than in float32 on an AVX2 CPU).
-    ``ATEN_CPU_CAPABILITY`` set below avx512 (imitating an older CPU) counts as no."""
-    device = torch.device(device)
+    ``ATEN_CPU_CAPABILITY`` set below avx512 (imitating an older CPU) counts as no; so does a device name torch
+    does not know (:func:`check_device` reports it)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, ValueError):
+        return False
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu" or os.environ.get("ATEN_CPU_CAPABILITY", "avx512").lower() not in ("avx512", "default", ""):
