@@ -48,8 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)
-        if getattr(args, "dtype", None) == "auto":  # the precision this machine computes fastest in
-            args.dtype = default_dtype(args.device)
+        if getattr(args, "dtype", None) == "auto":  # the precision this machine computes the target fastest in
+            args.dtype = default_dtype(args.device, getattr(args, "target", None), getattr(args, "backend", "lean"),
+                                       getattr(args, "weights", "auto"))
         result = args.run(args)
         _show(args, result)
     except CliError as error:
