@@ -17,6 +17,7 @@ from exactspec.cli.common import (
 from exactspec.cli.files import check_record_path, write_record_file
 from exactspec.decoding.priors import PolicyCache
 from exactspec.decoding.sampling import SamplingParams
+from exactspec.loading import unwrapped
 from exactspec.speculator import Completion, Speculator
 from exactspec.tokenizer import stream_text
 
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> dict:
     generation, stats = completion.generation, completion.generation.stats
     result = {
         "prompt": text,
-        "threads": torch.get_num_threads(),
+        "threads": getattr(unwrapped(speculator.pair.target), "threads", torch.get_num_threads()),  # llama.cpp's own, or torch's
         "runtime": args.backend,
         "precision": precision(args),
         "text": "".join(pieces),

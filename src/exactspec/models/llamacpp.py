@@ -206,6 +206,10 @@ class LlamaCppModel:
         return self.runtime.max_len
 
     @property
+    def threads(self) -> int:
+        return self.runtime.threads
+
+    @property
     def length(self) -> int:
         return self.runtime.lengths[0]
 
