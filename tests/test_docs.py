@@ -29,7 +29,8 @@ SIZED = {"generate": ["--max-new-tokens"], "bench": ["--prompts", "--repeats", "
          "certify": ["--sequences", "--max-tokens"], "generate-batch": ["--max-tokens"], "train-draft": ["--minutes"],
          "audit": ["--requests", "--max-tokens"]}
 #: Commands that need what a fresh machine may lack: the first word of the command line -> what, and how to check.
-NEEDS = {"python -m llama_cpp.server": ("llama-cpp-python", "llama_cpp"), "exactspec audit --endpoint http://127.0.0.1:8842": ("llama-cpp-python", "llama_cpp")}
+NEEDS = {"python -m llama_cpp.server": ("llama-cpp-python", "llama_cpp"), "exactspec audit --endpoint http://127.0.0.1:8842": ("llama-cpp-python", "llama_cpp"),
+         "exactspec generate --target smollm2 --backend llamacpp": ("llama-cpp-python", "llama_cpp")}
 #: Commands that start a long job of their own (a server in the foreground, the hours-long training of the default
 #: pair) or set up this machine: their flags are checked (``test_every_exactspec_command_shown_parses``), not run.
 LONG = ("exactspec serve", "python -m exactspec.training", "python -m pip install", "python -m pytest")

@@ -254,21 +254,36 @@ def _f32(state: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, "Q"]]:
     return {name: quantized(w, "F32") for name, w in gguf_tensors(state).items()}
 
 
-@pytest.mark.parametrize("type_name", ["Q6_K", "Q4_K"])
-def test_unsupported_tensor_type_is_refused_by_name(tmp_path, type_name):
-    """A K-quant tensor is a ValueError naming its type (and what is read), not garbage weights."""
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q2_K", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+def test_other_types_are_dequantized_as_the_gguf_package_does(tmp_path, type_name):
+    """Types beyond exactspec's own (K-quants, I-quants, Q5_*) come through gguf.quants.dequantize, row by row, at
+    the tensor's offset and in torch's dimension order."""
     qtype = Q[type_name]
     per_block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    raw = np.random.default_rng(0).integers(0, 256, (4, block_bytes), dtype=np.uint8)  # 4 rows of 256 weights
-    path = write_gguf(tmp_path / "k.gguf", {"token_embd.weight": (raw, qtype)})
+    raw = np.random.default_rng(0).integers(0, 256, (3, 2 * block_bytes), dtype=np.uint8)  # 3 rows of 2 blocks
+    path = write_gguf(tmp_path / "k.gguf", {"output_norm.weight": quantized(torch.ones(8), "F32"), "token_embd.weight": (raw, qtype)})
     file = read_gguf(path)
-    assert file.tensors["token_embd.weight"].shape == (4, per_block)
-    with pytest.raises(ValueError, match=rf"token_embd\.weight is {type_name}, which exactspec does not read .*Q4_0"):
+    assert file.tensors["token_embd.weight"].shape == (3, 2 * per_block)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    torch.testing.assert_close(file.tensor("token_embd.weight"), expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_type_nothing_reads_is_refused_by_name(tmp_path, monkeypatch):
+    """Without the gguf package a K-quant tensor is a ValueError naming its type and what is read, not garbage."""
+    import exactspec.models.gguf as reader
+
+    monkeypatch.setattr(reader, "_gguf_type", lambda type_id: None)
+    raw = np.zeros((4, gguf.GGML_QUANT_SIZES[Q.Q6_K][1]), dtype=np.uint8)
+    file = read_gguf(write_gguf(tmp_path / "k.gguf", {"token_embd.weight": (raw, Q.Q6_K)}))
+    with pytest.raises(ValueError, match=r"token_embd\.weight is Q6_K, which exactspec does not read .*Q4_0.*pip install gguf"):
         file.tensor("token_embd.weight")
 
 
-def test_unsupported_tensor_type_fails_the_model_load(tmp_path):
-    """Loading a whole model with one Q6_K matrix is a ValueError naming the type."""
+def test_a_model_with_a_type_nothing_reads_fails_to_load_by_name(tmp_path, monkeypatch):
+    """Loading a whole model with one Q6_K matrix, where no reader knows Q6_K, is a ValueError naming the type."""
+    import exactspec.models.gguf as reader
+
+    monkeypatch.setattr(reader, "_gguf_type", lambda type_id: None)
     hidden = 256
     cfg = dict(vocab_size=16, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=1, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=32)

@@ -134,11 +134,18 @@ def test_bad_calls_are_clear_errors(files, target):
     assert runtime.lengths == [0, 0]  # nothing half-done
 
 
-def test_a_file_llama_cpp_cannot_load_is_a_clear_error(tmp_path):
+def test_a_file_llama_cpp_cannot_load_or_requantize_is_a_clear_error(tmp_path, files):
+    from exactspec.models.llamacpp import requantize
+
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(ValueError, match="llama.cpp could not load"):
         LlamaCppModel.from_file(bad)
+    with pytest.raises(ValueError, match="could not requantize"):
+        requantize(bad, tmp_path / "out.gguf", "Q8_0")
+    with pytest.raises(ValueError, match="unknown llama.cpp file type 'Q9_9'; choose one of .*Q8_0"):
+        requantize(files[0], tmp_path / "out.gguf", "Q9_9")
+    assert not (tmp_path / "out.gguf").exists()
 
 
 def test_greedy_speculative_equals_plain_greedy(target, draft):
@@ -201,3 +208,27 @@ def test_the_same_test_rejects_the_replacement_drawn_from_the_target(target, dra
     monkeypatch.setattr(engine_module, "verify_stochastic", replacement_from_target)
     counts, _ = sample_counts(SpeculativeDecoder(target, draft, PARAMS), n)
     assert g_test_p_value(counts, law) < 1e-12
+
+
+def test_a_k_quant_file_reads_in_torch_as_llama_cpp_runs_it(tmp_path):
+    """Any GGUF a llama.cpp user has: SmolLM2 requantized to Q4_K_M by llama.cpp's own quantizer (Q4_K and Q6_K
+    blocks, with Q5_0 where a row is not a multiple of 256 weights) loads in exactspec's torch runtime, and on a
+    real prompt its next-token logits agree with llama.cpp's on the same file: the same argmax at almost every
+    position, within the gap that llama.cpp's 8-bit activations and float16 cache leave."""
+    from exactspec.loading import PACKAGED_MODELS
+    from exactspec.models.gguf import read_gguf
+    from exactspec.models.llamacpp import requantize
+    from exactspec.tokenizer import TextTokenizer
+
+    try:
+        source = PACKAGED_MODELS["smollm2"].path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    path = requantize(source, tmp_path / "smollm2-q4_k_m.gguf", "Q4_K_M")
+    assert {"Q4_K", "Q6_K", "Q5_0"} <= {t.type_name for t in read_gguf(path).tensors.values()}
+    ids = TextTokenizer.from_path(source).encode_prompt("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(")
+    ours = LeanModel.from_pretrained(path, dtype=torch.float32, weights="dense", max_len=128).prefill(ids)
+    theirs = LlamaCppModel.from_file(path, max_len=128).prefill(ids)
+    agreement = (ours.argmax(-1) == theirs.argmax(-1)).float().mean()
+    print(f"Q4_K_M: argmax agreement {agreement:.3f}, largest logit difference {(ours - theirs).abs().max():.3f}")
+    assert agreement >= 0.9 and (ours - theirs).abs().max() < 2.0

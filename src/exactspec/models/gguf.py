@@ -9,8 +9,11 @@ Weight types read: F32, F16, BF16 and the block formats of 32 weights
 ``Q8_0`` (w = d * q, q int8), ``Q4_0`` (w = d * (q - 8), q in 0..15) and
 ``Q4_1`` (w = d * q + m, q in 0..15), with ``d`` and ``m`` float16 per block;
 the 4-bit blocks hold weights 0..15 in the low nibbles and 16..31 in the high
-nibbles. Any other type (the K-quants, the I-quants) is refused by name.
-Dequantization happens in float32, where every one of these values is exact.
+nibbles, dequantized here in float32, where every one of these values is exact.
+Every other type llama.cpp writes (Q5_0, Q5_1, the K-quants Q2_K..Q6_K, the
+I-quants, MXFP4 ...) is dequantized by ggml-org's ``gguf`` package
+(``gguf.quants.dequantize``, its reference of llama.cpp's own block layouts); a
+type neither knows is refused by name.
 
 llama.cpp's converter reorders the rows of each query and key head from
 Hugging Face's two halves (rotate_half) to interleaved pairs; :func:`hf_state_dict`
@@ -61,8 +64,18 @@ class GGUFTensor:
         return _OTHER_TYPES.get(self.type_id, f"type {self.type_id}")
 
     @property
+    def known(self) -> bool:
+        """Whether this reader or the ``gguf`` package can dequantize the tensor's type."""
+        return self.type_id in SUPPORTED_TYPES or _gguf_type(self.type_id) is not None
+
+    @property
     def nbytes(self) -> int:
-        _, per_block, block_bytes = SUPPORTED_TYPES[self.type_id]
+        if self.type_id in SUPPORTED_TYPES:
+            _, per_block, block_bytes = SUPPORTED_TYPES[self.type_id]
+        else:
+            from gguf import GGML_QUANT_SIZES
+
+            per_block, block_bytes = GGML_QUANT_SIZES[_gguf_type(self.type_id)]
         return int(np.prod(self.shape)) // per_block * block_bytes
 
 
@@ -75,12 +88,18 @@ class GGUFFile:
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor, dequantized to float32."""
         info = self.tensors[name]
-        if info.type_id not in SUPPORTED_TYPES:
+        if not info.known:
             raise ValueError(f"{self.path}: tensor {name} is {info.type_name}, which exactspec does not read "
-                             f"(it reads {', '.join(sorted(n for n, _, _ in SUPPORTED_TYPES.values()))})")
+                             f"(it reads {', '.join(sorted(n for n, _, _ in SUPPORTED_TYPES.values()))}, and with the "
+                             "gguf package installed every type it dequantizes: pip install gguf)")
         raw = np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         if raw.size != info.nbytes:
             raise ValueError(f"{self.path} is truncated: tensor {name} needs {info.nbytes} bytes at offset {info.offset}")
+        if info.type_id not in SUPPORTED_TYPES:
+            from gguf import quants
+
+            rows = int(np.prod(info.shape[:-1]))
+            return torch.from_numpy(quants.dequantize(raw.reshape(rows, -1), _gguf_type(info.type_id)).astype(np.float32)).reshape(info.shape)
         return dequantize(torch.from_numpy(raw), info.type_id, info.shape)
 
 
@@ -94,6 +113,19 @@ class GGUFFile:
         q, d, m = _q4_fields(raw, info.type_name)
         rows, cols = info.shape
         return q.reshape(rows, cols), d.reshape(rows, cols // 32), m.reshape(rows, cols // 32)
+
+
+def _gguf_type(type_id: int):
+    """The ``gguf`` package's quantization type for ``type_id``, where it is installed and knows the type."""
+    try:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    except ImportError:
+        return None
+    try:
+        qtype = GGMLQuantizationType(type_id)
+    except ValueError:
+        return None
+    return qtype if qtype in GGML_QUANT_SIZES else None
 
 
 def dequantize(raw: torch.Tensor, type_id: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -180,7 +212,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         data_start = -(-handle.tell() // alignment) * alignment
     tensors = {name: GGUFTensor(name, shape, type_id, data_start + offset) for name, shape, type_id, offset in records}
     for info in tensors.values():
-        if info.type_id in SUPPORTED_TYPES and info.offset + info.nbytes > size:
+        if info.known and info.offset + info.nbytes > size:
             raise ValueError(f"{path} is truncated: tensor {info.name} ends past the end of the file")
     return GGUFFile(path, metadata, tensors)
 

@@ -33,7 +33,7 @@ import torch
 
 from .base import check_rollback_length, check_token_ids
 
-__all__ = ["LlamaCppRuntime", "LlamaCppModel", "llama_cpp_available", "llama_cpp_version"]
+__all__ = ["LlamaCppRuntime", "LlamaCppModel", "llama_cpp_available", "llama_cpp_version", "requantize"]
 
 _BACKEND: dict = {}  # the imported module and the no-op log callback (kept alive while llama.cpp may call it)
 
@@ -63,6 +63,23 @@ def llama_cpp_version() -> dict:
     """llama-cpp-python's version and the CPU features its llama.cpp build uses."""
     llama = _llama()
     return {"version": llama.__version__, "system_info": llama.llama_print_system_info().decode().strip()}
+
+
+def requantize(source: str | Path, out: str | Path, ftype: str, threads: int | None = None) -> Path:
+    """A copy of GGUF file ``source`` at ``out`` with its weights requantized by llama.cpp's own quantizer
+    (``ftype``: a name of llama.cpp's file types such as Q8_0, Q4_0, Q4_K_M, F16). The model's numbers change with
+    the format: for measurement, and for trying formats other than the one a file ships in."""
+    llama = _llama()
+    code = getattr(llama, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}", None) if ftype.upper() not in ("F32", "ALL_F32") else llama.LLAMA_FTYPE_ALL_F32
+    if code is None:
+        known = sorted(n.removeprefix("LLAMA_FTYPE_MOSTLY_") for n in dir(llama) if n.startswith("LLAMA_FTYPE_MOSTLY_"))
+        raise ValueError(f"unknown llama.cpp file type {ftype!r}; choose one of {', '.join(known)}")
+    params = llama.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = code, True, threads or torch.get_num_threads()
+    if llama.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        Path(out).unlink(missing_ok=True)  # nothing half-written
+        raise ValueError(f"llama.cpp could not requantize {source} to {ftype}")
+    return Path(out)
 
 
 class _Weights:
