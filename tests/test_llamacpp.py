@@ -213,8 +213,9 @@ def test_the_same_test_rejects_the_replacement_drawn_from_the_target(target, dra
 def test_a_k_quant_file_reads_in_torch_as_llama_cpp_runs_it(tmp_path):
     """Any GGUF a llama.cpp user has: SmolLM2 requantized to Q4_K_M by llama.cpp's own quantizer (Q4_K and Q6_K
     blocks, with Q5_0 where a row is not a multiple of 256 weights) loads in exactspec's torch runtime, and on a
-    real prompt its next-token logits agree with llama.cpp's on the same file: the same argmax at almost every
-    position, within the gap that llama.cpp's 8-bit activations and float16 cache leave."""
+    real prompt its next-token distributions agree with llama.cpp's on the same file. Measured (21 positions): the
+    same argmax everywhere, total variation median 0.042 (max 0.16, at the first position), the gap llama.cpp's
+    8-bit activations and float16 cache leave; a misread block layout gives noise (TV near 1)."""
     from exactspec.loading import PACKAGED_MODELS
     from exactspec.models.gguf import read_gguf
     from exactspec.models.llamacpp import requantize
@@ -230,5 +231,6 @@ def test_a_k_quant_file_reads_in_torch_as_llama_cpp_runs_it(tmp_path):
     ours = LeanModel.from_pretrained(path, dtype=torch.float32, weights="dense", max_len=128).prefill(ids)
     theirs = LlamaCppModel.from_file(path, max_len=128).prefill(ids)
     agreement = (ours.argmax(-1) == theirs.argmax(-1)).float().mean()
-    print(f"Q4_K_M: argmax agreement {agreement:.3f}, largest logit difference {(ours - theirs).abs().max():.3f}")
-    assert agreement >= 0.9 and (ours - theirs).abs().max() < 2.0
+    total_variation = 0.5 * (ours.softmax(-1) - theirs.softmax(-1)).abs().sum(-1)  # (T,)
+    print(f"Q4_K_M: argmax agreement {agreement:.3f}, total variation median {total_variation.median():.3f}")
+    assert agreement >= 0.95 and total_variation.median() < 0.1

@@ -13,6 +13,9 @@ What ``generate`` does around the decoder lives here, so a library user gets all
   the policy cache or the draft's shipped figures) and adds each finished run's acceptance to the policy cache; the
   policy keeps learning across the object's calls. An integer fixes gamma (0: plain decoding).
 
+:func:`build_engine` gives serve, batch jobs, certification and benches the same pair as a batch engine of many
+slots on its runtime.
+
 Every generation is the engine's exact round (:mod:`exactspec.decoding.engine`) whatever is chosen here: these choices move
 speed, never the output law.
 """
@@ -147,7 +150,8 @@ class Speculator:
 
 def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfig = EngineConfig(), calibrated: bool = True,
                  engine_class: type[BatchEngine] = BatchEngine, acceptance: Sequence[float] = ()) -> BatchEngine:
-    """A batch engine over the pair's lean models, with ``slots`` sequences of up to ``max_len`` positions. A draft
+    """A batch engine over the pair's models on their runtimes (torch's lean runtime, or llama.cpp's for the
+    llamacpp backend), with ``slots`` sequences of up to ``max_len`` positions. A draft
     model is batched like the target, and so is a feature-level draft (its one layer's slot cache). The gamma policy
     starts from ``acceptance`` (the draft's by position: :func:`exactspec.decoding.priors.acceptance_prior`) and, with
     ``calibrated``, from call costs measured now."""
@@ -174,7 +178,7 @@ def _batched(model, slots: int, max_len: int, vocab_size: int):
     from exactspec.models.llamacpp import LlamaCppModel, LlamaCppRuntime
 
     if isinstance(model, LlamaCppModel):
-        return LlamaCppRuntime.like(model, slots, max_len)
+        return LlamaCppRuntime.like(model, slots, max_len, vocab_size)
     if not isinstance(model, LeanModel):
         raise ValueError("serving and batch jobs run the lean or llamacpp backend; --backend hf is for generate and bench")
     return LeanRuntime.like(model, slots, max_len, vocab_size)

@@ -105,7 +105,7 @@ class LlamaCppRuntime:
     last_features: list[torch.Tensor] = []
 
     def __init__(self, path: str | Path | _Weights, slots: int = 1, max_len: int | None = None, threads: int | None = None,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", vocab_size: int | None = None) -> None:
         llama = _llama()
         self.device = torch.device(device)
         self.weights = path if isinstance(path, _Weights) else _Weights(Path(path), self.device)
@@ -128,16 +128,17 @@ class LlamaCppRuntime:
         weakref.finalize(self, llama.llama_free, self._ctx)
         self._memory = llama.llama_get_memory(self._ctx)
         self._lengths = [0] * slots
+        self._vocab_size = min(vocab_size or self.weights.vocab_size, self.weights.vocab_size)  # padding rows cut
 
     @classmethod
     def like(cls, model: "LlamaCppModel", slots: int, max_len: int | None = None, vocab_size: int | None = None) -> "LlamaCppRuntime":
-        """A runtime of ``slots`` slots over the same loaded file and threads as ``model`` (weights loaded once)."""
-        del vocab_size  # the file's vocabulary; the caller's restriction (padding rows) wraps the logits
-        return cls(model.runtime.weights, slots, max_len or model.max_len, model.runtime.threads, model.runtime.device)
+        """A runtime of ``slots`` slots over the same loaded file and threads as ``model`` (weights loaded once), its
+        logits cut to ``vocab_size`` rows where the file's output has padding rows beyond the tokenizer's ids."""
+        return cls(model.runtime.weights, slots, max_len or model.max_len, model.runtime.threads, model.runtime.device, vocab_size)
 
     @property
     def vocab_size(self) -> int:
-        return self.weights.vocab_size
+        return self._vocab_size
 
     @property
     def lengths(self) -> list[int]:
@@ -175,8 +176,8 @@ class LlamaCppRuntime:
             status = llama.llama_decode(self._ctx, batch)
             if status != 0:
                 raise RuntimeError(f"llama_decode failed with status {status} on {total} tokens in {len(rows)} rows")
-            logits = np.ctypeslib.as_array(llama.llama_get_logits(self._ctx), shape=(total, self.vocab_size))
-            logits = torch.from_numpy(logits.copy())  # (total, V): llama.cpp reuses the buffer on the next call
+            logits = np.ctypeslib.as_array(llama.llama_get_logits(self._ctx), shape=(total, self.weights.vocab_size))
+            logits = torch.from_numpy(logits[:, : self.vocab_size].copy())  # (total, V): llama.cpp reuses its buffer
         finally:
             llama.llama_batch_free(batch)
         for slot, tokens in zip(slots, ids):
