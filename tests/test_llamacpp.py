@@ -4,8 +4,9 @@ The files: a random 2-layer Llama (64 wide, 256 tokens: a SentencePiece vocabula
 byte tokens, which llama.cpp needs to load a model) written with test_gguf's writer, as F32; the draft is the same
 model with noise (0.15 of the weights' scale) added to every matrix (acceptance 0.87 at T=1 over 4 allowed tokens).
 
-* The runtime against exactspec's own torch decoder on the same file: logits agree to ATOL, so positions, rows and
-  the cache are fed as llama.cpp means them (llama.cpp's float16 cache: ATOL_TORCH).
+* The runtime against exactspec's own torch decoder on the same file: logits agree to ATOL_TORCH (llama.cpp keeps
+  a float16 cache), so positions, rows and the cache are fed as llama.cpp means them; and SmolLM2 requantized to
+  Q4_K_M by llama.cpp reads in torch (K-quants through the gguf package) as llama.cpp runs it.
 * The runtime's operations: a ragged call, a rollback and a copied prefix give the logits of a fresh call.
 * Exactness through the engine: greedy speculative equals plain greedy; a seeded request draws the same tokens alone
   and among others; and a G-test of the law of 4 new tokens over 4 allowed tokens (256 outcomes) against the law
