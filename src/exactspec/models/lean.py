@@ -38,6 +38,7 @@ from .kv_cache import MAX_BLOCK, KVCache, slot_rows
 from .llama import INVARIANT_ROWS, LlamaDecoder, cache_dtype, load_hf_state_dict, one_row_head
 from .llama_config import LlamaConfig, rope_tables
 from .quantized import use_q4_weights
+from .runtime import OneSlot
 
 __all__ = ["LeanModel", "LeanRuntime", "WEIGHT_FORMATS"]
 
@@ -164,7 +165,7 @@ class LeanRuntime:
         return [by_slot[b] for b in torch.argsort(torch.tensor(order)).tolist()]  # back to the call's row order
 
 
-class LeanModel:
+class LeanModel(OneSlot):
     """One sequence of a :class:`LlamaDecoder` (a :class:`~exactspec.models.base.LanguageModel`): slot 0 of a
     :class:`LeanRuntime` of one slot.
 
@@ -226,27 +227,6 @@ class LeanModel:
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
-
-    @property
-    def length(self) -> int:
-        return self.runtime.lengths[0]
-
-    @property
-    def last_features(self) -> torch.Tensor | None:  # (T, F) of the last call, when capture_features asked
-        return self.runtime.last_features[0] if self.runtime.last_features else None
-
-    def capture_features(self, layers: Sequence[int]) -> None:
-        self.runtime.capture_features(layers)
-
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
-        self.runtime.rollback(0, 0)
-        return self.forward(token_ids)
-
-    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:  # (n, V)
-        return self.runtime.forward([(0, token_ids)])[0]
-
-    def rollback(self, length: int) -> None:
-        self.runtime.rollback(0, length)
 
     def copy_prefix(self, source: "LeanModel", length: int) -> None:
         """Hold the first ``length`` cached positions of ``source`` (a model over the same decoder), copied: a prompt

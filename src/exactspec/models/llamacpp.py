@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .base import check_rollback_length, check_token_ids
+from .runtime import OneSlot
 
 __all__ = ["LlamaCppRuntime", "LlamaCppModel", "llama_cpp_available", "llama_cpp_version", "requantize"]
 
@@ -199,7 +200,7 @@ class LlamaCppRuntime:
         self._lengths[slot] = length
 
 
-class LlamaCppModel:
+class LlamaCppModel(OneSlot):
     """One sequence on llama.cpp: slot 0 of a :class:`LlamaCppRuntime` of one slot (the single-sequence protocol)."""
 
     invariant = False
@@ -227,29 +228,8 @@ class LlamaCppModel:
     def threads(self) -> int:
         return self.runtime.threads
 
-    @property
-    def length(self) -> int:
-        return self.runtime.lengths[0]
-
-    @property
-    def last_features(self) -> None:
-        return None
-
-    def capture_features(self, layers: Sequence[int]) -> None:
-        self.runtime.capture_features(layers)
-
     def set_threads(self, threads: int) -> None:
         self.runtime.set_threads(threads)
-
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:  # (n, V)
-        self.runtime.rollback(0, 0)
-        return self.forward(token_ids)
-
-    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:  # (n, V)
-        return self.runtime.forward([(0, token_ids)])[0]
-
-    def rollback(self, length: int) -> None:
-        self.runtime.rollback(0, length)
 
     def __repr__(self) -> str:
         return f"LlamaCppModel({self.runtime.weights.path.name}, {self.runtime.threads} threads, max_len={self.max_len})"

@@ -33,7 +33,7 @@ import torch
 
 from .base import LanguageModel, check_rollback_length
 
-__all__ = ["Runtime", "SequenceSlots", "as_runtime"]
+__all__ = ["OneSlot", "Runtime", "SequenceSlots", "as_runtime"]
 
 
 @runtime_checkable
@@ -55,6 +55,35 @@ class Runtime(Protocol):
     def copy_prefix(self, source: int, slot: int, length: int) -> None: ...
 
     def capture_features(self, layers: Sequence[int]) -> None: ...
+
+
+class OneSlot:
+    """The single-sequence model protocol (:class:`exactspec.models.base.LanguageModel`) as slot 0 of
+    ``self.runtime``, a runtime of one slot: what :class:`~exactspec.models.lean.LeanModel` and
+    :class:`~exactspec.models.llamacpp.LlamaCppModel` share."""
+
+    runtime: Runtime
+
+    @property
+    def length(self) -> int:
+        return self.runtime.lengths[0]
+
+    @property
+    def last_features(self) -> torch.Tensor | None:  # (T, F) of the last call, when capture_features asked
+        return self.runtime.last_features[0] if self.runtime.last_features else None
+
+    def capture_features(self, layers: Sequence[int]) -> None:
+        self.runtime.capture_features(layers)
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:  # (n, V)
+        self.runtime.rollback(0, 0)
+        return self.forward(token_ids)
+
+    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:  # (n, V)
+        return self.runtime.forward([(0, token_ids)])[0]
+
+    def rollback(self, length: int) -> None:
+        self.runtime.rollback(0, length)
 
 
 class SequenceSlots:
