@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import os
 import tempfile
 
@@ -106,22 +108,28 @@ class SyntheticClock:
         self.policy.observe_draft(sources, self.draft_ms / 1000)
 
 
-def engine_counts(engine, prompt, n: int, params, new_tokens: int, gamma: int | str) -> dict[tuple[int, ...], int]:
-    """Outcome counts of ``n`` sequences of ``prompt`` (seeds 0..n-1, draft mode) drawn through one batch engine
-    with every slot busy. A seeded sequence draws from its own generator, so this is the experiment of n solo runs
-    (the law of each sequence is the target's whatever its neighbours: test_serving_engine) in far fewer calls."""
+def engine_outcomes(engine, prompt, n: int, params, new_tokens: int, gamma: int | str, speculation: str = "draft",
+                    offset: int = 0, verify: str = "block", stops: frozenset[int] = frozenset()) -> list[tuple[int, ...]]:
+    """The tokens of ``n`` sequences of ``prompt`` (seeds offset..offset+n-1, in seed order) drawn through one batch
+    engine with every slot busy. A seeded sequence draws from its own generator, so this is the experiment of n solo
+    runs (the law of each sequence is the target's whatever its neighbours: test_serving_engine) in far fewer calls."""
     from exactspec.decoding.engine import SequenceRequest
 
-    outcomes = [[] for _ in range(n)]
-    handles = [engine.submit(SequenceRequest(tuple(prompt), params, new_tokens, seed=seed, speculation="draft", gamma=gamma),
-                             lambda events, out=outcomes[seed]: out.extend(e.token for e in events), lambda h: None)
-               for seed in range(n)]
-    while any(h.finish_reason is None for h in handles):
+    outcomes, finished = [[] for _ in range(n)], []
+    for i in range(n):
+        engine.submit(SequenceRequest(tuple(prompt), params, new_tokens, stops, seed=offset + i, speculation=speculation,
+                                      gamma=gamma, verify=verify),
+                      lambda events, out=outcomes[i]: out.extend(e.token for e in events), finished.append)
+    while len(finished) < n:
         engine.step()
-    counts: dict[tuple[int, ...], int] = {}
-    for tokens in outcomes:
-        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
-    return counts
+    if any(h.finish_reason == "error" for h in finished):
+        raise next(h.exception for h in finished if h.finish_reason == "error")
+    return [tuple(tokens) for tokens in outcomes]
+
+
+def engine_counts(*args, **kwargs) -> dict[tuple[int, ...], int]:
+    """Outcome counts of :func:`engine_outcomes`."""
+    return dict(collections.Counter(engine_outcomes(*args, **kwargs)))
 
 
 def sequence_law(next_probs, prompt, new_tokens: int) -> dict[tuple[int, ...], float]:

@@ -62,7 +62,10 @@ def test_the_honest_server_passes_alone_and_against_its_baseline(pair, servers):
 
 
 def test_the_lossy_server_is_rejected(pair, servers):
-    config = AuditConfig(servers["lossy"], MODEL, configs=(CONFIG,), requests=600, max_tokens=32, concurrency=16, extra_body=DRAFT)
+    """Requests verified token-wise (the block rule, the default, moves this bug's law less: adjusted p 3.8e-6
+    at this size, rejected at the test's rate but not below this test's margin of 1e-6)."""
+    config = AuditConfig(servers["lossy"], MODEL, configs=(CONFIG,), requests=600, max_tokens=32, concurrency=16,
+                         extra_body={**DRAFT, "verify": "token"})
     report = audit(pair, default_prompts(pair.tokenizer), config, progress=False)
     assert not report["passed"] and min(t["adjusted_p"] for t in report["tests"]) < 1e-6
 

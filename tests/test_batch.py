@@ -36,7 +36,7 @@ def test_results_come_in_input_order_and_equal_each_request_alone(tmp_path, caps
     assert lines[-1]["id"] == "chatless" and len(lines[-1]["token_ids"]) == 12 and lines[-1]["stop_reason"] == "length"
     assert all(r["record_id"] == summary["record_id"] for r in lines)
     record = json.loads((tmp_path / "out.jsonl.record.json").read_text())
-    assert record["record_id"] == summary["record_id"] and record["gamma_policy"] == "fixed 4"
+    assert record["record_id"] == summary["record_id"] and record["gamma_policy"] == "fixed 4" and record["verify"] == "block"
     pair = load_pair(*default_pair_dirs(), invariant=True)
     alone = [next(generate_batch(pair, [r], BatchJobConfig(max_tokens=12, slots=1), first_line=i)) for i, r in enumerate(REQUESTS)]
     assert [r["token_ids"] for r in lines] == [r["token_ids"] for r in alone]
@@ -63,6 +63,7 @@ def test_a_killed_job_resumes_to_the_same_output(tmp_path, capsys):
     ({"prompt": "x", "messages": []}, "line 2: give exactly one of prompt and messages"),
     ({"prompt": "x", "max_tokens": 0}, "line 2: max_tokens must be an integer"),
     ({"prompt": "x", "top_p": 0}, "line 2: top_p"),
+    ({"prompt": "x", "verify": "blocks"}, "line 2: verify must be one of block, token"),
 ])
 def test_a_bad_request_is_refused_before_any_work(tmp_path, capsys, line, words):
     source = write_requests(tmp_path / "in.jsonl", [{"prompt": "ok"}, line])

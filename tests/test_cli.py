@@ -33,6 +33,20 @@ def test_explain_equal_distributions_match_rate_against_acceptance(capsys):
     assert r["rejection_probability"] == 0.0
 
 
+def test_explain_block_puts_the_two_rules_side_by_side(capsys):
+    """p = (0.6, 0.3, 0.1), q = (0.2, 0.3, 0.5): token-wise keeps 0.6 x 1.6 = 0.96 draft tokens of two in
+    expectation, the block rule one; both laws of the first two output tokens are p x p."""
+    r = run_json(capsys, "explain", "--target", "0.6,0.3,0.1", "--draft", "0.2,0.3,0.5", "--block")
+    assert r["expected_accepted"]["token"] == pytest.approx(0.96)
+    assert r["expected_accepted"]["block"] == pytest.approx(1.0)
+    assert max(r["max_law_error"].values()) < 1e-12
+    rows = {tuple(row["draft"]): row for row in r["block_rows"]}
+    assert rows[2, 0]["token"] == pytest.approx([0.8, 0.0, 0.2])  # C rejected at once token-wise ...
+    assert rows[2, 0]["block"][2] == pytest.approx(0.6)  # ... while the block C A is kept whole more often
+    assert main(["explain", "--target", "0.6,0.3,0.1", "--draft", "0.2,0.3,0.5", "--labels", "A,B,C", "--block"]) == 0
+    assert "C A" in capsys.readouterr().out
+
+
 def test_explain_table_is_readable(capsys):
     assert main(["explain", "--target", "0.6,0.3,0.1", "--draft", "0.5,0.25,0.25", "--labels", "A,B,C"]) == 0
     out = capsys.readouterr().out

@@ -29,6 +29,7 @@ for practical purposes; ``pytest -m extended`` repeats every mutant over 5 seed 
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import pytest
@@ -36,9 +37,12 @@ import torch
 from scipy import stats
 
 import exactspec.decoding.engine as engine_module
-from conftest import SyntheticClock
+from conftest import SyntheticClock, engine_outcomes
 from exactspec import GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
-from exactspec.proposers import Draft, PromptLookupProposer
+from exactspec.decoding.engine import BatchEngine, EngineConfig
+from exactspec.models.runtime import SequenceSlots
+from exactspec.proposers import Draft, DraftModelProposer, PromptLookupProposer
+from exactspec.proposers.base import ReadsNothing
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
 from exactspec.decoding.sampling import block_probs
 from exactspec.decoding.verify import VerifyResult, sample_from, verify_with_uniforms
@@ -49,6 +53,7 @@ N_QUICK = 2_000  # the README's test command: every mutant is still rejected far
 #: Each statistical test runs at both sizes: N_QUICK in the default run, N with ``-m slow``.
 SIZES = [pytest.param(N_QUICK, id=f"N={N_QUICK}"), pytest.param(N, id=f"N={N}", marks=pytest.mark.slow)]
 VOCAB, ORDER, PROMPT, NEW_TOKENS, GAMMA = 4, 2, [1, 2], 5, 3
+SLOTS = 64  # sequences drawn at once (sample_counts)
 
 CONFIGS = {
     "T=1": SamplingParams(),
@@ -82,12 +87,25 @@ def exact_law(target: MarkovLM, params: SamplingParams) -> dict[tuple[int, ...],
     return law
 
 
-def sample_counts(decoder: SpeculativeDecoder, n: int, offset: int = 0) -> dict[tuple[int, ...], int]:
-    counts: dict[tuple[int, ...], int] = {}
-    for seed in range(offset, offset + n):
-        tokens = tuple(decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=seed)).tokens)
-        counts[tokens] = counts.get(tokens, 0) + 1
-    return counts
+def slots_of(model: MarkovLM) -> SequenceSlots:
+    """SLOTS copies of a Markov model as the slots of one runtime."""
+    return SequenceSlots([MarkovLM(model.table, model.order) for _ in range(SLOTS)])
+
+
+def sample_outcomes(target: MarkovLM, draft, params: SamplingParams, n: int, offset: int = 0, policy=None,
+                    verify: str = "block") -> list[tuple[int, ...]]:
+    """The tokens of n generations (seeds offset..offset+n-1, gamma GAMMA or the policy's) through one batch engine
+    with SLOTS slots: the loop ``generate`` runs, its sequences drawn together (each from its own generator, so
+    each is a solo run's draw: test_a_seeded_generation_is_the_same_alone_and_in_the_batch).
+    ``draft``: a MarkovLM, a batched proposer, or None for plain decoding."""
+    proposer = DraftModelProposer(slots_of(draft)) if isinstance(draft, MarkovLM) else draft
+    engine = BatchEngine(slots_of(target), proposer, EngineConfig(gamma=GAMMA), policy)
+    speculation, gamma = ("off", 0) if draft is None else ("draft", GAMMA if policy is None else "auto")
+    return engine_outcomes(engine, PROMPT, n, params, NEW_TOKENS, gamma, speculation, offset, verify)
+
+
+def sample_counts(*args, **kwargs) -> dict[tuple[int, ...], int]:
+    return dict(collections.Counter(sample_outcomes(*args, **kwargs)))
 
 
 def g_test_p_value(counts: dict, law: dict) -> float:
@@ -147,27 +165,30 @@ def penalty_once_per_round(logits, prefix, block, prompt_length, params):
     return torch.cat([block_probs(logits[j : j + 1], prefix, [], prompt_length, params) for j in range(logits.shape[0])])
 
 
-class WrongDraft:
-    """A single-sequence draft over a Markov model's next-token logits, whose :meth:`propose` gets a bug."""
+class WrongDraft(ReadsNothing):
+    """A draft over a Markov model's next-token logits, for every slot, whose :meth:`propose_one` gets a bug."""
 
     def __init__(self, model: MarkovLM, params: SamplingParams) -> None:
-        self.model, self.params, self.prompt_length = model, params, 0
+        self.model, self.params = model, params
 
-    def reset(self, prompt) -> None:
-        self.prompt_length = len(prompt)
+    def route(self, context) -> str:
+        return "draft"
 
-    def q(self, prefix: list[int]) -> torch.Tensor:  # (V,) the exact rule's q
-        return block_probs(self.model.next_logits(prefix).unsqueeze(0), prefix, [], self.prompt_length, self.params)[0]
+    def propose(self, requests, draft_rule) -> list[Draft]:
+        return [self.propose_one(r.context, r.prompt_length, r.gamma, r.generator) for r in requests]
+
+    def q(self, prefix: list[int], prompt_length: int) -> torch.Tensor:  # (V,) the exact rule's q
+        return block_probs(self.model.next_logits(prefix).unsqueeze(0), prefix, [], prompt_length, self.params)[0]
 
 
 class DraftProbsBeforeProcessors(WrongDraft):
     """Bug: tokens are sampled from the processed q, but the verifier is handed the raw softmax."""
 
-    def propose(self, context, gamma, generator):
+    def propose_one(self, context, prompt_length, gamma, generator):
         tokens, raw, prefix = [], [], list(context)
         for _ in range(gamma):
             uniform = torch.rand((1,), dtype=torch.float64, generator=generator)
-            tokens.append(int(sample_from(self.q(prefix).unsqueeze(0), uniform)[0]))
+            tokens.append(int(sample_from(self.q(prefix, prompt_length).unsqueeze(0), uniform)[0]))
             raw.append(self.model.next_logits(prefix).double().softmax(-1))
             prefix.append(tokens[-1])
         return Draft(tokens, torch.stack(raw))
@@ -176,10 +197,10 @@ class DraftProbsBeforeProcessors(WrongDraft):
 class ArgmaxWithSampledRatio(WrongDraft):
     """Bug: the draft proposes its top token but reports q, so the ratio p/q meant for sampled drafts is used."""
 
-    def propose(self, context, gamma, generator):
+    def propose_one(self, context, prompt_length, gamma, generator):
         tokens, rows, prefix = [], [], list(context)
         for _ in range(gamma):
-            rows.append(self.q(prefix))
+            rows.append(self.q(prefix, prompt_length))
             tokens.append(int(rows[-1].argmax()))
             prefix.append(tokens[-1])
         return Draft(tokens, torch.stack(rows))
@@ -189,12 +210,25 @@ class ArgmaxWithSampledRatio(WrongDraft):
 
 
 @pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("verify", ["block", "token"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_speculative_output_follows_the_target_law(name, n):
+def test_speculative_output_follows_the_target_law(name, verify, n):
     target, draft = models()
     params = CONFIGS[name]
-    counts = sample_counts(SpeculativeDecoder(target, draft, params), n)
+    counts = sample_counts(target, draft, params, n, verify=verify)
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_seeded_generation_is_the_same_alone_and_in_the_batch(name):
+    """The library's one-at-a-time decoder and the batch the statistical tests sample are the same experiment:
+    seed s gives the same tokens from ``SpeculativeDecoder.generate`` as from slot k of sample_counts' engine."""
+    target, draft = models()
+    params = CONFIGS[name]
+    decoder = SpeculativeDecoder(target, draft, params)
+    seeds = range(SLOTS + 8)  # past one batch: the last seeds join slots that earlier sequences left
+    solo = [tuple(decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=s)).tokens) for s in seeds]
+    assert sample_outcomes(target, draft, params, len(seeds)) == solo
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -202,8 +236,7 @@ def test_prompt_lookup_follows_the_target_law(n):
     """Deterministic n-gram proposals through the point-mass rule (4 tokens, prompt [1, 2])."""
     target, _ = models()
     params = CONFIGS["T=1"]
-    decoder = SpeculativeDecoder(target, PromptLookupProposer(min_ngram=1, max_ngram=2), params)
-    counts = sample_counts(decoder, n)
+    counts = sample_counts(target, PromptLookupProposer(min_ngram=1, max_ngram=2), params, n)
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
 
 
@@ -212,7 +245,7 @@ def test_adaptive_gamma_follows_the_target_law(n):
     """Gamma chosen per round from timings and past acceptance: each round is still an exact step."""
     target, draft = models()
     params = CONFIGS["T=1"]
-    counts = sample_counts(SpeculativeDecoder(target, draft, params, policy=AdaptiveGamma(AdaptiveConfig(max_gamma=3, initial_gamma=3))), n)
+    counts = sample_counts(target, draft, params, n, policy=AdaptiveGamma(AdaptiveConfig(max_gamma=3, initial_gamma=3)))
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
 
 
@@ -221,9 +254,10 @@ def test_adaptive_gamma_from_priors_follows_the_target_law(n):
     """The cold-start policy: gamma from calibrated costs and an acceptance prior from the first round on."""
     target, draft = models()
     params = CONFIGS["top_p=0.8"]
-    priors = PolicyPriors({n: 1.0 + 0.05 * n for n in range(1, 5)}, 0.1, (0.9, 0.4))
-    policy = SyntheticClock(AdaptiveGamma(AdaptiveConfig(max_gamma=3, initial_gamma=3), priors), 0.1, lambda n: 1.0 + 0.05 * n)
-    counts = sample_counts(SpeculativeDecoder(target, draft, params, policy=policy), n)
+    # call costs per row of a sequence: the batch's gamma varies as it would for one sequence with 1.0 + 0.05 n ms
+    priors = PolicyPriors({SLOTS * n: 1.0 + 0.05 * n for n in range(1, 5)}, 0.1, (0.9, 0.4))
+    policy = SyntheticClock(AdaptiveGamma(AdaptiveConfig(max_gamma=3, initial_gamma=3), priors), 0.1, lambda rows: 1.0 + 0.05 * rows / SLOTS)
+    counts = sample_counts(target, draft, params, n, policy=policy)
     assert {2, 3} <= set(policy.chosen)  # gamma really varies with the estimates
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
 
@@ -232,30 +266,29 @@ def test_adaptive_gamma_from_priors_follows_the_target_law(n):
 def test_plain_decoding_follows_the_target_law(n):
     target, _ = models()
     params = CONFIGS["repetition=1.8,presence=0.5"]
-    counts = sample_counts(SpeculativeDecoder(target, None, params), n // 2)
+    counts = sample_counts(target, None, params, n // 2)
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
 
 
-def _mutant_decoder(mutant: str, monkeypatch) -> tuple[SpeculativeDecoder, SamplingParams]:
+def _mutant(mutant: str, monkeypatch) -> tuple[MarkovLM, object, SamplingParams, str]:
+    """(target, draft, params, verification rule) of a known-wrong engine; the engine's rules are patched where the
+    bug lives (the two token-wise verifier bugs with the token-wise rule, the rest with the default block rule)."""
     target, draft = models()
     if mutant == "replacement_from_target":
-        params = CONFIGS["T=1"]
         monkeypatch.setattr(engine_module, "verify_stochastic", replacement_from_target)
-        return SpeculativeDecoder(target, draft, params), params
+        return target, draft, CONFIGS["T=1"], "token"
     if mutant == "keeps_tokens_after_rejection":
-        params = CONFIGS["T=1"]
         monkeypatch.setattr(engine_module, "verify_stochastic", keeps_tokens_after_rejection)
-        return SpeculativeDecoder(target, draft, params), params
+        return target, draft, CONFIGS["T=1"], "token"
     if mutant == "penalty_once_per_round":
-        params = CONFIGS["repetition=1.8,presence=0.5"]
         monkeypatch.setattr(engine_module, "block_probs", penalty_once_per_round)
-        return SpeculativeDecoder(target, draft, params), params
+        return target, draft, CONFIGS["repetition=1.8,presence=0.5"], "block"
     if mutant == "argmax_with_sampled_ratio":
         params = CONFIGS["T=1"]
-        return SpeculativeDecoder(target, ArgmaxWithSampledRatio(draft, params), params), params
+        return target, ArgmaxWithSampledRatio(draft, params), params, "block"
     if mutant == "draft_probs_before_processors":
         params = CONFIGS["T=0.7,top_k=2"]
-        return SpeculativeDecoder(target, DraftProbsBeforeProcessors(draft, params), params), params
+        return target, DraftProbsBeforeProcessors(draft, params), params, "block"
     raise ValueError(mutant)
 
 
@@ -271,17 +304,16 @@ MUTANTS = [
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_the_same_test_rejects_each_wrong_variant(mutant, monkeypatch, n):
-    decoder, params = _mutant_decoder(mutant, monkeypatch)
-    counts = sample_counts(decoder, n)
-    assert g_test_p_value(counts, exact_law(decoder.target, params)) < ALPHA
+    target, draft, params, verify = _mutant(mutant, monkeypatch)
+    assert g_test_p_value(sample_counts(target, draft, params, n, verify=verify), exact_law(target, params)) < ALPHA
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_mutant_power_over_several_seed_offsets(mutant, monkeypatch):
     """Extended sweep behind its marker: the mutant is rejected from 5 disjoint seed ranges."""
-    decoder, params = _mutant_decoder(mutant, monkeypatch)
-    law = exact_law(decoder.target, params)
-    p_values = [g_test_p_value(sample_counts(decoder, N, offset=k * N), law) for k in range(1, 6)]
+    target, draft, params, verify = _mutant(mutant, monkeypatch)
+    law = exact_law(target, params)
+    p_values = [g_test_p_value(sample_counts(target, draft, params, N, offset=k * N, verify=verify), law) for k in range(1, 6)]
     print(mutant, ["%.1e" % p for p in p_values])
     assert max(p_values) < ALPHA

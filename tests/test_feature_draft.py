@@ -133,19 +133,20 @@ class RawProbsReported(FeatureDraftProposer):
 SLOTS = 48
 
 
-def counts_and_law(params: SamplingParams, n: int, proposer_class=FeatureDraftProposer):
+def counts_and_law(params: SamplingParams, n: int, proposer_class=FeatureDraftProposer, verify: str = "block"):
     """The feature draft batched over SLOTS slots beside the target's LeanRuntime, as serve runs it."""
     target = tiny_target()
     proposer = proposer_class(FeatureDraftRuntime(tiny_draft(target), SLOTS, 32), VOCAB)
     engine = BatchEngine(LeanRuntime.like(LeanModel(target), SLOTS, 32), proposer, EngineConfig(gamma=GAMMA))
-    counts = engine_counts(engine, PROMPT, n, params, NEW_TOKENS, GAMMA)
+    counts = engine_counts(engine, PROMPT, n, params, NEW_TOKENS, GAMMA, verify=verify)
     return counts, exact_law(LeanModel(tiny_target()), params), engine
 
 
 @pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("verify", ["block", "token"])
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=3)], ids=["T=1", "T=0.7,top_k=3"])
-def test_speculative_output_with_the_feature_draft_follows_the_target_law(params, n):
-    counts, law, decoder = counts_and_law(params, n)
+def test_speculative_output_with_the_feature_draft_follows_the_target_law(params, verify, n):
+    counts, law, decoder = counts_and_law(params, n, verify=verify)
     assert g_test_p_value(counts, law) > ALPHA
 
 
@@ -154,7 +155,7 @@ def test_speculative_output_with_the_feature_draft_follows_the_target_law(params
 def test_the_same_test_rejects_wrong_variants_with_the_feature_draft(mutant, monkeypatch, n):
     if mutant == "replacement_from_target":
         monkeypatch.setattr(engine_module, "verify_stochastic", replacement_from_target)
-        counts, law, _ = counts_and_law(SamplingParams(), n)
+        counts, law, _ = counts_and_law(SamplingParams(), n, verify="token")
     else:
         counts, law, _ = counts_and_law(SamplingParams(temperature=0.7, top_k=3), n, RawProbsReported)
     assert g_test_p_value(counts, law) < ALPHA

@@ -57,6 +57,22 @@ def test_a_seed_reproduces_a_stochastic_run(pair, capsys):
     assert first == again and first != other
 
 
+def test_verify_names_the_rule_and_json_compares_both_on_the_same_rounds(pair, capsys):
+    """--verify block (default) and token: the rounds report the rule they ran, and both rules' expected tokens
+    per round come from the same drafts (the block rule's is higher averaged over drafts, though not draft by draft:
+    explain --block shows one; over this seeded run's rounds it is)."""
+    target, draft = pair
+    args = ["x = ", "--target", str(target), "--draft", str(draft), "--max-new-tokens", "40", "--ignore-eos", "--json", "--gamma", "3"]
+    block = json.loads(generate(capsys, *args)[1])
+    token = json.loads(generate(capsys, *args, "--verify", "token")[1])
+    assert block["verify"] == ["block"] and token["verify"] == ["token"] and block["verify_rule"] == "block"
+    for result in (block, token):
+        expected = result["expected_tokens_per_round"]
+        assert expected["rounds"] > 3 and 1 <= expected["token"] <= expected["block"] <= 4
+    code, _, err = generate(capsys, *args, "--verify", "blocks")
+    assert code == 2 and "invalid choice" in err
+
+
 def test_errors_are_one_line_with_exit_code_2(pair, capsys, tmp_path):
     target, draft = pair
     mismatched = tmp_path / "other"

@@ -181,12 +181,12 @@ def exact_law(model: LlamaCppModel) -> dict[tuple[int, ...], float]:
     return sequence_law(lambda prefix: block_probs(model.prefill(prefix)[-1:], prefix, [], len(PROMPT), PARAMS)[0], PROMPT, NEW_TOKENS)
 
 
-def sample_counts(decoder: SpeculativeDecoder, n: int) -> tuple[dict[tuple[int, ...], int], float]:
+def sample_counts(decoder: SpeculativeDecoder, n: int, verify: str = "block") -> tuple[dict[tuple[int, ...], int], float]:
     """Outcome counts over seeds 0..n-1, and the acceptance rate over all their rounds."""
     counts: dict[tuple[int, ...], int] = {}
     accepted = drafted = 0
     for seed in range(n):
-        generation = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=seed))
+        generation = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=seed, verify=verify))
         counts[tuple(generation.tokens)] = counts.get(tuple(generation.tokens), 0) + 1
         accepted, drafted = accepted + generation.stats.accepted, drafted + generation.stats.drafted
     return counts, accepted / drafted
@@ -207,7 +207,7 @@ def test_speculative_sampling_on_llama_cpp_follows_the_target_law(target, draft,
 @pytest.mark.parametrize("n", SIZES)
 def test_the_same_test_rejects_the_replacement_drawn_from_the_target(target, draft, law, monkeypatch, n):
     monkeypatch.setattr(engine_module, "verify_stochastic", replacement_from_target)
-    counts, _ = sample_counts(SpeculativeDecoder(target, draft, PARAMS), n)
+    counts, _ = sample_counts(SpeculativeDecoder(target, draft, PARAMS), n, verify="token")
     assert g_test_p_value(counts, law) < 1e-12
 
 

@@ -70,6 +70,11 @@ def test_the_cache_comes_before_the_shipped_prior(pair_copy, tmp_path):
     cache.save(fingerprint(target, draft), "greedy", [20, 20], [19, 10])
     assert acceptance_prior(target, draft, GREEDY, cache) == ((0.95, 0.5), "cache")
     assert acceptance_prior(target, draft, SamplingParams(), cache)[1] == "shipped"  # another mode
+    # the block rule keeps its own entries; a token-wise prior stands in until it has one
+    assert acceptance_prior(target, draft, SamplingParams(), cache, "block") == (shipped_prior(draft, target, "sampled"), "shipped token-wise")
+    cache.save(fingerprint(target, draft), "sampled-block", [20, 20], [18, 12])
+    assert acceptance_prior(target, draft, SamplingParams(), cache, "block") == ((0.9, 0.6), "cache")
+    assert acceptance_prior(target, draft, SamplingParams(), cache)[1] == "shipped"
     (draft / PRIOR_FILE).unlink()
     assert acceptance_prior(target, draft, SamplingParams(), None) == ((), "none")
 

@@ -134,6 +134,7 @@ def test_models_health_and_metrics(server, client):
     ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "prompt": "x", "speculation": "fast"}, 400, "speculation"),
+    ({"model": MODEL, "prompt": "x", "verify": "blocks"}, 400, "verify"),
     ({"model": MODEL, "prompt": "x", "tempreature": 1}, 400, "tempreature"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 1000}, 400, "limit of 256"),
     ({"model": MODEL, "prompt": "x " * 600}, 400, "context window"),
@@ -162,6 +163,10 @@ def test_token_ids_and_the_run_record_on_request(server, pair):
     assert [c["token_ids"] for c in record["figures"]["choices"]] == [c["token_ids"] for c in choices]
     assert record["seed"] == [5, 6] and record["sampling"] == [["top_k", 30]] and record["speculation"] == "draft"
     assert record["target"] == model_identity(default_pair_dirs()[0]) and record["kind"] == "served request"
+    assert record["verify"] == "block" and record["draw_order_version"] == 2
+    body.update(verify="token", n=1)
+    record = httpx.post(server["url"] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}).json()["record"]
+    assert record["verify"] == "token" and record["draw_order_version"] == 1 and "first rejection" in record["residual"]
 
 
 def test_a_missing_or_wrong_key_is_refused(server):

@@ -62,7 +62,7 @@ class Speculator:
         """``pair`` as ``spec`` (best :meth:`exactspec.loading.PairSpec.resolved`) loads it."""
         self.spec, self.pair, self.policy_cache = spec, pair, policy_cache
         self.dirs = spec.dirs()
-        self._decoders: dict[tuple[str, bool], tuple[SpeculativeDecoder, ColdStart | None]] = {}
+        self._decoders: dict[tuple[str, bool, str], tuple[SpeculativeDecoder, ColdStart | None]] = {}
 
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
@@ -100,19 +100,20 @@ class Speculator:
             if capacity is not None and needed > capacity:
                 raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens {max_new_tokens} exceeds the {name} model's {capacity} positions")
 
-    def _decoder(self, params: SamplingParams, auto: bool, prompt_ids: list[int]) -> tuple[SpeculativeDecoder, ColdStart | None]:
-        """One decoder per sampling setting and gamma mode, so a policy keeps what earlier calls taught it."""
-        key = (repr(params), auto)  # SamplingParams holds a dict (logit bias), so its repr is the key
+    def _decoder(self, params: SamplingParams, auto: bool, prompt_ids: list[int], rule: str) -> tuple[SpeculativeDecoder, ColdStart | None]:
+        """One decoder per sampling setting, gamma mode and verification rule, so a policy keeps what earlier calls
+        taught it."""
+        key = (repr(params), auto, rule)  # SamplingParams holds a dict (logit bias), so its repr is the key
         if key not in self._decoders:
             proposer = None if not self.spec.speculate else PromptLookupProposer() if self.spec.lookup else self.pair.proposer()
             decoder = SpeculativeDecoder(self.pair.target, proposer, params)
-            started = cold_start(decoder, prompt_ids, params, *self.dirs, cache=self.policy_cache) if auto and proposer else None
+            started = cold_start(decoder, prompt_ids, params, *self.dirs, cache=self.policy_cache, rule=rule) if auto and proposer else None
             self._decoders[key] = decoder, started
         return self._decoders[key]
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
                gamma: "int | str" = "auto", seed: int | None = None, stop_at_eos: bool = True,
-               completion: Completion | None = None) -> Iterator[int]:
+               completion: Completion | None = None, verify: str = "block", compare_rules: bool = False) -> Iterator[int]:
         """Yield the generated tokens as they are committed (the stop token included). ``completion`` (optional, made
         with the prompt's ids and the seed) receives the tokens, stop reason, stats and policy record; when the caller
         stops reading, what was committed is kept and the run's acceptance still reaches the policy cache."""
@@ -123,8 +124,8 @@ class Speculator:
         seed = secrets.randbits(64) if seed is None else seed
         completion = completion if completion is not None else Completion(prompt_ids, seed)
         stops = self.tokenizer.eos_token_ids if stop_at_eos else frozenset()
-        config = GenerationConfig(max_new_tokens, 0 if gamma == "auto" else gamma, stops, seed)
-        decoder, started = self._decoder(sampling, gamma == "auto", prompt_ids)
+        config = GenerationConfig(max_new_tokens, 0 if gamma == "auto" else gamma, stops, seed, verify, compare_rules)
+        decoder, started = self._decoder(sampling, gamma == "auto", prompt_ids, verify)
         completion.policy = started.record if started else None
         try:
             for token in decoder.stream(prompt_ids, config, completion.generation):
@@ -135,11 +136,11 @@ class Speculator:
                 started.remember(completion.generation.stats)  # the next run of this pair starts here
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
-                 gamma: "int | str" = "auto", seed: int | None = None, stop_at_eos: bool = True) -> Completion:
+                 gamma: "int | str" = "auto", seed: int | None = None, stop_at_eos: bool = True, verify: str = "block") -> Completion:
         """The whole generation (see :meth:`stream`)."""
         seed = secrets.randbits(64) if seed is None else seed
         completion = Completion(self.encode(prompt), seed)
-        for _ in self.stream(completion.prompt_ids, max_new_tokens, sampling, gamma, seed, stop_at_eos, completion):
+        for _ in self.stream(completion.prompt_ids, max_new_tokens, sampling, gamma, seed, stop_at_eos, completion, verify):
             pass
         return completion
 

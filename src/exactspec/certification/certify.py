@@ -45,6 +45,7 @@ from exactspec.chat import chat_messages
 from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
 from exactspec.loading import LoadedPair, unwrapped
 from exactspec.decoding.sampling import GREEDY, SamplingParams, block_probs
+from exactspec.decoding.block import RULES
 from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.speculator import build_engine
 from exactspec.tokenizer import TextTokenizer
@@ -67,7 +68,9 @@ MIN_PREFIX_COUNT = 30  # a prefix seen fewer times is left to the PIT tests
 #: The configuration each known-wrong engine is run with in the self-check: one where its bug changes the law
 #: (an unprocessed q is the processed one at T=1 without truncation).
 MUTANT_CONFIG = {"residual_from_p": "T=1", "unprocessed_q": "T=0.8 top_k=50", "penalties_once_per_round": "penalties",
-                 "argmax_draft_sampled_ratio": "T=1", "precision_mismatch": "T=1"}
+                 "argmax_draft_sampled_ratio": "T=1", "precision_mismatch": "T=1", "block_tokenwise_residual": "T=1",
+                 "block_first_failure": "T=1", "block_shared_uniform": "T=1", "block_uncapped_weight": "T=1",
+                 "block_no_denominator": "T=1"}
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,11 @@ class CertifyConfig:
     slots: int = 128  # sequences sampled together: 32 to 128 sped SmolLM2 sampling up by a quarter (2 threads)
     self_check: bool = False
     mutants: tuple[str, ...] = tuple(MUTANTS)  # which known-wrong samplers the self-check runs
+    verify: str = "block"  # the rule for sampled drafts (the block rule's mutants apply only to it)
 
     def __post_init__(self) -> None:
+        if self.verify not in RULES:
+            raise ValueError(f"verify must be one of {', '.join(RULES)}, got {self.verify!r}")
         unknown = set(self.configs) - set(CONFIGS)
         if unknown or not self.configs:
             raise ValueError(f"configs must be among {', '.join(CONFIGS)}, got {', '.join(self.configs)}")
@@ -149,7 +155,8 @@ def _sample(engine: BatchEngine, prompts: list[list[int]], params: SamplingParam
     speculation = "lookup" if engine.proposer is None else "draft"
     handles = []
     for run in runs:
-        request = SequenceRequest(tuple(run["prompt"]), params, config.max_tokens, seed=run["seed"], speculation=speculation)
+        request = SequenceRequest(tuple(run["prompt"]), params, config.max_tokens, seed=run["seed"], speculation=speculation,
+                                  verify=config.verify)
         handles.append(engine.submit(request, lambda events, run=run: (run["events"].extend(events), progress.update(len(events))), lambda h: None))
     while any(h.finish_reason is None for h in handles):
         engine.step()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from exactspec.cli.common import CliError, add_model_arguments, integer, list_of, load, one_of, pair_dirs, precision
+from exactspec.cli.common import CliError, add_model_arguments, integer, list_of, load, one_of, pair_dirs, precision, resolved_spec
 from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
 from exactspec.decoding.priors import shipped_prior
 from exactspec.bench.workloads import CHAT_WORKLOADS, WORKLOADS
@@ -21,11 +21,15 @@ def run(args: argparse.Namespace) -> dict:
     prepare_output_dir(Path(args.output_dir), "--output-dir")
     draft_dir = pair_dirs(args)[1]
     peers_only = draft_dir is None or FeatureDraft.is_feature_draft(draft_dir)
-    report = _bench_against_peers(args, draft_dir) if peers_only else _bench_arms(args)
+    if args.rules:
+        report = _bench_rules(args, chat=draft_dir is not None and FeatureDraft.is_feature_draft(draft_dir))
+    else:
+        report = _bench_against_peers(args, draft_dir) if peers_only else _bench_arms(args)
     if args.record:
         from exactspec.jobs.records import run_record
 
-        arms = "exactspec and llama.cpp arms (see figures)" if peers_only else "plain, fixed gammas, adaptive, lookup and Hugging Face arms (see figures)"
+        arms = ("block and token-wise verification on the same drafts" if args.rules else "exactspec and llama.cpp arms (see figures)"
+                if peers_only else "plain, fixed gammas, adaptive, lookup and Hugging Face arms (see figures)")
         write_record_file(run_record("bench", args.argv, *pair_dirs(args), None, arms, f"fixed {', '.join(map(str, args.gammas))} and auto",
                           args.seed, precision(args), {"results": report.get("results")}), args.record, report)
     return report
@@ -68,6 +72,26 @@ def _bench_arms(args: argparse.Namespace) -> dict:
     return report
 
 
+def _bench_rules(args: argparse.Namespace, chat: bool) -> dict:
+    """Block against token-wise verification on the pair's own draft (exactspec.bench.rules)."""
+    from exactspec.bench.rules import RulesConfig, run_rules
+    from exactspec.speculator import Speculator
+
+    try:
+        config = RulesConfig(tuple(args.workloads or (tuple(CHAT_WORKLOADS) if chat else WORKLOADS)), chat, args.prompts,
+                             args.max_new_tokens, args.gammas[0], args.repeats, args.seed)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    spec = resolved_spec(args)
+    if not spec.speculate or spec.lookup:
+        raise CliError("--rules compares the rules on a draft's sampled drafts: give a pair with a draft model or a trained draft")
+    pair = load(args, True, spec)
+    speculators = {name: Speculator(spec, pair, None) for name in ("block", "token", "plain")}
+    report = run_rules(speculators, config, progress=not args.json)
+    report.update(threads=torch.get_num_threads(), dtype=args.dtype, backend=args.backend)
+    return report
+
+
 def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
     """A target alone or with a trained feature-level draft: exactspec plain, prompt lookup (and the draft) against
     llama.cpp plain and prompt lookup on the same GGUF file."""
@@ -96,6 +120,11 @@ def show(report: dict) -> None:
     from exactspec.bench.arms import format_table
     from exactspec.bench.peers import format_peer_table
 
+    if "rules" in report:
+        from exactspec.bench.rules import format_rules_table
+
+        print(format_rules_table(report))
+        return
     if "llama_cpp_skipped" in report:
         print(format_peer_table(report))
         if report["llama_cpp_skipped"]:
@@ -122,6 +151,7 @@ def add(add_command) -> None:
     bench.add_argument("--repeats", type=integer(1), default=3, help="repetitions; medians are reported")
     bench.add_argument("--seed", type=integer(0), default=0, help="seed of the first prompt (prompt i uses seed + i)")
     bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face arms")
+    bench.add_argument("--rules", action="store_true", help="compare the verification rules instead: block and token-wise tokens per target call from the same rounds at the first of --gammas (T=1), and --gamma auto's speed under each")
     bench.add_argument("--llama-cpp-lookup", type=integer(1), default=2, help="tokens per llama.cpp prompt-lookup draft (a target without a draft model; 2 is llama-cpp-python's advice for CPUs)")
     bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")

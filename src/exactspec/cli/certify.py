@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         config = CertifyConfig(configs=args.configs, sequences=args.sequences, max_tokens=args.max_tokens, gamma=args.gamma,
                                alpha=args.alpha, seed=args.seed, slots=args.slots, self_check=args.self_check,
-                               mutants=args.mutants)
+                               mutants=args.mutants, verify=args.verify)
     except ValueError as error:
         raise CliError(str(error)) from None
     pair = load(args, with_draft=True)
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> dict:
         figures = {key: report[key] for key in ("passed", "tokens", "detectable_tv", "greedy", "numerics_max_logit_difference", "seconds")}
         figures["self_check"] = {name: m["rejected"] for name, m in report.get("self_check", {}).items()}
         write_record_file(run_record("certify", args.argv, *pair_dirs(args), None, "the pair's draft through the batch engine",
-                          f"fixed {args.gamma}", args.seed, report["precision"], figures), args.record, report)
+                          f"fixed {args.gamma}", args.seed, report["precision"], figures, args.verify), args.record, report)
     return report
 
 
@@ -69,6 +69,7 @@ def add(add_command) -> None:
     certify.add_argument("--sequences", type=integer(1), default=defaults.sequences, help="continuations per configuration (prompts are cycled)")
     certify.add_argument("--max-tokens", type=integer(1), default=defaults.max_tokens, help="tokens per continuation")
     certify.add_argument("--gamma", type=integer(1), default=defaults.gamma, help="draft tokens per round")
+    certify.add_argument("--verify", choices=("block", "token"), default=defaults.verify, help="the rule for sampled drafts to certify: block (default) or token")
     certify.add_argument("--alpha", type=float, default=defaults.alpha, help="family-wise false-positive rate (Holm over every test)")
     certify.add_argument("--seed", type=integer(0), default=defaults.seed, help="seed of the first sequence")
     certify.add_argument("--slots", type=integer(1, 256), default=defaults.slots, help="sequences sampled together")

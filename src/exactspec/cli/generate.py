@@ -15,6 +15,7 @@ from exactspec.cli.common import (
     seed_argument,
 )
 from exactspec.cli.files import check_record_path, write_record_file
+from exactspec.decoding.block import RULES
 from exactspec.decoding.priors import PolicyCache
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.loading import unwrapped
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace) -> dict:
     except ValueError as error:
         raise CliError(str(error).replace("max_new_tokens", "--max-new-tokens")) from None
     completion = Completion(prompt, args.seed if args.seed >= 0 else secrets.randbits(64))
-    tokens = speculator.stream(prompt, args.max_new_tokens, params, args.gamma, completion.seed, not args.ignore_eos, completion)
+    tokens = speculator.stream(prompt, args.max_new_tokens, params, args.gamma, completion.seed, not args.ignore_eos, completion,
+                               args.verify, args.json)
     stops = frozenset() if args.ignore_eos else speculator.tokenizer.eos_token_ids
     pieces = []
     try:
@@ -53,6 +55,7 @@ def run(args: argparse.Namespace) -> dict:
         "text": "".join(pieces),
         "token_ids": list(generation.tokens),
         "mode": "plain" if args.no_speculation else f"speculative ({speculator.proposal}), gamma {args.gamma}",
+        "verify_rule": args.verify,
         "gammas_used": sorted({r.drafted for r in stats.rounds[1:]}),
         "seed": completion.seed,
         "sampling": "greedy" if params.greedy else "sampled",
@@ -74,7 +77,7 @@ def _write_generate_record(args: argparse.Namespace, speculator: Speculator, par
     figures = {"token_ids": list(generation.tokens), "stop_reason": generation.stop_reason,
                "sampling": "greedy" if params.greedy else "sampled", **generation.stats.summary()}
     record = run_record("generate", args.argv, *speculator.dirs, params, speculator.proposal, f"{args.gamma}" if args.gamma == "auto" else f"fixed {args.gamma}",
-                        completion.seed, precision(args), figures)
+                        completion.seed, precision(args), figures, args.verify)
     write_record_file(record, args.record, result)
 
 
@@ -134,6 +137,7 @@ def add(add_command) -> None:
     add_model_arguments(generate)
     generate.add_argument("--gamma", type=gamma_argument, default="auto", help="draft tokens per round, or auto: chosen per round by the cost model")
     generate.add_argument("--max-new-tokens", type=integer(1), default=128, help="stop after this many new tokens")
+    generate.add_argument("--verify", choices=RULES, default="block", help="verification of sampled drafts: block (the optimal exact rule, default) or token (token-wise min(1, p/q)); greedy and lookup drafts are unaffected")
     generate.add_argument("--seed", type=seed_argument, default=0, help="seed of the run's random generator, 0 to 2^64-1; -1 picks a random one (printed in the summary)")
     generate.add_argument("--no-speculation", action="store_true", help="plain decoding of the target (the baseline)")
     generate.add_argument("--no-policy-cache", action="store_true", help="with --gamma auto: neither read nor write the acceptance remembered from the last run of this pair (see `exactspec cache`)")

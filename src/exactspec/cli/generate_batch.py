@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from exactspec.cli.common import CliError, add_model_arguments, integer, load, pair_dirs, precision, require_ray, resolved_spec
+from exactspec.decoding.block import RULES
 from exactspec.cli.files import check_record_path
 
 
@@ -19,7 +20,7 @@ def run(args: argparse.Namespace) -> dict:
         require_ray()
     try:
         config = batch.BatchJobConfig(args.max_tokens, max_tokens_limit=max(args.max_tokens, 4096), seed=args.seed, gamma=args.gamma,
-                                      slots=args.max_batch, max_len=args.max_model_len)
+                                      slots=args.max_batch, max_len=args.max_model_len, verify=args.verify)
         requests = batch.read_requests(Path(args.input))
     except (OSError, ValueError) as error:
         raise CliError(f"--input {args.input}: {error}") from None
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> dict:
     target_dir, draft_dir = pair_dirs(args)
     proposal = "trained feature draft" if FeatureDraft.is_feature_draft(draft_dir) else "draft model"
     record = run_record("generate-batch", args.argv, target_dir, draft_dir, None, proposal,
-                        f"fixed {args.gamma}", args.seed, precision(args), {"input": str(Path(args.input).resolve())})
+                        f"fixed {args.gamma}", args.seed, precision(args), {"input": str(Path(args.input).resolve())}, args.verify)
     if args.ray is None:
         produce = lambda remaining, first: batch.generate_batch(pair, remaining, config, first)  # noqa: E731
     else:
@@ -70,6 +71,7 @@ def add(add_command) -> None:
     batch.add_argument("--max-tokens", type=integer(1), default=128, help="max_tokens of a request that gives none")
     batch.add_argument("--seed", type=integer(0), default=0, help="a request without a seed uses this plus its line number")
     batch.add_argument("--gamma", type=integer(1), default=4, help="draft tokens per round")
+    batch.add_argument("--verify", choices=RULES, default="block", help="verification of sampled drafts of a request that names none: block (default) or token")
     batch.add_argument("--max-batch", type=integer(1, 256), default=16, help="sequences decoded together (per worker)")
     batch.add_argument("--max-model-len", type=integer(16), default=2048, help="prompt + completion tokens per sequence")
     batch.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", help="run on Ray: a cluster's address, or none for a local one")

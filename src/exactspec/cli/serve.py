@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> dict:
         engine_class = MUTANTS[args.lossy_for_tests]
     target_dir, draft_dir = pair_dirs(args)
     # The policy starts from the acceptance of sampled requests (OpenAI's default temperature is 1) and learns the mix.
-    acceptance, prior_source = acceptance_prior(target_dir, draft_dir, SamplingParams(temperature=1.0), PolicyCache())
+    acceptance, prior_source = acceptance_prior(target_dir, draft_dir, SamplingParams(temperature=1.0), PolicyCache(), "block")
     try:
         engine = build_engine(pair, args.max_batch, args.max_model_len, EngineConfig(gamma=args.gamma), engine_class=engine_class,
                               acceptance=acceptance)

@@ -35,12 +35,13 @@ class ColdStart:
     pair: str  # the pair's fingerprint, the cache's key
     params: SamplingParams
     routed: bool  # lookup or draft: the run's rounds mix two sources
+    rule: str = "block"  # the verification rule of sampled drafts, which the cache keeps apart
 
     def remember(self, stats: GenerationStats) -> None:
         """Add the run's acceptance by draft position to the cache (not for lookup-or-draft: its rounds mix
         lookup's and the draft's acceptance)."""
         if self.cache is not None and not self.routed:
-            self.cache.save(self.pair, mode_key(self.params), *stats.position_counts())
+            self.cache.save(self.pair, mode_key(self.params, self.rule), *stats.position_counts())
 
 
 def cold_start(
@@ -51,6 +52,7 @@ def cold_start(
     draft_dir: str | Path | None,
     cache: PolicyCache | None = None,
     config: AdaptiveConfig = AdaptiveConfig(),
+    rule: str = "block",
 ) -> ColdStart:
     """Give ``decoder`` (which has a proposer) an adaptive policy that starts from measured costs and an acceptance
     prior (see the module docstring). ``target_dir`` and ``draft_dir`` name the pair for the prior and the cache."""
@@ -59,7 +61,7 @@ def cold_start(
     routed = isinstance(decoder.proposer, LookupOrDraft)
     drafting = decoder.proposer.draft if routed else decoder.proposer
     calibration = calibrate(decoder.target, drafting, list(prompt)[:CALIBRATION_TOKENS], config.max_gamma, params=decoder.params)
-    acceptance, source = acceptance_prior(target_dir, draft_dir, params, cache)
+    acceptance, source = acceptance_prior(target_dir, draft_dir, params, cache, rule)
     decoder.policy = AdaptiveGamma(config, PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance, source=source))
     record = {"calibration": calibration.as_dict(), "acceptance_prior": list(acceptance), "prior_source": source}
-    return ColdStart(record, cache, fingerprint(target_dir, draft_dir), params, routed)
+    return ColdStart(record, cache, fingerprint(target_dir, draft_dir), params, routed, rule)

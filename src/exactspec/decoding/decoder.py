@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+from exactspec.decoding.block import RULES
 from exactspec.decoding.engine import BatchEngine, SequenceRequest, verify_block
 from exactspec.models.base import LanguageModel, check_token_ids
 from exactspec.models.runtime import SequenceSlots
@@ -38,6 +39,8 @@ class GenerationConfig:
     gamma: int = 4  # draft tokens per round; 0 is plain decoding
     stop_token_ids: frozenset[int] = frozenset()  # EOS and other stops; the stop token is kept
     seed: int = 0  # of the generation's own torch.Generator, in [0, 2^64 - 1]
+    verify: str = "block"  # sampled drafts: "block" (exactspec.decoding.block) or "token" (token-wise min(1, p/q))
+    compare_rules: bool = False  # record both rules' expected accepted length of each sampled round (stats.summary)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -46,6 +49,8 @@ class GenerationConfig:
             raise ValueError(f"gamma must be an integer >= 0, got {self.gamma!r}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [0, 2^64 - 1] (torch.Generator's range), got {self.seed!r}")
+        if self.verify not in RULES:
+            raise ValueError(f"verify must be one of {', '.join(RULES)}, got {self.verify!r}")
         object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
 
 
@@ -109,7 +114,8 @@ class SpeculativeDecoder:
         prompt = check_token_ids(prompt_ids, self.target.vocab_size)
         request = SequenceRequest(tuple(prompt), self.params, config.max_new_tokens, config.stop_token_ids, config.seed,
                                   speculation="off" if self.proposer is None else "draft",
-                                  gamma=config.gamma if self.policy is None else "auto")
+                                  gamma=config.gamma if self.policy is None else "auto", verify=config.verify,
+                                  compare_rules=config.compare_rules)
         committed = []
         handle = self.engine.submit(request, lambda events: committed.extend(e.token for e in events), lambda _: None)
         handle.stats = generation.stats

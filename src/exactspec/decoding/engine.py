@@ -47,6 +47,7 @@ from exactspec.proposers.base import Draft, DraftRequest, Proposer, common_prefi
 from exactspec.proposers.prompt_lookup import PromptLookupProposer
 from exactspec.decoding.sampling import SamplingParams, block_probs
 from exactspec.decoding.stats import GenerationStats, RoundRecord
+from exactspec.decoding.block import RULES, expected_accepted, verify_block_rule
 from exactspec.decoding.verify import VerifyResult, verify_greedy, verify_point_mass, verify_stochastic
 
 __all__ = ["BatchEngine", "EngineConfig", "SequenceRequest", "SequenceHandle", "SPECULATION_MODES", "TokenEvent",
@@ -62,13 +63,24 @@ def verify_block(
     draft_probs: torch.Tensor | None,  # (1, g, V) or None for point-mass proposals
     target_probs: torch.Tensor,  # (1, g + 1, V)
     generator: torch.Generator,
+    rule: str = "block",
 ) -> VerifyResult:
-    """The rule that fits the proposal: greedy, point mass (deterministic drafts) or min(1, p/q) (sampled ones)."""
+    """The rule that fits the proposal: greedy; for sampled drafts the block rule
+    (:mod:`exactspec.decoding.block`) or token-wise min(1, p/q) as ``rule`` says; token-wise for point masses
+    (deterministic drafts), where it already accepts a prefix with the target's own probability of it, so the
+    block rule has nothing to gain."""
     if params.greedy:
         return verify_greedy(draft_tokens, target_probs)
     if draft_probs is None:
         return verify_point_mass(draft_tokens, target_probs, generator)
+    if rule == "block":
+        return verify_block_rule(draft_tokens, draft_probs, target_probs, generator)
     return verify_stochastic(draft_tokens, draft_probs, target_probs, generator)
+
+
+def rule_that_runs(params: SamplingParams, sampled_draft: bool, rule: str) -> str:
+    """The verification rule a round runs: "greedy", "token" (point masses, or asked) or "block"."""
+    return "greedy" if params.greedy else rule if sampled_draft else "token"
 
 
 @dataclass(frozen=True)
@@ -81,8 +93,12 @@ class SequenceRequest:
     speculation: str = "auto"  # "off", "lookup", "draft" (the engine's proposer) or "auto" (it, else lookup)
     top_logprobs: int | None = None  # None: no log-probabilities; k >= 0: the token's and the k most likely
     gamma: int | str | None = None  # an int: fixed; "auto": the gamma policy's; None: see EngineConfig.gamma
+    verify: str = "block"  # sampled drafts: "block" (exactspec.decoding.block) or "token" (token-wise min(1, p/q))
+    compare_rules: bool = False  # record both rules' E[accepted | draft] of each sampled round (a pass over p and q)
 
     def __post_init__(self) -> None:
+        if self.verify not in RULES:
+            raise ValueError(f"verify must be one of {', '.join(RULES)}, got {self.verify!r}")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
         if self.max_tokens < 1 or not self.prompt:
@@ -395,8 +411,8 @@ class BatchEngine:
                       params: SamplingParams) -> torch.Tensor:  # (g + 1, V)
         return block_probs(logits, context, block, prompt_length, params)
 
-    def _verify_rule(self, params, draft_tokens, draft_probs, target_probs, generator):
-        return verify_block(params, draft_tokens, draft_probs, target_probs, generator)
+    def _verify_rule(self, params, draft_tokens, draft_probs, target_probs, generator, rule):
+        return verify_block(params, draft_tokens, draft_probs, target_probs, generator, rule)
 
     def _verify(self, sequences: list[_Sequence], rounds: dict[int, _Round]) -> None:
         """One target call for every sequence's block, and the rest of the prompts of sequences joining with a few
@@ -427,12 +443,17 @@ class BatchEngine:
         p = self._target_probs(logits, s.context, draft.tokens, len(s.request.prompt), params)  # (g + 1, V)
         draft_tokens = torch.tensor([draft.tokens], dtype=torch.int64).reshape(1, -1)
         draft_probs = None if draft.probs is None else draft.probs.unsqueeze(0)
-        result = self._verify_rule(params, draft_tokens, draft_probs, p.unsqueeze(0), s.generator)
+        result = self._verify_rule(params, draft_tokens, draft_probs, p.unsqueeze(0), s.generator, s.request.verify)
         accepted = int(result.num_accepted[0])
         self.target.rollback(s.slot, len(s.context) + accepted)
         self._share_features(s, row, accepted + 1)
+        verify_seconds = time.perf_counter() - began
+        expected = {}
+        if s.request.compare_rules and draft_probs is not None and not params.greedy and draft.tokens:
+            expected = {rule: float(expected_accepted(rule, draft_tokens, draft_probs, p.unsqueeze(0))[0, -1]) for rule in RULES}
         record = RoundRecord(len(draft.tokens), accepted, accepted + 1, round_.draft_seconds, round_.target_seconds,
-                             time.perf_counter() - began, draft.setup_seconds)
+                             verify_seconds, draft.setup_seconds, rule_that_runs(params, draft_probs is not None, s.request.verify),
+                             expected.get("block"), expected.get("token"))
         self.policy.observe_round(s.source, record)
         self._commit(s, result.committed(), p, record)
 

@@ -38,9 +38,10 @@ PRIOR_FILE = "acceptance_prior.json"
 _SAMPLE_BYTES = 1 << 20  # of each weights file's head and tail, hashed with its size
 
 
-def mode_key(params: SamplingParams) -> str:
-    """The acceptance regime a prior belongs to: greedy decoding and sampling differ a lot."""
-    return "greedy" if params.greedy else "sampled"
+def mode_key(params: SamplingParams, rule: str = "token") -> str:
+    """The acceptance regime a prior belongs to: greedy decoding and sampling differ a lot, and sampled drafts
+    verified by the block rule keep more than token-wise ("sampled-block")."""
+    return "greedy" if params.greedy else "sampled" if rule == "token" else "sampled-block"
 
 
 def fingerprint(*checkpoints: str | Path | None) -> str:
@@ -107,16 +108,22 @@ def write_shipped_prior(draft_dir: str | Path, target_dir: str | Path, by_mode: 
 
 
 def acceptance_prior(
-    target_dir: str | Path, draft_dir: str | Path | None, params: SamplingParams, cache: "PolicyCache | None"
+    target_dir: str | Path, draft_dir: str | Path | None, params: SamplingParams, cache: "PolicyCache | None",
+    rule: str = "token",
 ) -> tuple[tuple[float, ...], str]:
-    """``(rates, source)``: the cache's entry for this pair and mode, else the draft's shipped prior, else none."""
-    mode = mode_key(params)
-    if cache is not None:
-        rates = cache.load(fingerprint(target_dir, draft_dir), mode)
+    """``(rates, source)``: the cache's entry for this pair, mode and verification rule, else the draft's shipped
+    prior for them, else none. Under the block rule a token-wise prior stands in for a missing block one (source
+    "... token-wise"): the block rule keeps at least as much on average, so it errs towards shorter drafts."""
+    modes = [mode_key(params, rule)] + ([mode_key(params)] if mode_key(params, rule) != mode_key(params) else [])
+    for mode in modes:
+        suffix = "" if mode == modes[0] else " token-wise"
+        rates = cache.load(fingerprint(target_dir, draft_dir), mode) if cache is not None else None
         if rates:
-            return rates, "cache"
-    rates = None if draft_dir is None else shipped_prior(draft_dir, target_dir, mode)
-    return (rates, "shipped") if rates else ((), "none")
+            return rates, "cache" + suffix
+        rates = None if draft_dir is None else shipped_prior(draft_dir, target_dir, mode)
+        if rates:
+            return rates, "shipped" + suffix
+    return (), "none"
 
 
 def default_cache_dir() -> Path:

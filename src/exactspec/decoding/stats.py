@@ -16,6 +16,9 @@ class RoundRecord:
     target_seconds: float
     verify_seconds: float
     draft_setup_seconds: float = 0.0  # part of draft_seconds that was one-off setup (a lazy prefill)
+    rule: str = "token"  # the verification rule that ran: "greedy", "token" or "block"
+    expected_block: float | None = None  # E[accepted | this round's draft] under the block rule (sampled drafts)
+    expected_token: float | None = None  # the same under the token-wise rule
 
 
 @dataclass
@@ -81,8 +84,24 @@ class GenerationStats:
     def total_seconds(self) -> float:
         return self.draft_seconds + self.target_seconds + self.verify_seconds
 
+    def expected_tokens_per_round(self) -> dict[str, float] | None:
+        """Per rule, 1 + the mean over sampled draft rounds of E[accepted | the round's draft] (recorded with
+        ``compare_rules``): both rules judged on the same drafts, whichever ran. None when no round recorded it."""
+        rounds = [r for r in self.rounds if r.expected_block is not None]
+        if not rounds:
+            return None
+        return {"block": 1 + sum(r.expected_block for r in rounds) / len(rounds),
+                "token": 1 + sum(r.expected_token for r in rounds) / len(rounds), "rounds": len(rounds)}
+
+    @property
+    def rules(self) -> list[str]:
+        """The verification rules the rounds with a draft ran ("greedy", "token", "block")."""
+        return sorted({r.rule for r in self.rounds if r.drafted})
+
     def summary(self) -> dict[str, float | int | list[float]]:
         return {
+            "verify": self.rules,
+            "expected_tokens_per_round": self.expected_tokens_per_round(),
             "tokens": self.committed,
             "rounds": len(self.rounds),
             "drafted": self.drafted,

@@ -56,6 +56,8 @@ __all__ = [
     "naive_output_law",
     "independent_match_rate",
     "check_distribution",
+    "check_block",
+    "draw_uniforms",
 ]
 
 #: Tolerance on ``|sum(p) - 1|`` for a row to count as normalised (float32 softmax is ~1e-6 off).
@@ -107,7 +109,7 @@ def check_distribution(probs: torch.Tensor, name: str) -> torch.Tensor:
     raise ValueError(f"{name} is not normalised: a row sums to {float(sums.flatten()[(sums - 1).abs().flatten().argmax()]):.6g}")
 
 
-def _check_block(draft_tokens: torch.Tensor, target_probs: torch.Tensor) -> tuple[int, int, int]:
+def check_block(draft_tokens: torch.Tensor, target_probs: torch.Tensor) -> tuple[int, int, int]:
     if draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must have shape (B, gamma), got {tuple(draft_tokens.shape)}")
     if draft_tokens.dtype not in (torch.int64, torch.int32):
@@ -227,13 +229,13 @@ def verify_stochastic(
     Raises ValueError when a proposed token has ``q(x) = 0``, which correct
     drafting cannot produce.
     """
-    batch, gamma, _ = _check_block(draft_tokens, target_probs)
+    batch, gamma, _ = check_block(draft_tokens, target_probs)
     if draft_probs.shape != target_probs[:, :gamma].shape:
         raise ValueError(
             f"draft_probs must have shape (B, gamma, V) = {tuple(target_probs[:, :gamma].shape)}, "
             f"got {tuple(draft_probs.shape)}"
         )
-    accept_uniforms, sample_uniforms = _draw_uniforms(batch, gamma, generator)
+    accept_uniforms, sample_uniforms = draw_uniforms(batch, gamma, generator)
     return verify_with_uniforms(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms)
 
 
@@ -248,12 +250,12 @@ def verify_point_mass(
     ``p`` with ``x`` removed, renormalised". Same random-number consumption as
     :func:`verify_stochastic`.
     """
-    batch, gamma, _ = _check_block(draft_tokens, target_probs)
-    accept_uniforms, sample_uniforms = _draw_uniforms(batch, gamma, generator)
+    batch, gamma, _ = check_block(draft_tokens, target_probs)
+    accept_uniforms, sample_uniforms = draw_uniforms(batch, gamma, generator)
     return verify_with_uniforms(draft_tokens, None, target_probs, accept_uniforms, sample_uniforms)
 
 
-def _draw_uniforms(batch: int, gamma: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_uniforms(batch: int, gamma: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """The documented consumption: (B, gamma) acceptance uniforms, then (B,) sampling uniforms, float64."""
     if not isinstance(generator, torch.Generator):
         raise TypeError("an explicit torch.Generator is required: exactspec never uses the global RNG")
@@ -276,7 +278,7 @@ def verify_with_uniforms(
     token is the inverse-CDF draw of ``sample_uniforms`` from
     ``max(0, p_n - q_n)`` (with ``q = 0`` at the bonus position).
     """
-    batch, gamma, vocab = _check_block(draft_tokens, target_probs)
+    batch, gamma, vocab = check_block(draft_tokens, target_probs)
     p = check_distribution(target_probs, "target_probs")
     tokens = draft_tokens.long()
     if draft_probs is None:
@@ -327,7 +329,7 @@ def verify_greedy(
 
     Ties are broken towards the lowest token id (:func:`greedy_token`). Consumes no randomness.
     """
-    batch, gamma, _ = _check_block(draft_tokens, target_scores)
+    batch, gamma, _ = check_block(draft_tokens, target_scores)
     if not torch.isfinite(target_scores).any(-1).all() or torch.isnan(target_scores).any():
         raise ValueError("target_scores contains NaN or a row with no finite value")
     argmax = greedy_token(target_scores)  # (B, gamma + 1)

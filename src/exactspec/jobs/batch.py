@@ -9,7 +9,7 @@ compositions in the call-size invariant mode (``--invariant``), where a row's lo
 
 A request line is a JSON object with ``prompt`` (text) or ``messages`` (chat turns), and optionally ``id``,
 ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
-``frequency_penalty``, ``seed`` and ``ignore_eos``. A result line holds ``line`` (the request's 0-based line),
+``frequency_penalty``, ``seed``, ``ignore_eos`` and ``verify`` ("block" or "token"). A result line holds ``line`` (the request's 0-based line),
 ``id``, ``text``, ``token_ids``, ``stop_reason``, the request's ``speculation`` figures and ``record_id`` (the
 job's run record, written beside the output).
 """
@@ -25,12 +25,13 @@ from typing import Callable, Iterable, Iterator
 
 from exactspec.loading import LoadedPair
 from exactspec.decoding.sampling import SamplingParams
+from exactspec.decoding.block import RULES
 from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
 
 __all__ = ["BatchJobConfig", "build_batch_engine", "generate_batch", "parse_request", "run_job", "completed_lines"]
 
 REQUEST_FIELDS = {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                  "presence_penalty", "frequency_penalty", "seed", "ignore_eos"}
+                  "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "verify"}
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -42,6 +43,7 @@ class BatchJobConfig:
     gamma: int = 4
     slots: int = 16  # sequences decoded together
     max_len: int = 2048  # prompt + completion positions per sequence
+    verify: str = "block"  # the rule for sampled drafts of a request that names none ("block" or "token")
 
     def __post_init__(self) -> None:
         if min(self.max_tokens, self.gamma, self.slots, self.max_len) < 1 or self.max_tokens > self.max_tokens_limit:
@@ -74,10 +76,13 @@ def parse_request(obj: object, line: int, tokenizer, config: BatchJobConfig) -> 
         seed = obj.get("seed", config.seed + line)
         if not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ValueError("seed must be an integer in [0, 2^63)")
+        verify = obj.get("verify", config.verify)
+        if verify not in RULES:
+            raise ValueError(f"verify must be one of {', '.join(RULES)}")
     except (ValueError, TypeError, KeyError) as error:
         raise ValueError(f"{where}: {error}") from None
     stops = frozenset() if obj.get("ignore_eos") else tokenizer.eos_token_ids
-    return SequenceRequest(tuple(prompt), params, max_tokens, stops, seed, "draft")
+    return SequenceRequest(tuple(prompt), params, max_tokens, stops, seed, "draft", verify=verify)
 
 
 def build_batch_engine(pair: LoadedPair, config: BatchJobConfig) -> BatchEngine:

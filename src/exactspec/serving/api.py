@@ -203,7 +203,7 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
             raise ApiError(400, str(error)) from None
         stops = frozenset(body.stop_token_ids or []) | tokenizer.eos_token_ids
         return [SequenceRequest(tuple(prompt), params, max_tokens, stops, None if body.seed is None else body.seed + i,
-                                body.speculation, body.top_logprobs_count()) for i in range(body.n)]
+                                body.speculation, body.top_logprobs_count(), verify=body.verify) for i in range(body.n)]
 
     def start(requests: list[SequenceRequest], stops: list[str]) -> list[_Choice]:
         if state["sequences"] + len(requests) > settings.max_sequences:
@@ -271,10 +271,13 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
 def _record(base: dict, requests: list[SequenceRequest], choices: list[_Choice], prompt: list[int]) -> dict:
     """The server's run record completed with this request: its effective sampling, seeds, tokens and figures."""
     from exactspec.decoding.sampling import processor_order
+    from exactspec.jobs.records import ACCEPTANCE, DRAW_ORDER_VERSIONS, RESIDUAL
 
     request = requests[0]
     return {**base, "kind": "served request", "sampling": processor_order(request.params),
-            "seed": [r.seed for r in requests], "speculation": request.speculation,
+            "seed": [r.seed for r in requests], "speculation": request.speculation, "verify": request.verify,
+            "acceptance": ACCEPTANCE[request.verify], "residual": RESIDUAL[request.verify],
+            "draw_order_version": DRAW_ORDER_VERSIONS[request.verify],
             "gamma_policy": base["gamma_policy"] if request.seed is not None or request.speculation != "auto" else "batch policy (auto, unseeded)",
             "figures": {"prompt_token_ids": prompt, "choices": [{"token_ids": c.tokens, **c.handle.figures()} for c in choices]}}
 

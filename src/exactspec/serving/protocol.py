@@ -2,7 +2,8 @@
 
 Field names and defaults follow OpenAI's completions and chat completions APIs; vLLM's extensions are accepted
 as extra fields (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``), and exactspec adds
-``speculation`` (``off``, ``draft``, ``lookup`` or ``auto``); ``return_token_ids`` (as in vLLM) adds each choice's
+``speculation`` (``off``, ``draft``, ``lookup`` or ``auto``) and ``verify`` (``block``, the default, or ``token``: the rule
+for sampled drafts); ``return_token_ids`` (as in vLLM) adds each choice's
 ``prompt_token_ids`` and ``token_ids``, which ``exactspec audit`` scores; ``return_record`` adds the request's run
 record. Unknown fields are refused, so a typo is an error
 rather than a silently ignored setting.
@@ -14,6 +15,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from exactspec.decoding.block import RULES
 from exactspec.decoding.engine import SPECULATION_MODES
 
 __all__ = ["ChatRequest", "CompletionRequest", "ChatMessage"]
@@ -39,6 +41,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     speculation: str = "auto"
+    verify: str = "block"
     return_token_ids: bool = False
     return_record: bool = False  # exactspec: the request's run record (exactspec.jobs.records) in the response
     user: str | None = None
@@ -48,6 +51,13 @@ class _Common(BaseModel):
     def _speculation(cls, value: str) -> str:
         if value not in SPECULATION_MODES:
             raise ValueError(f"must be one of {', '.join(SPECULATION_MODES)}")
+        return value
+
+    @field_validator("verify")
+    @classmethod
+    def _verify(cls, value: str) -> str:
+        if value not in RULES:
+            raise ValueError(f"must be one of {', '.join(RULES)}")
         return value
 
     @field_validator("logit_bias")
