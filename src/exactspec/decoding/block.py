@@ -78,12 +78,14 @@ def _weights(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 def _threshold_at(p: torch.Tensor, q: torch.Tensor, weights: torch.Tensor, i: int, rows: torch.Tensor) -> torch.Tensor:
     """h_i (B3) of ``rows`` (indices into the batch), ``(len(rows),)``: w_g at the last position, else from the next
     position's residual mass r_i (B2)."""
-    w = weights[rows, i]
+    every_row = len(rows) == q.shape[0]
+    w = weights[:, i] if every_row else weights[rows, i]
     if i == q.shape[1]:
         return w
-    residual = torch.mul(p[rows, i], w.unsqueeze(-1)).sub_(q[rows, i]).clamp_(min=0).sum(-1)  # p[:, i] is p_{i+1}
+    p_next, q_next = (p[:, i], q[:, i]) if every_row else (p[rows, i], q[rows, i])  # p[:, i] is p_{i+1}: views when we can
+    residual = torch.mul(p_next, w.unsqueeze(-1)).sub_(q_next).clamp_(min=0).sum(-1)
     denominator = residual + 1 - w
-    return torch.where(denominator > 0, residual / torch.where(denominator > 0, denominator, 1.0), 1.0)
+    return torch.where(denominator > 0, residual / denominator.clamp(min=torch.finfo(torch.float64).tiny), 1.0)
 
 
 def _thresholds(p: torch.Tensor, q: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -129,10 +131,11 @@ def verify_block_with_uniforms(
     correction = p_next
     if gamma:
         ended = (tau < gamma).to(torch.float64).unsqueeze(-1)  # (B, 1): a replacement, not a bonus
-        q_next = q[rows, tau.clamp(max=gamma - 1)] * ended
-        correction = (weights[rows, tau].unsqueeze(-1) * p_next - q_next).clamp(min=0)  # (B5); p_{g+1} when tau = g
+        q_next = q[rows, tau.clamp(max=gamma - 1)].mul_(ended)
+        correction = torch.mul(p_next, weights[rows, tau].unsqueeze(-1)).sub_(q_next).clamp_(min=0)  # (B5); p_{g+1} when tau = g
         no_mass = correction.sum(-1, keepdim=True) <= 0  # rounding only (see the module docstring)
-        correction = torch.where(no_mass, p_next, correction)
+        if no_mass.any():
+            correction = torch.where(no_mass, p_next, correction)
     final = sample_from(correction, sample_uniforms)
     out = torch.full((batch, gamma + 1), -1, dtype=torch.int64)
     out[:, :gamma] = torch.where(positions[None, :gamma] < tau.unsqueeze(-1), tokens, -1)
