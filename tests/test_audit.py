@@ -53,6 +53,7 @@ def servers(pair):
         thread.join(timeout=10)
 
 
+@pytest.mark.slow  # two audits of 19,200 served tokens (65 s)
 def test_the_honest_server_passes_alone_and_against_its_baseline(pair, servers):
     config = AuditConfig(servers["honest"], MODEL, baseline=servers["honest"], configs=(CONFIG,), requests=300, max_tokens=32,
                          concurrency=16, extra_body=DRAFT, baseline_extra_body={"speculation": "off"})
@@ -61,6 +62,7 @@ def test_the_honest_server_passes_alone_and_against_its_baseline(pair, servers):
     assert any("two-sample" in t["name"] for t in report["tests"]) and report["tokens"][CONFIG]["baseline"] > 5000
 
 
+@pytest.mark.slow  # 19,200 served tokens (65 s); the quick run rejects the same bug in test_serving_engine
 def test_the_lossy_server_is_rejected(pair, servers):
     """Requests verified token-wise (the block rule, the default, moves this bug's law less: adjusted p 3.8e-6
     at this size, rejected at the test's rate but not below this test's margin of 1e-6)."""

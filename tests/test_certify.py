@@ -34,6 +34,7 @@ def test_the_command_passes_the_real_engine_and_writes_its_outputs(tmp_path):
     assert (tmp_path / "certify.png").stat().st_size > 10_000 and "verdict: PASS" in (tmp_path / "certify.txt").read_text()
 
 
+@pytest.mark.slow  # 4 x 10,240 shipped-pair tokens (100 s); the same bugs are rejected in the quick run by test_exactness
 def test_the_self_check_rejects_the_known_wrong_samplers():
     pair = load_pair(*default_pair_dirs())
     mutants = ("residual_from_p", "unprocessed_q", "argmax_draft_sampled_ratio")

@@ -33,36 +33,12 @@ from __future__ import annotations
 
 import torch
 
-from exactspec.decoding.verify import VerifyResult, check_block, check_distribution, draw_uniforms, sample_from
+from exactspec.decoding.verify import VerifyResult, check_block, checked_block, draw_uniforms, sample_from
 
 __all__ = ["RULES", "block_thresholds", "verify_block_rule", "verify_block_with_uniforms", "expected_accepted",
            "tokenwise_expected_accepted", "block_expected_accepted"]
 
 RULES = ("block", "token")
-
-
-def _point_mass(tokens: torch.Tensor, vocab: int) -> torch.Tensor:  # tokens (B, g) -> (B, g, V) one-hot float64
-    return torch.zeros((*tokens.shape, vocab), dtype=torch.float64).scatter_(-1, tokens.unsqueeze(-1), 1.0)
-
-
-def _draft_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor):
-    """(p (B, g+1, V), q (B, g, V), tokens (B, g)) in float64, checked; q of a deterministic draft is its point mass."""
-    batch, gamma, vocab = check_block(draft_tokens, target_probs)
-    p = check_distribution(target_probs, "target_probs")
-    tokens = draft_tokens.long()
-    if draft_probs is None:
-        q = _point_mass(tokens, vocab)
-    else:
-        if draft_probs.shape != target_probs[:, :gamma].shape:
-            raise ValueError(f"draft_probs must have shape (B, gamma, V) = {tuple(target_probs[:, :gamma].shape)}, "
-                             f"got {tuple(draft_probs.shape)}")
-        q = check_distribution(draft_probs, "draft_probs")
-    q_of_draft = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, g)
-    if (q_of_draft <= 0).any():
-        row, pos = (q_of_draft <= 0).nonzero()[0].tolist()
-        raise ValueError(f"draft token {int(tokens[row, pos])} at position {pos} of row {row} has draft probability 0: "
-                         "it cannot have been sampled from draft_probs")
-    return p, q, tokens
 
 
 def _weights(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -100,7 +76,7 @@ def block_thresholds(
     target_probs: torch.Tensor,  # (B, g + 1, V)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w, h)``: the running weights (B1) and thresholds (B3), each ``(B, g + 1)`` float64, index 0 the empty block."""
-    p, q, tokens = _draft_rows(draft_tokens, draft_probs, target_probs)
+    p, q, tokens = checked_block(draft_tokens, draft_probs, target_probs)
     weights = _weights(p, q, tokens)
     return weights, _thresholds(p, q, weights)
 
@@ -113,7 +89,7 @@ def verify_block_with_uniforms(
     sample_uniforms: torch.Tensor,  # (B,) float64 in [0, 1)
 ) -> VerifyResult:
     """The block rule (B1-B5) as a pure function of its uniforms."""
-    p, q, tokens = _draft_rows(draft_tokens, draft_probs, target_probs)
+    p, q, tokens = checked_block(draft_tokens, draft_probs, target_probs)
     batch, gamma = tokens.shape
     weights = _weights(p, q, tokens)
     # (B4) from the last position down: a row's h_i is computed only while no later position has passed it.
@@ -161,7 +137,7 @@ def verify_block_rule(
 def tokenwise_expected_accepted(draft_tokens, draft_probs, target_probs) -> torch.Tensor:
     """``E[accepted | drafted tokens]`` of the token-wise rule for every gamma' = 1..g: ``(B, g)``,
     ``sum_{i <= g'} prod_{j <= i} min(1, p_j(x_j) / q_j(x_j))``."""
-    p, q, tokens = _draft_rows(draft_tokens, draft_probs, target_probs)
+    p, q, tokens = checked_block(draft_tokens, draft_probs, target_probs)
     ratios = (p[:, : tokens.shape[1]].gather(-1, tokens.unsqueeze(-1)) / q.gather(-1, tokens.unsqueeze(-1))).squeeze(-1)
     return ratios.clamp(max=1.0).cumprod(-1).cumsum(-1)
 
@@ -169,7 +145,7 @@ def tokenwise_expected_accepted(draft_tokens, draft_probs, target_probs) -> torc
 def block_expected_accepted(draft_tokens, draft_probs, target_probs) -> torch.Tensor:
     """``E[tau | drafted tokens]`` of the block rule for every gamma' = 1..g (the block cut after g' tokens):
     ``(B, g)``, ``sum_{i=1..g'} P(tau >= i)`` with (B6) and the cut block's thresholds (``h_{g'} = w_{g'}``)."""
-    p, q, tokens = _draft_rows(draft_tokens, draft_probs, target_probs)
+    p, q, tokens = checked_block(draft_tokens, draft_probs, target_probs)
     weights = _weights(p, q, tokens)
     h = _thresholds(p, q, weights)
     out = []

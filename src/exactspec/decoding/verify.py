@@ -57,6 +57,7 @@ __all__ = [
     "independent_match_rate",
     "check_distribution",
     "check_block",
+    "checked_block",
     "draw_uniforms",
 ]
 
@@ -278,20 +279,9 @@ def verify_with_uniforms(
     token is the inverse-CDF draw of ``sample_uniforms`` from
     ``max(0, p_n - q_n)`` (with ``q = 0`` at the bonus position).
     """
-    batch, gamma, vocab = check_block(draft_tokens, target_probs)
-    p = check_distribution(target_probs, "target_probs")
-    tokens = draft_tokens.long()
-    if draft_probs is None:
-        q = torch.zeros((batch, gamma, vocab), dtype=torch.float64).scatter_(-1, tokens.unsqueeze(-1), 1.0)
-    else:
-        q = check_distribution(draft_probs, "draft_probs")
+    p, q, tokens = checked_block(draft_tokens, draft_probs, target_probs)
+    batch, gamma = tokens.shape
     q_of_draft = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, gamma)
-    if (q_of_draft <= 0).any():
-        row, pos = (q_of_draft <= 0).nonzero()[0].tolist()
-        raise ValueError(
-            f"draft token {int(tokens[row, pos])} at position {pos} of row {row} has draft probability 0: "
-            "it cannot have been sampled from draft_probs"
-        )
     p_of_draft = p[:, :gamma].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, gamma)
     accepted = accept_uniforms < p_of_draft / q_of_draft  # (B, gamma)
     num_accepted = accepted.long().cumprod(-1).sum(-1)  # (B,) length of the accepted prefix
@@ -312,6 +302,33 @@ def verify_with_uniforms(
     out[:, :gamma] = torch.where(positions[:, :gamma] < num_accepted.unsqueeze(-1), tokens, -1)
     out[rows, num_accepted] = final
     return VerifyResult(num_accepted=num_accepted, tokens=out)
+
+
+def checked_block(
+    draft_tokens: torch.Tensor,  # (B, gamma) int64
+    draft_probs: torch.Tensor | None,  # (B, gamma, V), or None for point-mass proposals
+    target_probs: torch.Tensor,  # (B, gamma + 1, V)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(p, q, tokens)`` of a block, checked, in float64: q of a point-mass proposal is its one-hot rows. Raises
+    ValueError when a proposed token has ``q(x) = 0``, which correct drafting cannot produce."""
+    batch, gamma, vocab = check_block(draft_tokens, target_probs)
+    p = check_distribution(target_probs, "target_probs")
+    tokens = draft_tokens.long()
+    if draft_probs is None:
+        q = torch.zeros((batch, gamma, vocab), dtype=torch.float64).scatter_(-1, tokens.unsqueeze(-1), 1.0)
+    else:
+        if draft_probs.shape != target_probs[:, :gamma].shape:
+            raise ValueError(f"draft_probs must have shape (B, gamma, V) = {tuple(target_probs[:, :gamma].shape)}, "
+                             f"got {tuple(draft_probs.shape)}")
+        q = check_distribution(draft_probs, "draft_probs")
+    q_of_draft = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, gamma)
+    if (q_of_draft <= 0).any():
+        row, pos = (q_of_draft <= 0).nonzero()[0].tolist()
+        raise ValueError(
+            f"draft token {int(tokens[row, pos])} at position {pos} of row {row} has draft probability 0: "
+            "it cannot have been sampled from draft_probs"
+        )
+    return p, q, tokens
 
 
 def _rows_at(probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # probs (B, n, V), positions (B,)
