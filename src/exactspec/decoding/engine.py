@@ -14,7 +14,8 @@ Sequences join a running batch as slots free up and leave when they finish or ar
 4. verifies every sequence's block ``[last committed token] + draft`` in one call of the target runtime
    (:mod:`exactspec.models.runtime`);
 5. per sequence: p from the same pipeline as q (:func:`exactspec.decoding.sampling.block_probs`), the rule that fits its
-   proposal (:func:`verify_block`), its own accepted length, its own cache rollback (the cache then holds every
+   proposal and its request (:func:`verify_block`: greedy, token-wise for point masses, the block rule of
+   :mod:`exactspec.decoding.block` or token-wise for sampled drafts), its own accepted length, its own cache rollback (the cache then holds every
    committed token but the newest, fed at the start of the next round), its tokens handed to its listener.
 
 Plain autoregressive decoding is the same round with gamma = 0: the verifier samples the bonus token from p.
