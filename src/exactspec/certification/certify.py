@@ -45,7 +45,7 @@ from exactspec.chat import chat_messages
 from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
 from exactspec.loading import LoadedPair, unwrapped
 from exactspec.decoding.sampling import GREEDY, SamplingParams, block_probs
-from exactspec.decoding.block import RULES
+from exactspec.decoding.block import check_rule
 from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.speculator import build_engine
 from exactspec.tokenizer import TextTokenizer
@@ -87,8 +87,7 @@ class CertifyConfig:
     verify: str = "block"  # the rule for sampled drafts (the block rule's mutants apply only to it)
 
     def __post_init__(self) -> None:
-        if self.verify not in RULES:
-            raise ValueError(f"verify must be one of {', '.join(RULES)}, got {self.verify!r}")
+        check_rule(self.verify)
         unknown = set(self.configs) - set(CONFIGS)
         if unknown or not self.configs:
             raise ValueError(f"configs must be among {', '.join(CONFIGS)}, got {', '.join(self.configs)}")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from exactspec.cli.common import CliError, add_model_arguments, integer, list_of, load, one_of, pair_dirs, read_prompts, require_ray, resolved_spec
 from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
+from exactspec.decoding.block import RULES
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -69,7 +70,7 @@ def add(add_command) -> None:
     certify.add_argument("--sequences", type=integer(1), default=defaults.sequences, help="continuations per configuration (prompts are cycled)")
     certify.add_argument("--max-tokens", type=integer(1), default=defaults.max_tokens, help="tokens per continuation")
     certify.add_argument("--gamma", type=integer(1), default=defaults.gamma, help="draft tokens per round")
-    certify.add_argument("--verify", choices=("block", "token"), default=defaults.verify, help="the rule for sampled drafts to certify: block (default) or token")
+    certify.add_argument("--verify", choices=RULES, default=defaults.verify, help="the rule for sampled drafts to certify: block (default) or token")
     certify.add_argument("--alpha", type=float, default=defaults.alpha, help="family-wise false-positive rate (Holm over every test)")
     certify.add_argument("--seed", type=integer(0), default=defaults.seed, help="seed of the first sequence")
     certify.add_argument("--slots", type=integer(1, 256), default=defaults.slots, help="sequences sampled together")

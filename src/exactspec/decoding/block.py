@@ -35,10 +35,17 @@ import torch
 
 from exactspec.decoding.verify import VerifyResult, check_block, checked_block, draw_uniforms, sample_from
 
-__all__ = ["RULES", "block_thresholds", "verify_block_rule", "verify_block_with_uniforms", "expected_accepted",
+__all__ = ["RULES", "check_rule", "block_thresholds", "verify_block_rule", "verify_block_with_uniforms", "expected_accepted",
            "tokenwise_expected_accepted", "block_expected_accepted"]
 
 RULES = ("block", "token")
+
+
+def check_rule(rule: str, name: str = "verify") -> str:
+    """``rule`` if it names a verification rule, else ValueError naming ``name`` and the choices."""
+    if rule not in RULES:
+        raise ValueError(f"{name} must be one of {', '.join(RULES)}, got {rule!r}")
+    return rule
 
 
 def _weights(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -158,6 +165,5 @@ def block_expected_accepted(draft_tokens, draft_probs, target_probs) -> torch.Te
 
 def expected_accepted(rule: str, draft_tokens, draft_probs, target_probs) -> torch.Tensor:
     """Expected accepted length ``(B, g)`` under ``rule`` ("block" or "token") for every gamma' = 1..g."""
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
+    check_rule(rule, "rule")
     return (block_expected_accepted if rule == "block" else tokenwise_expected_accepted)(draft_tokens, draft_probs, target_probs)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from exactspec.decoding.block import RULES
+from exactspec.decoding.block import check_rule
 from exactspec.decoding.engine import BatchEngine, SequenceRequest, verify_block
 from exactspec.models.base import LanguageModel, check_token_ids
 from exactspec.models.runtime import SequenceSlots
@@ -49,8 +49,7 @@ class GenerationConfig:
             raise ValueError(f"gamma must be an integer >= 0, got {self.gamma!r}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [0, 2^64 - 1] (torch.Generator's range), got {self.seed!r}")
-        if self.verify not in RULES:
-            raise ValueError(f"verify must be one of {', '.join(RULES)}, got {self.verify!r}")
+        check_rule(self.verify)
         object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
 
 

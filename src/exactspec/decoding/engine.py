@@ -48,7 +48,7 @@ from exactspec.proposers.base import Draft, DraftRequest, Proposer, common_prefi
 from exactspec.proposers.prompt_lookup import PromptLookupProposer
 from exactspec.decoding.sampling import SamplingParams, block_probs
 from exactspec.decoding.stats import GenerationStats, RoundRecord
-from exactspec.decoding.block import RULES, expected_accepted, verify_block_rule
+from exactspec.decoding.block import RULES, check_rule, expected_accepted, verify_block_rule
 from exactspec.decoding.verify import VerifyResult, verify_greedy, verify_point_mass, verify_stochastic
 
 __all__ = ["BatchEngine", "EngineConfig", "SequenceRequest", "SequenceHandle", "SPECULATION_MODES", "TokenEvent",
@@ -98,8 +98,7 @@ class SequenceRequest:
     compare_rules: bool = False  # record both rules' E[accepted | draft] of each sampled round (a pass over p and q)
 
     def __post_init__(self) -> None:
-        if self.verify not in RULES:
-            raise ValueError(f"verify must be one of {', '.join(RULES)}, got {self.verify!r}")
+        check_rule(self.verify)
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
         if self.max_tokens < 1 or not self.prompt:

@@ -114,9 +114,8 @@ def acceptance_prior(
     """``(rates, source)``: the cache's entry for this pair, mode and verification rule, else the draft's shipped
     prior for them, else none. Under the block rule a token-wise prior stands in for a missing block one (source
     "... token-wise"): the block rule keeps at least as much on average, so it errs towards shorter drafts."""
-    modes = [mode_key(params, rule)] + ([mode_key(params)] if mode_key(params, rule) != mode_key(params) else [])
-    for mode in modes:
-        suffix = "" if mode == modes[0] else " token-wise"
+    own, token_wise = mode_key(params, rule), mode_key(params)
+    for mode, suffix in [(own, "")] + ([(token_wise, " token-wise")] if own != token_wise else []):
         rates = cache.load(fingerprint(target_dir, draft_dir), mode) if cache is not None else None
         if rates:
             return rates, "cache" + suffix

@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Iterator
 
 from exactspec.loading import LoadedPair
 from exactspec.decoding.sampling import SamplingParams
-from exactspec.decoding.block import RULES
+from exactspec.decoding.block import check_rule
 from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
 
 __all__ = ["BatchJobConfig", "build_batch_engine", "generate_batch", "parse_request", "run_job", "completed_lines"]
@@ -48,6 +48,7 @@ class BatchJobConfig:
     def __post_init__(self) -> None:
         if min(self.max_tokens, self.gamma, self.slots, self.max_len) < 1 or self.max_tokens > self.max_tokens_limit:
             raise ValueError("max_tokens, gamma, slots and max_len must be >= 1, and max_tokens at most max_tokens_limit")
+        check_rule(self.verify)
 
 
 def parse_request(obj: object, line: int, tokenizer, config: BatchJobConfig) -> SequenceRequest:
@@ -76,9 +77,7 @@ def parse_request(obj: object, line: int, tokenizer, config: BatchJobConfig) -> 
         seed = obj.get("seed", config.seed + line)
         if not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ValueError("seed must be an integer in [0, 2^63)")
-        verify = obj.get("verify", config.verify)
-        if verify not in RULES:
-            raise ValueError(f"verify must be one of {', '.join(RULES)}")
+        verify = check_rule(obj.get("verify", config.verify))
     except (ValueError, TypeError, KeyError) as error:
         raise ValueError(f"{where}: {error}") from None
     stops = frozenset() if obj.get("ignore_eos") else tokenizer.eos_token_ids

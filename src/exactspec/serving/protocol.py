@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from exactspec.decoding.block import RULES
 from exactspec.decoding.engine import SPECULATION_MODES
@@ -46,18 +46,12 @@ class _Common(BaseModel):
     return_record: bool = False  # exactspec: the request's run record (exactspec.jobs.records) in the response
     user: str | None = None
 
-    @field_validator("speculation")
+    @field_validator("speculation", "verify")
     @classmethod
-    def _speculation(cls, value: str) -> str:
-        if value not in SPECULATION_MODES:
-            raise ValueError(f"must be one of {', '.join(SPECULATION_MODES)}")
-        return value
-
-    @field_validator("verify")
-    @classmethod
-    def _verify(cls, value: str) -> str:
-        if value not in RULES:
-            raise ValueError(f"must be one of {', '.join(RULES)}")
+    def _one_of(cls, value: str, info: ValidationInfo) -> str:
+        choices = SPECULATION_MODES if info.field_name == "speculation" else RULES
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
         return value
 
     @field_validator("logit_bias")
