@@ -8,8 +8,11 @@ model with noise (0.15 of the weights' scale) added to every matrix (acceptance 
   a float16 cache), so positions, rows and the cache are fed as llama.cpp means them; and SmolLM2 requantized to
   Q4_K_M by llama.cpp reads in torch (K-quants through the gguf package) as llama.cpp runs it.
 * The runtime's operations: a ragged call, a rollback and a copied prefix give the logits of a fresh call.
-* Exactness through the engine: greedy speculative equals plain greedy; a seeded request draws the same tokens alone
-  and among others; and a G-test of the law of 4 new tokens over 4 allowed tokens (256 outcomes) against the law
+* Target features (the eval callback): the outputs of the asked layers, for ragged rows spanning several of
+  llama.cpp's micro-batches, equal the torch decoder's to FEATURE_RTOL of their spread, in the rows' order (a
+  position or a layer out of place is off by more than the spread).
+* Exactness through the engine: greedy speculative equals plain greedy (a draft model, and a feature-level draft
+  reading llama.cpp's features); a seeded request draws the same tokens alone and among others; and a G-test of the law of 4 new tokens over 4 allowed tokens (256 outcomes) against the law
   computed from the runtime's own single-prefix logits, with the same false-positive rate as test_exactness (ALPHA
   = 1e-3, N_QUICK and N sizes). Power: the same test rejects the engine with the replacement drawn from p instead
   of the residual (test_exactness.replacement_from_target). Measured at N = 2,000 (seeds 0..1999): the correct
@@ -21,6 +24,8 @@ test_a_block_and_a_batch_give_the_logits_of_calls_alone and bounded there by ATO
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,6 +52,9 @@ ATOL = 1e-3
 #: cache type), so logits of std ~2 differ by up to about 2e-2 (measured 0.018); a position fed one place off
 #: or a wrong rotary layout differs by O(1).
 ATOL_TORCH = 0.05
+#: llama.cpp's layer outputs against the torch decoder's, as a fraction of their standard deviation (measured
+#: 0.008-0.03: the float16 cache again); a position or a layer out of place differs by more than one deviation.
+FEATURE_RTOL = 0.05
 PROMPT, NEW_TOKENS, GAMMA = [1, 7, 9], 4, 3
 ALLOWED = frozenset({3, 4, 5, 6})
 PARAMS = SamplingParams(allowed_token_ids=ALLOWED)
@@ -120,7 +128,7 @@ def test_rollback_and_a_copied_prefix_continue_as_a_fresh_call(files):
     assert runtime.lengths == [4, 5]
 
 
-def test_bad_calls_are_clear_errors(files, target):
+def test_bad_calls_are_clear_errors(files):
     runtime = LlamaCppRuntime(files[0], slots=2, max_len=8, threads=1)
     with pytest.raises(ValueError, match="exceeds 8 positions"):
         runtime.forward([(0, list(range(3, 12)))])
@@ -130,8 +138,8 @@ def test_bad_calls_are_clear_errors(files, target):
         runtime.forward([(1, [VOCAB])])
     with pytest.raises(ValueError, match="cannot roll back to length 2"):
         runtime.rollback(1, 2)
-    with pytest.raises(ValueError, match="hidden states"):
-        target.capture_features([0])
+    with pytest.raises(ValueError, match=r"feature layers \[5\] do not exist in a 2-layer target"):
+        runtime.capture_features([5])
     assert runtime.lengths == [0, 0]  # nothing half-done
 
 
@@ -147,6 +155,65 @@ def test_a_file_llama_cpp_cannot_load_or_requantize_is_a_clear_error(tmp_path, f
     with pytest.raises(ValueError, match="unknown llama.cpp file type 'Q9_9'; choose one of .*Q8_0"):
         requantize(files[0], tmp_path / "out.gguf", "Q9_9")
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_captured_features_are_the_torch_decoders_layer_outputs(files):
+    """Six ragged rows, 575 tokens: more than one of llama.cpp's 512-token micro-batches, so the chunks are joined."""
+    lean = LeanModel.from_pretrained(files[0], dtype=torch.float32, weights="dense")
+    runtime = LlamaCppRuntime(files[0], slots=6, max_len=128, threads=1)
+    runtime.capture_features([0, 1])
+    generator = torch.Generator().manual_seed(0)
+    rows = [(slot, torch.randint(3, VOCAB, (n,), generator=generator).tolist()) for slot, n in enumerate([120, 5, 120, 120, 100, 110])]
+    runtime.forward(rows)
+    assert [f.shape for f in runtime.last_features] == [(len(ids), 2 * 64) for _, ids in rows]
+    for (_, ids), got in zip(rows, runtime.last_features):
+        _, expected = lean.decoder.forward_train(torch.tensor([ids]), feature_layers=[0, 1])
+        expected, scale = expected[0].detach(), expected.std().item()
+        assert (got - expected).abs().max() < FEATURE_RTOL * scale
+        assert (got[1:] - expected[:-1]).abs().max() > scale  # one position off
+        assert (got[:, :64] - expected[:, 64:]).abs().max() > scale  # the layers swapped
+    continued = runtime.forward([(1, [5, 6, 7]), (0, [9])])  # continuing rows: features of the new positions only
+    assert [f.shape[0] for f in runtime.last_features] == [3, 1]
+    runtime.rollback(1, 5)
+    runtime.rollback(0, 120)
+    runtime.capture_features([1])  # a new context, which keeps what the slots held
+    again = runtime.forward([(1, [5, 6, 7]), (0, [9])])
+    assert all((a - b).abs().max() < ATOL for a, b in zip(again, continued))
+    assert [f.shape for f in runtime.last_features] == [(3, 64), (1, 64)]
+
+
+@pytest.fixture(scope="module")
+def feature_draft_pair(files, tmp_path_factory):
+    """The target on llama.cpp with a random feature-level draft (all tokens in its subset), loaded as generate loads
+    one (the tiny file's byte vocabulary is not one exactspec's tokenizer rebuilds, and no text is read here)."""
+    from exactspec import loading
+    from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig
+    from exactspec.models.gguf import llama_config, read_gguf
+
+    torch.manual_seed(0)
+    draft = FeatureDraft(FeatureDraftConfig.for_target(llama_config(read_gguf(files[0])), VOCAB))
+    with torch.no_grad():
+        draft.vocab_ids.copy_(torch.arange(VOCAB))
+    directory = tmp_path_factory.mktemp("feature_draft")
+    draft.save(directory)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loading.TextTokenizer, "from_path", lambda path: SimpleNamespace(vocabulary=dict))
+        patch.setattr(loading, "restrict_to_vocabulary", lambda model, vocab: model)
+        return loading.load_pair(files[0], directory, backend="llamacpp")
+
+
+def test_a_feature_draft_on_llama_cpp_keeps_greedy_and_the_seeded_draws(feature_draft_pair):
+    pair = feature_draft_pair
+    config = GenerationConfig(max_new_tokens=24, gamma=GAMMA)
+    for prompt in ([1, 7, 9], [1, 40, 41, 42]):
+        plain = SpeculativeDecoder(pair.target, None, GREEDY).generate(prompt, config).tokens
+        speculative = SpeculativeDecoder(pair.target, pair.proposer(), GREEDY).generate(prompt, config)
+        assert speculative.tokens == plain and speculative.stats.drafted > 0
+    mine = SequenceRequest(tuple(PROMPT), SamplingParams(), 20, seed=77, speculation="draft", gamma=GAMMA)
+    other = SequenceRequest((1, 50, 60), SamplingParams(top_p=0.9), 16, seed=1, speculation="draft", gamma=2)
+    alone = _run(build_engine(pair, slots=2, max_len=64, calibrated=False), [mine])[0]
+    crowded = _run(build_engine(pair, slots=2, max_len=64, calibrated=False), [other, mine])[1]
+    assert alone == crowded
 
 
 def test_greedy_speculative_equals_plain_greedy(target, draft):

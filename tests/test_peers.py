@@ -96,9 +96,10 @@ def test_smollm2_against_llama_cpp(tmp_path, capsys, monkeypatch):
     rows = {row["arm"]: row for row in report["results"]}
     assert rows["exactspec trained draft + lookup (auto gamma)"]["tokens_per_call"] >= 1
     if available:
-        assert report["llama_cpp_skipped"] is None and len(rows) == 7 and report["llama_cpp"]["version"]
+        assert report["llama_cpp_skipped"] is None and len(rows) == 8 and report["llama_cpp"]["version"]
         assert rows["llama.cpp plain"]["vs_llama_cpp_plain"] == 1.0 and rows["exactspec plain"]["vs_llama_cpp_plain"] > 0
         assert rows["exactspec prompt lookup (llama.cpp runtime, auto gamma)"]["tokens_per_call"] >= 1
         assert rows["exactspec plain (llama.cpp runtime)"]["tokens_per_call"] == 1
+        assert rows["exactspec trained draft + lookup (llama.cpp runtime, auto gamma)"]["tokens_per_call"] >= 1
     else:
         assert "pip install llama-cpp-python" in report["llama_cpp_skipped"] and "llama.cpp plain" not in rows

@@ -165,19 +165,32 @@ def _llama_cpp_model(path: str | Path, weights: str, invariant: bool, device: to
     return LlamaCppModel.from_file(path, device=device)
 
 
-def _feature_draft(directory: str | Path, target: LanguageModel):
-    """A feature-level draft attached to ``target`` (the lean backend, whose config it must match)."""
+def _feature_draft(directory: str | Path, target: LanguageModel, dtype: torch.dtype):
+    """A feature-level draft attached to ``target``, whose hidden size and layers it must match: the lean backend's
+    decoder, or a GGUF file llama.cpp runs (the embedding and head read from the file; the draft in ``dtype``)."""
     from exactspec.models.eagle import FeatureDraft
     from exactspec.models.lean import LeanModel
+    from exactspec.models.llamacpp import LlamaCppModel
 
-    if not isinstance(target, LeanModel):
-        raise ValueError(f"{directory} is a feature-level draft: it reads the target's hidden states, which only the lean backend provides")
     draft = FeatureDraft.load(directory)
+    if isinstance(target, LeanModel):
+        hidden, layers, vocab = target.cfg.hidden_size, target.cfg.num_hidden_layers, target.cfg.vocab_size
+        attach = lambda: draft.attach(target.decoder)  # noqa: E731
+    elif isinstance(target, LlamaCppModel):
+        from exactspec.models.gguf import llama_config, read_gguf
+
+        gguf = read_gguf(target.runtime.weights.path)
+        cfg = llama_config(gguf)
+        hidden, layers, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+        embed = gguf.tensor("token_embd.weight")  # (V, C)
+        head = gguf.tensor("output.weight") if "output.weight" in gguf.tensors else embed  # (V, C); tied
+        attach = lambda: draft.to(dtype).attach_weights(embed.to(dtype), head.to(dtype))  # noqa: E731
+    else:
+        raise ValueError(f"{directory} is a feature-level draft: it reads the target's hidden states, which the lean and llamacpp backends provide")
     cfg = draft.cfg
-    if cfg.target_hidden_size != target.cfg.hidden_size or max(cfg.feature_layers) >= target.cfg.num_hidden_layers \
-            or int(draft.vocab_ids.max()) >= target.cfg.vocab_size:
+    if cfg.target_hidden_size != hidden or max(cfg.feature_layers) >= layers or int(draft.vocab_ids.max()) >= vocab:
         raise ValueError(f"{directory} was trained for another target (hidden size {cfg.target_hidden_size}, layers {cfg.feature_layers})")
-    return draft.attach(target.decoder)
+    return attach()
 
 
 def native_bfloat16(device: str | torch.device = "cpu") -> bool:
@@ -274,7 +287,13 @@ class LoadedPair:
         if not isinstance(self.draft, FeatureDraft):
             return self.draft
         target = unwrapped(self.target)
-        return LookupOrDraft(FeatureDraftProposer.solo(self.draft, self.target.vocab_size, target.max_len, target.device, target.dtype))
+        return LookupOrDraft(FeatureDraftProposer.solo(self.draft, self.target.vocab_size, target.max_len, target.device,
+                                                       self.draft_dtype, target.invariant))
+
+    @property
+    def draft_dtype(self) -> torch.dtype:
+        """What a feature-level draft computes in: the lean target's dtype, else the draft's own (set at loading)."""
+        return getattr(unwrapped(self.target), "dtype", None) or next(self.draft.parameters()).dtype
 
 
 def load_pair(
@@ -298,7 +317,7 @@ def load_pair(
     tokenizer = TextTokenizer.from_path(target_dir)
     target = load_model(target_dir, backend, dtype, weights, invariant, device)
     if feature_draft:
-        return LoadedPair(restrict_to_vocabulary(target, tokenizer.vocabulary()), _feature_draft(feature_draft, target), tokenizer)
+        return LoadedPair(restrict_to_vocabulary(target, tokenizer.vocabulary()), _feature_draft(feature_draft, target, dtype), tokenizer)
     if draft_dir is None:
         return LoadedPair(restrict_to_vocabulary(target, tokenizer.vocabulary()), None, tokenizer)
     draft = load_model(draft_dir, backend, dtype, "dense", invariant, device)
@@ -345,11 +364,9 @@ class PairSpec:
             raise ValueError("a draft needs its target (give neither for the shipped default pair)")
 
     def shipped_draft(self) -> Path | None:
-        """The draft exactspec ships for a packaged target given without a draft. None on the llamacpp backend: the
-        shipped drafts read the target's hidden states, which that runtime does not hand back yet (prompt lookup
-        drafts there instead)."""
+        """The draft exactspec ships for a packaged target given without a draft."""
         packaged = PACKAGED_MODELS.get(str(self.target)) if self.target is not None and self.draft is None else None
-        return packaged.shipped_draft() if packaged and self.backend != "llamacpp" else None
+        return packaged.shipped_draft() if packaged else None
 
     @property
     def lookup(self) -> bool:

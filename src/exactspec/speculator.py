@@ -164,7 +164,7 @@ def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfi
     batched = _batched(target, slots, max_len, pair.target.vocab_size)
     proposer = None
     if isinstance(pair.draft, FeatureDraft):
-        proposer = FeatureDraftProposer(FeatureDraftRuntime(pair.draft, slots, batched.max_len, target.device, target.dtype, target.invariant),
+        proposer = FeatureDraftProposer(FeatureDraftRuntime(pair.draft, slots, batched.max_len, target.device, pair.draft_dtype, target.invariant),
                                         pair.target.vocab_size)
     elif pair.draft is not None:
         proposer = DraftModelProposer(_batched(unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size))

@@ -1,7 +1,7 @@
 """``exactspec bench`` for a target without a draft model: exactspec against llama.cpp on the same GGUF file.
 
 Arms: exactspec plain (``--no-speculation``), exactspec with prompt lookup, exactspec with a trained draft (when
-one is given or shipped), the first two again on exactspec's llama.cpp runtime (``--backend llamacpp``, when
+one is given or shipped), the same three again on exactspec's llama.cpp runtime (``--backend llamacpp``, when
 llama-cpp-python is installed: the same kernels as the llama.cpp arms, so the difference is the method), llama.cpp plain and llama.cpp with prompt lookup (llama-cpp-python's
 ``LlamaPromptLookupDecoding``). Same chat prompts, greedy (T=0) and/or sampled (T=1, no truncation: llama.cpp's
 default top-k, top-p and min-p are switched off), the same thread count, and exactly ``max_new_tokens`` new tokens in every arm (end-of-sequence
@@ -92,6 +92,9 @@ def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
         on_llama = [*generate, "--backend", "llamacpp"]
         arms += [PeerArm(f"{EXACTSPEC_PLAIN} (llama.cpp runtime)", [*on_llama, "--no-speculation", *prompt_flag]),
                  PeerArm("exactspec prompt lookup (llama.cpp runtime, auto gamma)", [*on_llama, "--draft", "lookup", *prompt_flag])]
+        if config.draft is not None:
+            arms.append(PeerArm("exactspec trained draft + lookup (llama.cpp runtime, auto gamma)",
+                                [*on_llama, "--draft", str(config.draft), *prompt_flag]))
     if config.llama_cpp:
         child = [sys.executable, "-m", "exactspec.bench.peers", "--target", str(config.target), "--threads", str(config.threads),
                  "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature, *(["--chat"] if chat else [])]

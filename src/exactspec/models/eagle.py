@@ -82,9 +82,13 @@ class FeatureDraft(nn.Module):
         self.head: torch.Tensor | None = None  # (|S|, C) the target's LM head rows of S, frozen
 
     def attach(self, target: LlamaDecoder) -> "FeatureDraft":
-        weight = target.embed.weight.detach()
-        self.embed = weight
-        self.head = target.lm_head.weight.detach()[self.vocab_ids.to(weight.device)]
+        return self.attach_weights(target.embed.weight.detach(), target.lm_head.weight.detach())
+
+    def attach_weights(self, embed: torch.Tensor, head: torch.Tensor) -> "FeatureDraft":
+        """The target's token embedding ``embed`` ``(V, C)`` and LM head ``head`` ``(V, C)`` (only S's rows kept),
+        from a torch decoder or read from a file another runtime runs."""
+        self.embed = embed
+        self.head = head[self.vocab_ids.to(head.device)]
         return self
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:  # (..., C) -> (..., |S|)

@@ -40,9 +40,10 @@ class FeatureDraftProposer(ModelDraft):
 
     @classmethod
     def solo(cls, draft: FeatureDraft, vocab_size: int, max_len: int, device: torch.device | str = "cpu",
-             dtype: torch.dtype = torch.float32) -> "FeatureDraftProposer":
-        """A proposer of one slot, in the invariant numerics (a row's bits never depend on its call's size)."""
-        return cls(FeatureDraftRuntime(draft, 1, max_len, device, dtype, invariant=True), vocab_size)
+             dtype: torch.dtype = torch.float32, invariant: bool = True) -> "FeatureDraftProposer":
+        """A proposer of one slot; ``invariant``: in the invariant numerics (a row's bits never depend on its call's
+        size, at the price of every call running at 17 rows: about twice the draft step on a CPU)."""
+        return cls(FeatureDraftRuntime(draft, 1, max_len, device, dtype, invariant), vocab_size)
 
     def start(self, slot: int, prompt: Sequence[int]) -> None:
         self._new[slot], self._known[slot], self._built[slot] = [], 0, 0
