@@ -72,7 +72,7 @@ def private_attribute_reads(modules) -> list[str]:
 LAYERS = (
     {"models", "vocab", "tokenizer", "chat"},
     {"decoding", "proposers"},
-    {"loading", "speculator"},
+    {"loading", "machine", "speculator"},
     {"jobs", "bench", "certification", "training", "serving"},
     {"cli", "__main__"},
 )

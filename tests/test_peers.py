@@ -39,15 +39,15 @@ def test_medians_spread_and_ratios_come_from_every_run(target, monkeypatch):
     config = peers.PeerBenchConfig(target, threads=1, num_prompts=2, repeats=3)  # greedy, chat only
     report = peers.run_peer_bench(config, progress=False)
     rows = {row["arm"]: row for row in report["results"]}
-    assert list(rows) == ["exactspec plain", "exactspec prompt lookup (auto gamma)", "exactspec plain (llama.cpp runtime)",
+    assert list(rows) == ["exactspec plain", "exactspec prompt lookup (auto gamma)", peers.DEFAULT_ARM, "exactspec plain (llama.cpp runtime)",
                           "exactspec prompt lookup (llama.cpp runtime, auto gamma)", "llama.cpp plain", "llama.cpp prompt lookup (2 tokens)"]
-    # Interleaved: prompt 1 repetition 1 runs arms 1..6 (rates 1..6), repetition 2 rates 7..12, and so on.
-    assert rows["exactspec plain"]["per_prompt"] == [[1, 7, 13], [19, 25, 31]]
-    assert rows["exactspec plain"]["tokens_per_second"] == (7 + 25) / 2 and rows["exactspec plain"]["spread"] == [7, 25]
-    assert rows["llama.cpp plain"]["tokens_per_second"] == (11 + 29) / 2
-    assert rows["exactspec plain"]["vs_llama_cpp_plain"] == pytest.approx(16 / 20)
+    # Interleaved: prompt 1 repetition 1 runs arms 1..7 (rates 1..7), repetition 2 rates 8..14, and so on.
+    assert rows["exactspec plain"]["per_prompt"] == [[1, 8, 15], [22, 29, 36]]
+    assert rows["exactspec plain"]["tokens_per_second"] == (8 + 29) / 2 and rows["exactspec plain"]["spread"] == [8, 29]
+    assert rows["llama.cpp plain"]["tokens_per_second"] == (13 + 34) / 2
+    assert rows["exactspec plain"]["vs_llama_cpp_plain"] == pytest.approx(18.5 / 23.5)
     assert rows["llama.cpp plain"]["vs_llama_cpp_plain"] == 1.0
-    assert rows["exactspec prompt lookup (auto gamma)"]["speedup"] == pytest.approx(17 / 16)
+    assert rows["exactspec prompt lookup (auto gamma)"]["speedup"] == pytest.approx(19.5 / 18.5)
     assert rows["exactspec prompt lookup (auto gamma)"]["tokens_per_call"] == 2.0 and rows["exactspec plain"]["tokens_per_call"] is None
     assert report["llama_cpp"]["system_info"] == "AVX2 = 1" and "hidden states" in report["hf_assisted"]
 
@@ -61,7 +61,7 @@ def test_a_safetensors_target_runs_the_exactspec_arms_and_says_why_llama_cpp_did
     assert report["llama_cpp_skipped"] == "the target is not a .gguf file"
     assert [(row["mode"], row["workload"], row["arm"]) for row in report["results"]] == [
         (mode, "grounded", arm) for mode in ("greedy", "sample")
-        for arm in ("exactspec plain", "exactspec prompt lookup (auto gamma)")]
+        for arm in ("exactspec plain", "exactspec prompt lookup (auto gamma)", peers.DEFAULT_ARM)]
     for row in report["results"]:
         (runs,) = row["per_prompt"]
         assert len(runs) == 2 and min(runs) > 0 and row["vs_llama_cpp_plain"] is None
@@ -96,7 +96,7 @@ def test_smollm2_against_llama_cpp(tmp_path, capsys, monkeypatch):
     rows = {row["arm"]: row for row in report["results"]}
     assert rows["exactspec trained draft + lookup (auto gamma)"]["tokens_per_call"] >= 1
     if available:
-        assert report["llama_cpp_skipped"] is None and len(rows) == 8 and report["llama_cpp"]["version"]
+        assert report["llama_cpp_skipped"] is None and len(rows) == 9 and report["llama_cpp"]["version"]
         assert rows["llama.cpp plain"]["vs_llama_cpp_plain"] == 1.0 and rows["exactspec plain"]["vs_llama_cpp_plain"] > 0
         assert rows["exactspec prompt lookup (llama.cpp runtime, auto gamma)"]["tokens_per_call"] >= 1
         assert rows["exactspec plain (llama.cpp runtime)"]["tokens_per_call"] == 1

@@ -347,8 +347,8 @@ class PairSpec:
     target: str | Path | None = None  # None: the shipped default pair
     draft: str | Path | None = None  # None: the target's shipped draft; LOOKUP: prompt lookup
     speculate: bool = True  # False: no draft, plain decoding
-    backend: str = "lean"
-    dtype: str = "float32"
+    backend: str = "lean"  # or llamacpp, hf; auto: chosen by measuring (exactspec.machine.choose) before loading
+    dtype: str = "float32"  # auto only with backend auto
     weights: str = "auto"  # the lean backend's target weights: auto, dense or q4
     invariant: bool = False  # the lean backend's call-size invariant numerics
     device: str = "cpu"
@@ -356,9 +356,9 @@ class PairSpec:
     threads: int | None = None  # torch's CPU threads
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.dtype not in DTYPES:
+        if self.backend not in BACKENDS + ("auto",):
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of auto, {', '.join(BACKENDS)}")
+        if self.dtype not in DTYPES and not (self.dtype == "auto" and self.backend == "auto"):
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.target is None and self.draft not in (None, LOOKUP):
             raise ValueError("a draft needs its target (give neither for the shipped default pair)")
@@ -400,6 +400,8 @@ class PairSpec:
 
     def load(self) -> LoadedPair:
         """The pair (no draft for plain decoding or prompt lookup), with torch's threads set as the spec says."""
+        if self.backend == "auto":
+            raise ValueError("backend auto is a choice to make first: exactspec.machine.choose(spec) measures this machine and makes it")
         target_dir, draft_dir = self.dirs()
         pair = load_pair(target_dir, draft_dir, self.backend, DTYPES[self.dtype], self.weights, self.invariant, self.device)
         if self.backend == "llamacpp":

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from exactspec.decoding.calibration import calibrate_engine
+from exactspec.decoding.calibration import Calibration, calibrate_engine
 from exactspec.decoding.coldstart import ColdStart, cold_start
 from exactspec.decoding.decoder import Generation, GenerationConfig, SpeculativeDecoder
 from exactspec.decoding.engine import BatchEngine, EngineConfig
@@ -58,9 +58,12 @@ class Speculator:
     """A loaded pair that generates with the cold start, the policy cache and the thread choice of ``exactspec
     generate`` (see the module docstring). Build one with :meth:`load`."""
 
-    def __init__(self, spec: PairSpec, pair: LoadedPair, policy_cache: PolicyCache | None = None) -> None:
-        """``pair`` as ``spec`` (best :meth:`exactspec.loading.PairSpec.resolved`) loads it."""
-        self.spec, self.pair, self.policy_cache = spec, pair, policy_cache
+    def __init__(self, spec: PairSpec, pair: LoadedPair, policy_cache: PolicyCache | None = None,
+                 calibration: Calibration | None = None) -> None:
+        """``pair`` as ``spec`` (best :meth:`exactspec.loading.PairSpec.resolved`) loads it. ``calibration``: the
+        pair's call costs measured before on this machine (:class:`exactspec.machine.RuntimeChoice`), which the gamma
+        policy then starts from instead of timing calls at the first generation."""
+        self.spec, self.pair, self.policy_cache, self.calibration = spec, pair, policy_cache, calibration
         self.dirs = spec.dirs()
         self._decoders: dict[tuple[str, bool, str], tuple[SpeculativeDecoder, ColdStart | None]] = {}
 
@@ -107,7 +110,8 @@ class Speculator:
         if key not in self._decoders:
             proposer = None if not self.spec.speculate else PromptLookupProposer() if self.spec.lookup else self.pair.proposer()
             decoder = SpeculativeDecoder(self.pair.target, proposer, params)
-            started = cold_start(decoder, prompt_ids, params, *self.dirs, cache=self.policy_cache, rule=rule) if auto and proposer else None
+            started = cold_start(decoder, prompt_ids, params, *self.dirs, cache=self.policy_cache, rule=rule,
+                                 calibration=self.calibration) if auto and proposer else None
             self._decoders[key] = decoder, started
         return self._decoders[key]
 

@@ -1,7 +1,8 @@
 """``exactspec bench`` for a target without a draft model: exactspec against llama.cpp on the same GGUF file.
 
 Arms: exactspec plain (``--no-speculation``), exactspec with prompt lookup, exactspec with a trained draft (when
-one is given or shipped), the same three again on exactspec's llama.cpp runtime (``--backend llamacpp``, when
+one is given or shipped), all three on the torch runtime unless ``--backend`` names another; exactspec as a user
+runs it (``--backend auto``: the runtime this machine's measurement chose, the default drafting); the same three again on exactspec's llama.cpp runtime (``--backend llamacpp``, when
 llama-cpp-python is installed: the same kernels as the llama.cpp arms, so the difference is the method), llama.cpp plain and llama.cpp with prompt lookup (llama-cpp-python's
 ``LlamaPromptLookupDecoding``). Same chat prompts, greedy (T=0) and/or sampled (T=1, no truncation: llama.cpp's
 default top-k, top-p and min-p are switched off), the same thread count, and exactly ``max_new_tokens`` new tokens in every arm (end-of-sequence
@@ -37,6 +38,7 @@ __all__ = ["PeerBenchConfig", "run_peer_bench", "format_peer_table", "llama_cpp_
 
 BASELINE = "llama.cpp plain"
 EXACTSPEC_PLAIN = "exactspec plain"
+DEFAULT_ARM = "exactspec default (--backend auto, shipped draft or lookup)"
 HF_ASSISTED_SKIPPED = ("transformers' assisted generation takes a standalone draft model; exactspec's trained draft reads the "
                        "target's hidden states, and no standalone model shares SmolLM2's tokenizer offline")
 MODES = {"greedy": 0.0, "sample": 1.0}  # temperature
@@ -79,15 +81,16 @@ class PeerArm:
 
 def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
     temperature = str(MODES[mode])
-    generate = [sys.executable, "-m", "exactspec", "generate", "--target", str(config.target), "--json", "--ignore-eos",
-                "--temperature", temperature, "--max-new-tokens", str(config.max_new_tokens), "--threads", str(config.threads),
-                *config.generate_flags]
+    defaults = [sys.executable, "-m", "exactspec", "generate", "--target", str(config.target), "--json", "--ignore-eos",
+                "--temperature", temperature, "--max-new-tokens", str(config.max_new_tokens), "--threads", str(config.threads)]
+    generate = [*defaults, *config.generate_flags]
     chat = TextTokenizer.from_path(config.target).chat_template is not None  # else the prompt is plain text
     prompt_flag = ["--user"] if chat else ["--"]
     arms = [PeerArm(EXACTSPEC_PLAIN, [*generate, "--no-speculation", *prompt_flag]),
             PeerArm("exactspec prompt lookup (auto gamma)", [*generate, "--draft", "lookup", *prompt_flag])]
     if config.draft is not None:
         arms.append(PeerArm("exactspec trained draft + lookup (auto gamma)", [*generate, "--draft", str(config.draft), *prompt_flag]))
+    arms.append(PeerArm(DEFAULT_ARM, [*defaults, *prompt_flag]))  # what a user's run gets: --backend auto, the shipped draft
     if config.llama_cpp and "--invariant" not in config.generate_flags:  # the same file on exactspec's llama.cpp runtime
         on_llama = [*generate, "--backend", "llamacpp"]
         arms += [PeerArm(f"{EXACTSPEC_PLAIN} (llama.cpp runtime)", [*on_llama, "--no-speculation", *prompt_flag]),

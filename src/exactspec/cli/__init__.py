@@ -48,7 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)
-        if getattr(args, "dtype", None) == "auto":  # the precision this machine computes the target fastest in
+        args.runtime_choice = None  # --backend auto: chosen when the command first asks for its pair (common.pair_spec)
+        if getattr(args, "dtype", None) == "auto" and getattr(args, "backend", None) != "auto":
             args.dtype = default_dtype(args.device, getattr(args, "target", None), getattr(args, "backend", "lean"),
                                        getattr(args, "weights", "auto"))
         result = args.run(args)

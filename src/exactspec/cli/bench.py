@@ -102,7 +102,8 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
     skipped = None if is_gguf(target) else "the target is not a .gguf file"
     if skipped is None and not peers.llama_cpp_available():
         skipped = "llama_cpp is not installed (pip install llama-cpp-python; see docs/smollm2.md for build flags)"
-    flags = ["--backend", args.backend, "--device", args.device, "--dtype", args.dtype, "--weights", args.weights,
+    torch_backend = "lean" if args.backend == "auto" else args.backend  # the torch arms; the llama.cpp runtime's are their own
+    flags = ["--backend", torch_backend, "--device", args.device, "--dtype", args.dtype, "--weights", args.weights,
              *(["--invariant"] if args.invariant else [])]
     try:
         config = peers.PeerBenchConfig(target, args.threads or torch.get_num_threads(), args.prompts, args.max_new_tokens,

@@ -1,29 +1,37 @@
-"""``exactspec cache``: the adaptive policy's memory of each pair's acceptance."""
+"""``exactspec cache``: what exactspec remembers between runs: each pair's acceptance (the adaptive policy's start)
+and this machine's measured call costs (``--backend auto``'s choice)."""
 
 from __future__ import annotations
 
 import argparse
 
 from exactspec.decoding.priors import PolicyCache
+from exactspec.machine import MachineCache
 
 
 def run(args: argparse.Namespace) -> dict:
-    cache = PolicyCache()
-    entries = [str(p) for p in cache.entries()]
-    removed = cache.clear() if args.clear else 0
-    return {"directory": str(cache.directory), "entries": [] if args.clear else entries, "removed": removed}
+    caches = {"policy": PolicyCache(), "machine": MachineCache()}
+    result = {}
+    for name, cache in caches.items():
+        entries = [str(p) for p in cache.entries()]
+        removed = cache.clear() if args.clear else 0
+        result[name] = {"directory": str(cache.directory), "entries": [] if args.clear else entries, "removed": removed}
+    return result
 
 
 def show(r: dict) -> None:
-    if r["removed"]:
-        print(f"removed {r['removed']} entries from {r['directory']}")
-    else:
-        print(f"{r['directory']}: {len(r['entries'])} pair(s)" + "".join(f"\n  {e}" for e in r["entries"]))
+    for name, what in (("policy", "pair(s)' acceptance"), ("machine", "measured runtime choice(s)")):
+        c = r[name]
+        if c["removed"]:
+            print(f"removed {c['removed']} entries from {c['directory']}")
+        else:
+            print(f"{c['directory']}: {len(c['entries'])} {what}" + "".join(f"\n  {e}" for e in c["entries"]))
 
 
 def add(add_command) -> None:
     """The ``cache`` command: its flags, run and show."""
-    cache = add_command("cache", help="the adaptive policy's memory of each model pair's acceptance (--gamma auto starts from it)")
-    cache.add_argument("--clear", action="store_true", help="remove every entry")
+    cache = add_command("cache", help="what exactspec remembers: each model pair's acceptance (--gamma auto starts from it) "
+                                      "and this machine's measured call costs (--backend auto chooses from them)")
+    cache.add_argument("--clear", action="store_true", help="remove every entry (the next run measures again)")
     cache.add_argument("--json", action="store_true", help="print JSON")
     cache.set_defaults(run=run, show=show)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
 from exactspec.loading import LOOKUP, PACKAGED_MODELS, SMALL_MODEL_PARAMETERS, PairSpec
+from exactspec.decoding.priors import PolicyCache
 from exactspec.decoding.sampling import SamplingParams
 
 
@@ -113,7 +115,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help=f"draft checkpoint, as --target, or '{LOOKUP}' for prompt-lookup drafting (default: the shipped draft; with --target alone, {LOOKUP})")
     parser.add_argument("--download", action="store_true", help="fetch a hub id (org/name) that is not in the local Hugging Face cache; the only time exactspec uses the network")
     parser.add_argument("--threads", type=integer(1), help=f"CPU threads for torch (default: 1 for targets under {SMALL_MODEL_PARAMETERS // 10**6}M parameters, whose calls are too short to share, else torch's own choice)")
-    parser.add_argument("--backend", choices=["lean", "hf", "llamacpp"], default="lean", help="lean (Llama-family, torch), hf (any causal LM) or llamacpp (a .gguf file on llama.cpp's kernels: pip install 'exactspec[llamacpp]')")
+    parser.add_argument("--backend", choices=["auto", "lean", "hf", "llamacpp"], default="auto", help="auto: the runtime, precision and threads this machine runs the pair fastest with, measured the first time and cached (see docs/runtimes.md); lean (Llama-family, torch), hf (any causal LM) or llamacpp (a .gguf file on llama.cpp's kernels: pip install 'exactspec[llamacpp]')")
     parser.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="bfloat16: faster, flat verify cost, where the CPU (AVX-512 BF16, AMX) or GPU has it natively; float32: closer to the checkpoint's own numbers; auto: bfloat16 where native or for a GGUF file's q4 weights, else float32")
     parser.add_argument("--weights", choices=["auto", "dense", "q4"], default="auto", help="dense: dequantize every weight to --dtype; q4: keep a GGUF file's 4-bit projections and run torch's int4 CPU kernel (bfloat16, CPU, lean backend; faster one-token calls); auto: q4 where it can run, else dense")
@@ -147,28 +149,63 @@ def sampling(args: argparse.Namespace) -> SamplingParams:
         raise CliError(f"--{field.replace('_', '-')}{message[len(field):]}" if hasattr(args, field) else message) from None
 
 
-def pair_spec(args: argparse.Namespace, with_draft: bool = True) -> PairSpec:
-    """The pair the model flags name (see :class:`exactspec.loading.PairSpec`)."""
+def pair_spec(args: argparse.Namespace, with_draft: bool = True, choose: bool = True) -> PairSpec:
+    """The pair the model flags name (see :class:`exactspec.loading.PairSpec`), with ``--backend auto`` made
+    concrete the first time a command asks for the pair to load (:func:`choose_runtime`; not with ``choose``
+    False, for its paths only): after the command has checked its own flags."""
     if args.target is None and args.draft not in (None, LOOKUP):
         raise CliError("--draft needs --target (give neither for the shipped default pair)")
     try:
-        return PairSpec(args.target, args.draft, with_draft, args.backend, args.dtype, args.weights, args.invariant, args.device,
+        spec = PairSpec(args.target, args.draft, with_draft, args.backend, args.dtype, args.weights, args.invariant, args.device,
                         args.download, args.threads)
     except ValueError as error:
         raise CliError(str(error)) from None
+    if spec.backend == "auto" and choose:
+        choose_runtime(args, spec)
+        return pair_spec(args, with_draft)
+    return spec
 
 
-def resolved_spec(args: argparse.Namespace, with_draft: bool = True) -> PairSpec:
+def _note(line: str) -> None:
+    """A progress note for a person at a terminal (scripts read the run's --json instead)."""
+    print(f"exactspec: {line}", file=sys.stderr, flush=True)
+
+
+def choose_runtime(args: argparse.Namespace, spec: PairSpec) -> None:
+    """``--backend auto``: the runtime, precision and threads this machine runs the pair fastest with
+    (:func:`exactspec.machine.choose`: measured once, then cached), written into ``args``; ``args.runtime_choice``
+    keeps the record."""
+    from exactspec.loading import check_device
+    from exactspec.machine import choose
+
+    params = sampling(args) if hasattr(args, "temperature") else SamplingParams()
+    try:
+        check_device(spec.device)
+        resolved = spec.resolved()  # a hub id fetched (with --download) here, once
+        chosen, choice = choose(resolved, params, getattr(args, "verify", "block"),
+                                policy_cache=None if getattr(args, "no_policy_cache", False) else PolicyCache(),
+                                progress=_note if sys.stderr.isatty() else None)
+    except (OSError, ValueError) as error:
+        raise CliError(str(error)) from None
+    args.backend, args.dtype, args.weights, args.threads = chosen.backend, chosen.dtype, chosen.weights, chosen.threads
+    if args.download:  # fetched now: the local copy from here on, never fetched twice
+        args.target, args.draft, args.download = str(resolved.target), resolved.draft and str(resolved.draft), False
+    args.runtime_choice = choice
+
+
+
+
+def resolved_spec(args: argparse.Namespace, with_draft: bool = True, choose: bool = True) -> PairSpec:
     """The pair resolved to local paths (a hub id is fetched, with --download, here and only here)."""
     try:
-        return pair_spec(args, with_draft).resolved()
+        return pair_spec(args, with_draft, choose).resolved()
     except FileNotFoundError as error:
         raise CliError(str(error)) from None
 
 
 def pair_dirs(args: argparse.Namespace, with_draft: bool = True) -> tuple[Path, Path | None]:
     """The target checkpoint and the draft model's (None for plain decoding or prompt lookup)."""
-    return resolved_spec(args, with_draft).dirs()
+    return resolved_spec(args, with_draft, choose=False).dirs()
 
 
 def load(args: argparse.Namespace, with_draft: bool, spec: PairSpec | None = None):

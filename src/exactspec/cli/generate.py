@@ -28,7 +28,9 @@ def run(args: argparse.Namespace) -> dict:
     check_record_path(args.record)
     text = _prompt_text(args)
     spec = resolved_spec(args, not args.no_speculation)
-    speculator = Speculator(spec, load(args, not args.no_speculation, spec), None if args.no_policy_cache else PolicyCache())
+    choice = args.runtime_choice
+    speculator = Speculator(spec, load(args, not args.no_speculation, spec), None if args.no_policy_cache else PolicyCache(),
+                            choice.calibration if choice else None)
     try:  # before anything is printed
         prompt = speculator.encode(_prompt_ids(args, text, speculator.tokenizer))
         speculator.check_room(prompt, args.max_new_tokens)
@@ -52,6 +54,7 @@ def run(args: argparse.Namespace) -> dict:
         "threads": getattr(unwrapped(speculator.pair.target), "threads", torch.get_num_threads()),  # llama.cpp's own, or torch's
         "runtime": args.backend,
         "precision": precision(args),
+        "runtime_choice": choice.as_dict() if choice else None,
         "text": "".join(pieces),
         "token_ids": list(generation.tokens),
         "mode": "plain" if args.no_speculation else f"speculative ({speculator.proposal}), gamma {args.gamma}",
@@ -120,6 +123,7 @@ def show(r: dict) -> None:
         f"{r['tokens_per_round']:.2f} tokens/round, {r['mode']}, "
         f"{'greedy' if r['sampling'] == 'greedy' else 'seed ' + str(r['seed'])}, stop: {r['stop_reason']}, "
         f"{r['runtime']} runtime, {r['threads']} threads"
+        + (f" ({r['runtime_choice']['source']} choice)" if r.get("runtime_choice") else "")
         + (f", calibration {r['policy']['calibration']['seconds']:.2f} s, prior: {r['policy']['prior_source']}" if r["policy"] else "")
         + "]",
         file=sys.stderr,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from exactspec.decoding.calibration import calibrate
+from exactspec.decoding.calibration import Calibration, calibrate
 from exactspec.decoding.decoder import SpeculativeDecoder
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
 from exactspec.decoding.priors import PolicyCache, acceptance_prior, fingerprint, mode_key
@@ -53,6 +53,7 @@ def cold_start(
     cache: PolicyCache | None = None,
     config: AdaptiveConfig = AdaptiveConfig(),
     rule: str = "block",
+    calibration: Calibration | None = None,
 ) -> ColdStart:
     """Give ``decoder`` (which has a proposer) an adaptive policy that starts from measured costs and an acceptance
     prior (see the module docstring). ``target_dir`` and ``draft_dir`` name the pair for the prior and the cache."""
@@ -60,7 +61,8 @@ def cold_start(
         raise ValueError("a cold start needs a decoder with a proposer: plain decoding has no gamma to choose")
     routed = isinstance(decoder.proposer, LookupOrDraft)
     drafting = decoder.proposer.draft if routed else decoder.proposer
-    calibration = calibrate(decoder.target, drafting, list(prompt)[:CALIBRATION_TOKENS], config.max_gamma, params=decoder.params)
+    if calibration is None or calibration.draft_step_ms is None or max(calibration.target_ms) < config.max_gamma + 1:
+        calibration = calibrate(decoder.target, drafting, list(prompt)[:CALIBRATION_TOKENS], config.max_gamma, params=decoder.params)
     acceptance, source = acceptance_prior(target_dir, draft_dir, params, cache, rule)
     decoder.policy = AdaptiveGamma(config, PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance, source=source))
     record = {"calibration": calibration.as_dict(), "acceptance_prior": list(acceptance), "prior_source": source}

@@ -73,7 +73,8 @@ def _rates(value: object) -> tuple[float, ...] | None:
     return tuple(float(v) for v in value)
 
 
-def _read(file: Path) -> dict:
+def read_json_object(file: Path) -> dict:
+    """A JSON file's object; {} for a missing, damaged or foreign file (a cache is never fatal)."""
     try:
         value = json.loads(file.read_text())
     except (OSError, ValueError):
@@ -81,7 +82,8 @@ def _read(file: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _write_atomically(file: Path, value: dict) -> None:
+def write_json_atomically(file: Path, value: dict) -> None:
+    """Readers see the old file or the new one, never half of one."""
     file.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as handle:
         json.dump(value, handle, indent=1)
@@ -91,7 +93,7 @@ def _write_atomically(file: Path, value: dict) -> None:
 def shipped_prior(draft_dir: str | Path, target_dir: str | Path, mode: str) -> tuple[float, ...] | None:
     """The draft's shipped acceptance by position for ``mode``, if it was measured with this very pair
     (a draft retrained in place, or paired with another target, does not inherit it)."""
-    record = _read(Path(draft_dir) / PRIOR_FILE)
+    record = read_json_object(Path(draft_dir) / PRIOR_FILE)
     if record.get("pair_fingerprint") != fingerprint(target_dir, draft_dir):
         return None
     return _rates(record.get("acceptance_by_position", {}).get(mode))
@@ -99,7 +101,7 @@ def shipped_prior(draft_dir: str | Path, target_dir: str | Path, mode: str) -> t
 
 def write_shipped_prior(draft_dir: str | Path, target_dir: str | Path, by_mode: dict[str, Sequence[float]], how: str) -> Path:
     file = Path(draft_dir) / PRIOR_FILE
-    _write_atomically(file, {
+    write_json_atomically(file, {
         "pair_fingerprint": fingerprint(target_dir, draft_dir),
         "acceptance_by_position": {mode: [round(r, 4) for r in rates] for mode, rates in by_mode.items()},
         "measured": how,
@@ -132,7 +134,23 @@ def default_cache_dir() -> Path:
     return Path(base) / "exactspec"
 
 
-class PolicyCache:
+class CacheDirectory:
+    """A directory of small JSON entries that exactspec rebuilds when they are gone."""
+
+    directory: Path
+
+    def entries(self) -> list[Path]:
+        return sorted(self.directory.glob("*.json")) if self.directory.is_dir() else []
+
+    def clear(self) -> int:
+        """Remove every entry; returns how many there were."""
+        entries = self.entries()
+        for file in entries:
+            file.unlink()
+        return len(entries)
+
+
+class PolicyCache(CacheDirectory):
     """Acceptance counts by draft position per (pair fingerprint, mode), one small JSON file per pair.
 
     Counts add up over runs; once a position has ``MAX_COUNT`` observations both of its counts are scaled
@@ -150,7 +168,7 @@ class PolicyCache:
         return self.directory / f"{pair}.json"
 
     def _counts(self, pair: str, mode: str) -> tuple[list[float], list[float]]:
-        entry = _read(self._file(pair)).get(mode)
+        entry = read_json_object(self._file(pair)).get(mode)
         try:
             reached, accepted = [float(n) for n in entry["reached"]], [float(a) for a in entry["accepted"]]
         except (TypeError, KeyError, ValueError):
@@ -177,22 +195,13 @@ class PolicyCache:
         for i, n in enumerate(new_reached):
             if n > self.MAX_COUNT:
                 new_reached[i], new_accepted[i] = self.MAX_COUNT, new_accepted[i] * self.MAX_COUNT / n
-        record = _read(self._file(pair))
+        record = read_json_object(self._file(pair))
         record[mode] = {"reached": new_reached, "accepted": [round(a, 3) for a in new_accepted]}
         try:
-            _write_atomically(self._file(pair), record)
+            write_json_atomically(self._file(pair), record)
         except OSError:
             pass
 
-    def entries(self) -> list[Path]:
-        return sorted(self.directory.glob("*.json")) if self.directory.is_dir() else []
-
-    def clear(self) -> int:
-        """Remove every entry; returns how many there were."""
-        entries = self.entries()
-        for file in entries:
-            file.unlink()
-        return len(entries)
 
 
 def measure_acceptance(decoder, prompts: Sequence[Sequence[int]], gamma: int, max_new_tokens: int) -> list[float]:

@@ -1,0 +1,140 @@
+"""--backend auto (exactspec.machine): the candidates, the cost model's choice among measured costs, and the cache.
+
+The choice is checked against costs made up here (so it is the rule that is tested, not this machine's speed):
+a runtime with the cheaper one-token call but a steep c(n) wins plain decoding and loses speculation with a good
+draft to one whose c(n) is flat; and a real measurement on tiny files (torch and, where installed, llama.cpp)
+fills every call size the policy uses.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from exactspec import machine
+from exactspec.cli import main
+from exactspec.loading import PairSpec
+from exactspec.machine import Candidate, MachineCache, Measurement, candidates, choose, predicted_ms_per_token
+from test_gguf import random_hf_weights, write_llama_gguf
+
+MAX_GAMMA = 8
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    return write_llama_gguf(tmp_path_factory.mktemp("machine") / "target.gguf", random_hf_weights(tie=False, seed=0))
+
+
+def costs(one: float, per_token: float) -> dict[int, float]:
+    return {n: one + per_token * (n - 1) for n in range(1, MAX_GAMMA + 2)}
+
+
+def test_candidates_are_every_runtime_of_the_stored_weights_narrowed_by_the_flags(gguf, monkeypatch):
+    monkeypatch.setattr(machine, "SMALL_MODEL_PARAMETERS", 0)  # the tiny file counts as large: threads are tried
+    monkeypatch.setattr(machine, "native_bfloat16", lambda device: False)
+    auto = PairSpec(gguf, backend="auto", dtype="auto")
+    found = candidates(auto, cores=4, llama_cpp=True)
+    assert {(c.backend, c.weights, c.dtype) for c in found} == {("llamacpp", "auto", "float32"), ("lean", "dense", "float32")}
+    # (no emulated bfloat16 dense; no q4: the file stores no 4-bit blocks, see the next test)
+    assert sorted({c.threads for c in found}) == [1, 2, 4]
+    assert {c.backend for c in candidates(auto, cores=4, llama_cpp=False)} == {"lean"}
+    named = PairSpec(gguf, backend="auto", dtype="float32", threads=2)  # a dtype named: torch's runtime, that dtype
+    assert candidates(named, cores=4, llama_cpp=True) == [Candidate("lean", "dense", "float32", 2)]
+    monkeypatch.setattr(machine, "native_bfloat16", lambda device: True)
+    assert ("lean", "dense", "bfloat16") in {(c.backend, c.weights, c.dtype) for c in candidates(auto, cores=1, llama_cpp=True)}
+
+
+def test_a_q4_file_adds_torchs_int4_path():
+    from exactspec.loading import PACKAGED_MODELS
+
+    try:
+        smollm2 = PACKAGED_MODELS["smollm2"].path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    found = candidates(PairSpec(smollm2, backend="auto", dtype="auto", threads=1), llama_cpp=False)
+    assert Candidate("lean", "q4", "bfloat16", 1) in found
+
+
+def test_a_small_target_is_tried_on_one_thread_and_impossible_flags_are_named(gguf, tmp_path):
+    assert {c.threads for c in candidates(PairSpec(gguf, backend="auto", dtype="auto"), cores=8, llama_cpp=True)} == {1}
+    directory = tmp_path / "checkpoint"
+    directory.mkdir()
+    with pytest.raises(ValueError, match="--weights q4 keeps a GGUF file's 4-bit weights"):
+        candidates(PairSpec(directory, backend="auto", dtype="auto", weights="q4"), cores=2, llama_cpp=True)
+    with pytest.raises(ValueError, match="--backend llamacpp runs .gguf files"):
+        candidates(PairSpec(directory, backend="llamacpp", dtype="float32"), cores=2, llama_cpp=True)
+
+
+def test_the_cost_model_prices_plain_and_speculative_decoding():
+    measured = Measurement(Candidate("lean", "q4", "bfloat16", 2), costs(10.0, 2.0), 1.0)
+    assert predicted_ms_per_token(measured, (0.8,), speculate=False, max_gamma=MAX_GAMMA) == 10.0
+    assert predicted_ms_per_token(measured, (), speculate=True, max_gamma=MAX_GAMMA) == 10.0  # no prior: plain
+    # gamma 1: (1 + 12) / 1.8; gamma 2: (2 + 14) / 2.44; ... the best over gamma 0..8, by hand:
+    best = min((g * 1.0 + 10.0 + 2.0 * g) / sum(0.8**k for k in range(g + 1)) for g in range(MAX_GAMMA + 1))
+    assert predicted_ms_per_token(measured, (0.8,), True, MAX_GAMMA) == pytest.approx(best) and best < 10.0 * 0.7
+
+
+def test_the_choice_follows_the_measured_costs(gguf, monkeypatch, tmp_path):
+    """Steep (cheap one-token calls, a block costs nearly its length: llama.cpp on Q4_1 on an AVX2 CPU) against flat
+    (dearer one-token calls, blocks nearly free): plain decoding picks steep; speculation with a good draft picks flat,
+    with a useless one steep again. Then the cache: a second choice measures nothing, another machine measures again."""
+    monkeypatch.setattr(machine, "SMALL_MODEL_PARAMETERS", 0)
+    table = {("llamacpp", 2): costs(10.0, 9.0), ("lean", 2): costs(14.0, 0.5)}
+    calls = []
+
+    def fake_measure(spec, candidate, max_gamma, params):
+        calls.append(candidate)
+        return Measurement(candidate, table.get((candidate.backend, candidate.threads), costs(50.0, 50.0)), 1.0)
+
+    monkeypatch.setattr(machine, "measure", fake_measure)
+    monkeypatch.setattr(machine, "llama_cpp_available", lambda: True)
+    cache = MachineCache(tmp_path / "machine")
+    prior = {"good": (0.9,) * 8, "useless": (0.05,) * 8}
+    picked = {}
+    for name, rates in prior.items():
+        monkeypatch.setattr(machine, "acceptance_prior", lambda *args, rates=rates: (rates, "test"))
+        for speculate in (False, True):
+            spec = PairSpec(gguf, "lookup" if not speculate else None, speculate, backend="auto", dtype="auto").resolved()
+            chosen, choice = choose(spec, cache=cache)
+            picked[name, speculate] = (chosen.backend, chosen.threads)
+            assert choice.chosen.backend == chosen.backend and len(choice.measurements) == len(choice.predicted_ms)
+    assert picked["good", False] == picked["useless", False] == ("llamacpp", 2)
+    assert picked["good", True] == ("lean", 2) and picked["useless", True] == ("llamacpp", 2)
+    measured_once = len(calls)
+    assert measured_once == len(candidates(PairSpec(gguf, backend="auto", dtype="auto")))  # then every choice from the cache
+    assert choose(spec, cache=cache)[1].source == "cached" and len(calls) == measured_once
+    monkeypatch.setattr(machine, "machine_signature", lambda device: {"cpu": "another"})
+    assert choose(spec, cache=cache)[1].source == "measured now" and len(calls) == 2 * measured_once
+    assert len(cache.entries()) == 2
+
+
+def test_a_real_measurement_fills_every_call_size():
+    """The shipped target on torch, and SmolLM2 on llama.cpp where both are installed; one thread, plain: costs for
+    1..max_gamma + 1 tokens."""
+    from exactspec.loading import PACKAGED_MODELS, default_pair_dirs
+
+    specs = [PairSpec(default_pair_dirs()[0], speculate=False, backend="auto", dtype="auto", threads=1)]
+    try:
+        specs.append(PairSpec(PACKAGED_MODELS["smollm2"].path(), speculate=False, backend="llamacpp", dtype="float32", threads=1))
+    except FileNotFoundError:
+        pass
+    for spec in specs:
+        for candidate in candidates(spec):
+            measured = machine.measure(spec, candidate, MAX_GAMMA, machine.SamplingParams())
+            assert sorted(measured.target_ms) == list(range(1, MAX_GAMMA + 2)) and min(measured.target_ms.values()) > 0
+
+
+def test_generate_reports_the_choice_and_starts_from_it(capsys, monkeypatch):
+    """The shipped pair (its threads tried as a large model's): the first run measures, the second starts from the
+    cache without calibrating; `exactspec cache --clear` forgets it."""
+    monkeypatch.setattr(machine, "SMALL_MODEL_PARAMETERS", 0)
+    MachineCache().clear()
+    runs = []
+    for _ in range(2):
+        assert main(["generate", "Once upon a time", "--max-new-tokens", "8", "--json"]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert [r["runtime_choice"]["source"] for r in runs] == ["measured now", "cached"]
+    assert runs[0]["runtime_choice"]["chosen"] == runs[1]["runtime_choice"]["chosen"]
+    assert runs[1]["policy"]["calibration"]["seconds"] == 0.0  # the cached costs, not timed again
+    assert main(["cache", "--clear"]) == 0 and not MachineCache().entries()
