@@ -191,7 +191,7 @@ class LlamaCppRuntime:
         self._free_context: weakref.finalize | None = None
         self.last_features: list[torch.Tensor] = []  # per row of the last call, (t_i, F), when capture_features asked
         self._lengths = [0] * slots
-        self._make_context()
+        self._ctx = None  # made at the first call (after capture_features, which would make it again)
         self._vocab_size = min(vocab_size or self.weights.vocab_size, self.weights.vocab_size)  # padding rows cut
 
     def _make_context(self) -> None:
@@ -212,7 +212,7 @@ class LlamaCppRuntime:
         context = llama.llama_init_from_model(self.weights.handle, params)
         if not context:
             raise ValueError(f"llama.cpp could not make a context of {slots} x {self.max_len} positions for {self.weights.path}")
-        if self._free_context is not None:
+        if self._ctx is not None:
             for slot, length in enumerate(self._lengths):
                 if length:
                     size = llama.llama_state_seq_get_size(self._ctx, slot)
@@ -241,7 +241,8 @@ class LlamaCppRuntime:
 
     def set_threads(self, threads: int) -> None:
         self.threads = threads
-        _llama().llama_set_n_threads(self._ctx, threads, threads)
+        if self._ctx is not None:
+            _llama().llama_set_n_threads(self._ctx, threads, threads)
 
     def capture_features(self, layers: Sequence[int]) -> None:
         """Keep the outputs of ``layers`` (concatenated in layer order) for every row of each call, as
@@ -254,7 +255,8 @@ class LlamaCppRuntime:
         if bad:
             raise ValueError(f"feature layers {bad} do not exist in a {n_layers}-layer target")
         self._capture = _FeatureCapture(layers) if layers else None
-        self._make_context()
+        if self._ctx is not None:
+            self._make_context()
 
     def forward(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
         """``rows``: (slot, tokens to append) per sequence, slots distinct. Returns each row's logits ``(t_i, V)``
@@ -279,6 +281,8 @@ class LlamaCppRuntime:
             batch.n_tokens = total
             if self._capture is not None:
                 self._capture.clear()  # nothing left from a decode that failed
+            if self._ctx is None:
+                self._make_context()
             status = llama.llama_decode(self._ctx, batch)
             if status != 0:
                 raise RuntimeError(f"llama_decode failed with status {status} on {total} tokens in {len(rows)} rows")
@@ -301,6 +305,8 @@ class LlamaCppRuntime:
     def copy_prefix(self, source: int, slot: int, length: int) -> None:
         check_rollback_length(length, self._lengths[source])
         llama = _llama()
+        if self._ctx is None:
+            self._make_context()
         llama.llama_memory_seq_rm(self._memory, slot, 0, -1)
         if length:
             llama.llama_memory_seq_cp(self._memory, source, slot, 0, length)
