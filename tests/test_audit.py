@@ -81,6 +81,10 @@ def test_bounds_and_unreachable_servers_are_clear_errors(capsys):
                  "--requests", "2", "--json"])
     errors = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(errors) == 1 and errors[0].startswith("exactspec: error: http://127.0.0.1:9")
+    code = main(["audit", "--endpoint", "http://127.0.0.1:9", "--model", MODEL, "--target-weights", str(default_pair_dirs()[0]),
+                 "--backend", "llamacpp", "--json"])  # llama.cpp scores .gguf files only
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(errors) == 1 and "--backend llamacpp runs .gguf files" in errors[0]
 
 
 def test_too_few_tokens_to_test_is_a_clear_error(pair, servers):

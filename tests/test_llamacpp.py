@@ -278,6 +278,33 @@ def test_the_same_test_rejects_the_replacement_drawn_from_the_target(target, dra
     assert g_test_p_value(counts, law) < 1e-12
 
 
+def test_certify_scores_with_llama_cpps_own_logits(files):
+    """certify's scoring on llama.cpp (runtime_prompt_logits: the prompt once, shared by every slot) gives the cache-free
+    torch forward's logits on the same file, the rows of continuations that end early included."""
+    from exactspec.certification.certify import runtime_prompt_logits, shared_prompt_logits
+
+    lean = LeanModel.from_pretrained(files[0], dtype=torch.float32, weights="dense")
+    runtime = LlamaCppRuntime(files[0], slots=3, max_len=64, threads=1)
+    continuations = [[5, 6, 7, 8], [9], []]
+    got = runtime_prompt_logits(runtime, PROMPT, continuations)
+    expected = shared_prompt_logits(lean.decoder, PROMPT, continuations)
+    assert got.shape == expected.shape == (3, 5, VOCAB) and runtime.lengths == [0, 0, 0]
+    for row, c in enumerate(continuations):
+        assert (got[row, : 1 + len(c)] - expected[row, : 1 + len(c)]).abs().max() < ATOL_TORCH
+
+
+def test_certify_runs_on_llama_cpp_and_its_self_check_rejects_the_residual_from_p(target, draft):
+    """128 sequences of 12 tokens at T=1 over the whole vocabulary (acceptance 0.35-0.5): the correct sampler passes,
+    and the self-check's residual-from-p sampler is rejected (measured at 64 sequences: adjusted p = 2e-8, at 200:
+    2e-31; alpha 1e-3)."""
+    from exactspec.certification.certify import CertifyConfig, certify
+
+    config = CertifyConfig(configs=("T=1",), sequences=128, max_tokens=12, self_check=True, mutants=("residual_from_p",), slots=32)
+    report = certify(LoadedPair(target, draft, tokenizer=None), [PROMPT, [1, 40, 41, 42]], config, progress=False)
+    assert report["passed"] and report["precision"].startswith("llama.cpp") and report["greedy"]["equal"] == 2
+    assert report["self_check"]["residual_from_p"]["rejected"]
+
+
 def test_a_k_quant_file_reads_in_torch_as_llama_cpp_runs_it(tmp_path):
     """Any GGUF a llama.cpp user has: SmolLM2 requantized to Q4_K_M by llama.cpp's own quantizer (Q4_K and Q6_K
     blocks, with Q5_0 where a row is not a multiple of 256 weights) loads in exactspec's torch runtime, and on a

@@ -395,7 +395,9 @@ class PairSpec:
     def precision(self) -> str:
         """The precision mode, as a run record names it."""
         if self.backend == "llamacpp":
-            return "llama.cpp: the GGUF file's weights as stored, float32 activations, float16 KV cache, call-size dependent"
+            from exactspec.models.llamacpp import LlamaCppModel
+
+            return f"{LlamaCppModel.precision}, call-size dependent"
         return f"{self.dtype}, {self.weights} weights, {'call-size invariant' if self.invariant else 'call-size dependent'}"
 
     def load(self) -> LoadedPair:

@@ -214,15 +214,45 @@ def shared_prompt_logits(decoder, prompt: list[int], continuations: list[list[in
     return decoder.logits(torch.cat([x_prompt[:, -1:].expand(b, 1, -1), x], dim=1))
 
 
+def runtime_prompt_logits(runtime, prompt: list[int], continuations: list[list[int]]) -> torch.Tensor:  # (B, 1 + W, V)
+    """What :func:`shared_prompt_logits` computes, on a runtime that owns its cache (llama.cpp's): the prompt fed
+    once to slot 0 and shared with the other slots, each continuation fed to its own slot in one call. The slots are
+    emptied afterwards."""
+    b, width, p = len(continuations), max(map(len, continuations), default=0), len(prompt)
+    last = runtime.forward([(0, prompt)])[0][-1]  # (V,)
+    for slot in range(1, b):
+        runtime.copy_prefix(0, slot, p)
+    out = last.new_zeros((b, 1 + width, last.shape[-1]))
+    out[:, 0] = last
+    rows = [(slot, c) for slot, c in enumerate(continuations) if c]
+    for (slot, c), logits in zip(rows, runtime.forward(rows) if rows else []):
+        out[slot, 1 : 1 + len(c)] = logits
+    for slot in range(b):
+        runtime.rollback(slot, 0)
+    return out
+
+
+def _scorer(target, vocab: int, batch: int, max_len: int):
+    """The function giving (B, 1 + W, V) logits of a prompt's continuations: a cache-free torch forward for a lean
+    target, else the target's own runtime (llama.cpp) with ``batch`` slots."""
+    if hasattr(target, "decoder"):
+        return lambda prompt, continuations: shared_prompt_logits(target.decoder, prompt, continuations)
+    from exactspec.models.llamacpp import LlamaCppRuntime
+
+    runtime = LlamaCppRuntime.like(target, batch, max_len, vocab)
+    return lambda prompt, continuations: runtime_prompt_logits(runtime, prompt, continuations)
+
+
 def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed: int, batch: int = 32) -> dict:
     """PIT values of every generated token in each order (:data:`ORDERS`; NaN where the order does not apply) under
     the target's processed distribution given its own prefix, from a plain cache-free forward of the sequences of
-    each prompt (:func:`shared_prompt_logits`; up to ``batch`` at a time).
+    each prompt (:func:`shared_prompt_logits`, or :func:`runtime_prompt_logits` on llama.cpp; up to ``batch`` at a time).
 
     A run is ``{"prompt": ids, "tokens": ids}``, with ``"positions"``, ``"kinds"`` (round positions and token kinds)
     and ``"q"`` (the recorded draft distributions) where the sampler is white-box."""
     generator = torch.Generator().manual_seed(seed)
-    decoder, vocab = unwrapped(pair.target).decoder, pair.target.vocab_size
+    vocab = pair.target.vocab_size
+    logits_of = _scorer(unwrapped(pair.target), vocab, batch, max((len(r["prompt"]) + len(r["tokens"]) for r in runs), default=1))
     values, positions, kinds, heads, seen = {order: [] for order in ORDERS}, [], [], [], set()
     # Only a prefix that enough runs share is tested (run_tests), so only its distribution is kept: at 10^5 tokens
     # keeping every new prefix's (V,) row held gigabytes.
@@ -235,7 +265,7 @@ def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed:
     for chunk in chunks:
         _return_freed_memory()
         with torch.inference_mode():
-            logits = shared_prompt_logits(decoder, chunk[0]["prompt"], [run["tokens"][:-1] for run in chunk])[..., :vocab].float().cpu()
+            logits = logits_of(chunk[0]["prompt"], [run["tokens"][:-1] for run in chunk])[..., :vocab].float().cpu()
         for row, run in zip(logits, chunk):
             prompt, tokens = run["prompt"], run["tokens"]
             probs = block_probs(row[: len(tokens)], prompt, tokens, len(prompt), params)
@@ -333,8 +363,10 @@ def default_prompts(tokenizer: TextTokenizer, count: int = 8) -> list[list[int]]
 def precision_mode(pair: LoadedPair) -> str:
     """The target's numerics, as the certificate names them: dtype, and whether call-size invariant."""
     target = unwrapped(pair.target)
-    dtype = str(getattr(target, "dtype", "unknown")).removeprefix("torch.")
-    return f"{dtype}, {'call-size invariant' if getattr(target, 'invariant', False) else 'call-size dependent'}"
+    if not hasattr(target, "dtype"):  # llama.cpp: the file's own precision
+        return f"{getattr(target, 'precision', 'unknown')}, call-size dependent"
+    dtype = str(target.dtype).removeprefix("torch.")
+    return f"{dtype}, {'call-size invariant' if target.invariant else 'call-size dependent'}"
 
 
 def drafting(pair: LoadedPair) -> str:

@@ -25,11 +25,12 @@ def run(args: argparse.Namespace) -> dict:
         config = AuditConfig(args.endpoint, args.model, args.api_key or os.environ.get("EXACTSPEC_API_KEY"), args.baseline,
                              args.configs, args.requests, args.max_tokens, args.alpha, args.seed, args.concurrency,
                              extra_body=args.extra_body, baseline_extra_body=args.baseline_extra_body, text_mode=args.text_mode)
-        pair = load_pair(resolve_checkpoint(args.target_weights), None, "lean", DTYPES[args.dtype], args.weights, device=args.device)
+        if args.threads:
+            torch.set_num_threads(args.threads)  # before loading: llama.cpp's runtime takes torch's count
+        weights = "auto" if args.backend == "llamacpp" else args.weights  # llama.cpp runs the file as stored
+        pair = load_pair(resolve_checkpoint(args.target_weights), None, args.backend, DTYPES[args.dtype], weights, device=args.device)
     except (OSError, ValueError) as error:
         raise CliError(str(error)) from None
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
         report = audit(pair, read_prompts(args.prompts_file, pair.tokenizer), config, progress=not args.json)
     except RuntimeError as error:
@@ -69,6 +70,7 @@ def add(add_command) -> None:
     audit.add_argument("--baseline-extra-body", type=json_object, default={}, help="JSON fields added to every request to the baseline")
     audit.add_argument("--text-mode", action="store_true", help="for a server that takes and returns only text: completions are re-tokenized, so only the comparison with --baseline is valid (and required)")
     audit.add_argument("--prompts-file", help="prompts, one per line; default: chat questions in the model's template, or code openings")
+    audit.add_argument("--backend", choices=["lean", "llamacpp"], default="lean", help="the local scoring's runtime: lean (torch, --dtype and --weights apply) or llamacpp (a .gguf file as llama.cpp runs it: the numbers a llama.cpp server computes)")
     audit.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="precision of the local scoring")
     audit.add_argument("--weights", choices=["auto", "dense", "q4"], default="dense", help="the local target's weights (see generate)")
     audit.add_argument("--device", default="cpu", help="where the local scoring runs")

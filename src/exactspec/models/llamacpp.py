@@ -317,6 +317,7 @@ class LlamaCppModel(OneSlot):
     """One sequence on llama.cpp: slot 0 of a :class:`LlamaCppRuntime` of one slot (the single-sequence protocol)."""
 
     invariant = False
+    precision = "llama.cpp: the GGUF file's weights as stored, float32 activations, float16 KV cache"
 
     def __init__(self, runtime: LlamaCppRuntime) -> None:
         if runtime.slots != 1:
