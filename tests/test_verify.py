@@ -24,6 +24,7 @@ import torch
 from conftest import disjoint_pair, random_distribution
 from exactspec.decoding import verify
 from exactspec.decoding.verify import (
+    greedy_token,
     output_law,
     residual_distribution,
     verify_greedy,
@@ -310,6 +311,17 @@ def test_greedy_ties_go_to_the_lowest_token_id():
     scores = torch.tensor([[[0.0, 0.5, 0.5], [0.4, 0.2, 0.4]]])
     assert verify_greedy(torch.tensor([[2]]), scores).committed() == [1]
     assert verify_greedy(torch.tensor([[1]]), scores).committed() == [1, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_token_takes_the_first_of_tied_maxima_at_any_width(dtype):
+    """greedy_token is torch's argmax: the lowest index among tied maxima, also across the chunks a vectorised
+    kernel splits a wide row into (a wrong tie-break, e.g. the last maximum, fails)."""
+    generator = torch.Generator().manual_seed(0)
+    for width in (5, 64, 4097, 49152):
+        scores = torch.randint(0, 4, (16, 2, width), generator=generator).to(dtype)  # many ties at the maximum
+        first = [[int((row == row.max()).nonzero()[0]) for row in rows] for rows in scores]
+        assert greedy_token(scores).tolist() == first
 
 
 def test_greedy_rows_accept_different_counts():
