@@ -115,6 +115,11 @@ def _prompt_ids(args: argparse.Namespace, text: str, tokenizer) -> list[int]:
         raise CliError(str(error)) from None
 
 
+#: How the summary line says where --backend auto's choice came from.
+CHOICE_WORDS = {"measured now": "chosen by measuring this machine", "cached": "chosen from this machine's cached measurement",
+                "only candidate": "the only runtime for these flags"}
+
+
 def show(r: dict) -> None:
     print()
     print(
@@ -123,7 +128,7 @@ def show(r: dict) -> None:
         f"{r['tokens_per_round']:.2f} tokens/round, {r['mode']}, "
         f"{'greedy' if r['sampling'] == 'greedy' else 'seed ' + str(r['seed'])}, stop: {r['stop_reason']}, "
         f"{r['runtime']} runtime, {r['threads']} threads"
-        + (f" ({r['runtime_choice']['source']} choice)" if r.get("runtime_choice") else "")
+        + (f" ({CHOICE_WORDS[r['runtime_choice']['source']]})" if r.get("runtime_choice") else "")
         + (f", calibration {r['policy']['calibration']['seconds']:.2f} s, prior: {r['policy']['prior_source']}" if r["policy"] else "")
         + "]",
         file=sys.stderr,
