@@ -305,6 +305,44 @@ def test_certify_runs_on_llama_cpp_and_its_self_check_rejects_the_residual_from_
     assert report["self_check"]["residual_from_p"]["rejected"]
 
 
+def test_train_drafts_teacher_on_llama_cpp_reads_what_the_torch_teacher_reads(files):
+    """train-draft's teacher phase on llama.cpp (runtime_teacher: each sequence in its own slot, emptied after each
+    batch) gives the torch teacher's features and next-token logits, for sequences of mixed lengths."""
+    from exactspec.training.feature_draft import lean_teacher, runtime_teacher
+
+    generator = torch.Generator().manual_seed(1)
+    batch = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (30, 4, 17)]
+    runtime = LlamaCppRuntime(files[0], slots=3, max_len=64, threads=1)
+    ours = runtime_teacher(runtime, (0, 1))(batch)
+    theirs = lean_teacher(LeanModel.from_pretrained(files[0], dtype=torch.float32, weights="dense"), (0, 1))(batch)
+    assert runtime.lengths == [0, 0, 0]
+    for (logits, features), (expected_logits, expected_features), tokens in zip(ours, theirs, batch):
+        assert logits.shape == (len(tokens), VOCAB) and features.shape == (len(tokens), 128)
+        assert (logits - expected_logits).abs().max() < ATOL_TORCH
+        assert (features - expected_features).abs().max() < FEATURE_RTOL * expected_features.std()
+
+
+def test_train_drafts_answers_run_on_llama_cpp(tmp_path):
+    """The answers phase on llama.cpp: SmolLM2's chat answers, the prompt's ids as the chat template gives them."""
+    import time
+
+    from exactspec.chat import chat_messages
+    from exactspec.loading import PACKAGED_MODELS
+    from exactspec.tokenizer import TextTokenizer
+    from exactspec.training.draft_data import generate_answers, read_answers
+
+    try:
+        smollm2 = PACKAGED_MODELS["smollm2"].path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    prompts, out = ["Name a colour.", "What is 2 + 2?"], tmp_path / "answers.jsonl"
+    assert generate_answers(smollm2, prompts, out, time.monotonic() + 600, slots=2, max_new_tokens=4, backend="llamacpp") == 2
+    tokenizer = TextTokenizer.from_path(smollm2)
+    for row in read_answers(out):
+        assert row["ids"][: row["answer_start"]] == tokenizer.encode_chat(chat_messages(row["prompt"]))
+        assert 1 <= len(row["ids"]) - row["answer_start"] <= 4
+
+
 def test_a_k_quant_file_reads_in_torch_as_llama_cpp_runs_it(tmp_path):
     """Any GGUF a llama.cpp user has: SmolLM2 requantized to Q4_K_M by llama.cpp's own quantizer (Q4_K and Q6_K
     blocks, with Q5_0 where a row is not a multiple of 256 weights) loads in exactspec's torch runtime, and on a

@@ -59,14 +59,14 @@ def test_the_teacher_reads_sequences_in_padded_batches_as_it_reads_each_alone(ta
     import torch
 
     from exactspec.models.lean import LeanModel
-    from exactspec.training.feature_draft import TEACHER_BATCH, TOP_K, load_shards, teacher_pass
+    from exactspec.training.feature_draft import TEACHER_BATCH, TOP_K, lean_teacher, load_shards, teacher_pass
 
     model = LeanModel.from_pretrained(target, dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
     lengths = [5, 40, 17, 3, 29, 40, 11, 23, 8, 35, 2, 19]  # more than one batch, lengths mixed across batches
     assert len(lengths) > TEACHER_BATCH
     sequences = [(torch.randint(1, 300, (n,), generator=generator).tolist(), n // 3) for n in lengths]
-    assert teacher_pass(model, (0, 1), sequences, tmp_path / "shards", float("inf")) == 1
+    assert teacher_pass(lean_teacher(model, (0, 1)), sequences, tmp_path / "shards", float("inf")) == 1
     rows = load_shards(tmp_path / "shards")
     assert [r["ids"].tolist() for r in rows] == [ids for ids, _ in sequences]  # the shard keeps the input order
     for row, (ids, loss_from) in zip(rows, sequences):

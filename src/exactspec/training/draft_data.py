@@ -112,11 +112,13 @@ def generate_answers(
     temperature: float = 0.7,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    backend: str = "lean",
 ) -> int:
     """Sample the target's answers to ``prompts`` (``samples`` each, skipping those already in ``out``) until done or
     ``deadline``; returns how many answers ``out`` holds. The target decodes in the continuous-batching engine
-    (dense bfloat16, speculation off): a finished answer frees its slot for the next prompt at once, and is written
-    as one JSON line when it finishes. Answer i of a prompt is seeded from the prompt and i, whichever run draws it
+    (speculation off; ``backend`` lean: dense bfloat16 on torch; llamacpp: the .gguf file on llama.cpp, its slots
+    llama.cpp sequences): a finished answer frees its slot for the next prompt at once, and is written as one JSON
+    line when it finishes. Answer i of a prompt is seeded from the prompt and i, whichever run draws it
     (a resumed one included)."""
     import hashlib
 
@@ -133,14 +135,21 @@ def generate_answers(
     if not todo or time.monotonic() > deadline:
         return len(done)
     tokenizer = TextTokenizer.from_path(target)
-    model = LeanModel.from_pretrained(target, dtype=torch.bfloat16, weights="dense")
-    window = model.cfg.max_position_embeddings
+    if backend == "llamacpp":
+        from exactspec.models.llamacpp import LlamaCppModel, LlamaCppRuntime
+
+        model = LlamaCppModel.from_file(target, max_len=1)  # the file loaded once; the runtime below holds the slots
+        window = model.runtime.weights.context_length
+    else:
+        model = LeanModel.from_pretrained(target, dtype=torch.bfloat16, weights="dense")
+        window = model.cfg.max_position_embeddings
     encoded = {p: tokenizer.encode_chat(chat_messages(p)) for p, _ in todo}
     todo = [(p, i) for p, i in todo if len(encoded[p]) + 32 <= window]  # room for an answer in the model's window
     if not todo:
         return len(done)
     longest = max(len(encoded[p]) for p, _ in todo)
-    engine = BatchEngine(LeanRuntime.like(model, min(slots, len(todo)), min(window, longest + max_new_tokens)))
+    runtime_class = LlamaCppRuntime if backend == "llamacpp" else LeanRuntime
+    engine = BatchEngine(runtime_class.like(model, min(slots, len(todo)), min(window, longest + max_new_tokens)))
     params = SamplingParams(temperature=temperature)
     out.parent.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
