@@ -175,22 +175,22 @@ def _feature_draft(directory: str | Path, target: LanguageModel, dtype: torch.dt
     draft = FeatureDraft.load(directory)
     if isinstance(target, LeanModel):
         hidden, layers, vocab = target.cfg.hidden_size, target.cfg.num_hidden_layers, target.cfg.vocab_size
-        attach = lambda: draft.attach(target.decoder)  # noqa: E731
+        embed, head = target.decoder.embed.weight.detach(), target.decoder.lm_head.weight.detach()  # (V, C) x 2
     elif isinstance(target, LlamaCppModel):
         from exactspec.models.gguf import llama_config, read_gguf
 
         gguf = read_gguf(target.runtime.weights.path)
-        cfg = llama_config(gguf)
-        hidden, layers, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
-        embed = gguf.tensor("token_embd.weight")  # (V, C)
-        head = gguf.tensor("output.weight") if "output.weight" in gguf.tensors else embed  # (V, C); tied
-        attach = lambda: draft.to(dtype).attach_weights(embed.to(dtype), head.to(dtype))  # noqa: E731
+        config = llama_config(gguf)
+        hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+        embed = gguf.tensor("token_embd.weight").to(dtype)  # (V, C)
+        head = gguf.tensor("output.weight").to(dtype) if "output.weight" in gguf.tensors else embed  # (V, C); tied
+        draft = draft.to(dtype)
     else:
         raise ValueError(f"{directory} is a feature-level draft: it reads the target's hidden states, which the lean and llamacpp backends provide")
     cfg = draft.cfg
     if cfg.target_hidden_size != hidden or max(cfg.feature_layers) >= layers or int(draft.vocab_ids.max()) >= vocab:
         raise ValueError(f"{directory} was trained for another target (hidden size {cfg.target_hidden_size}, layers {cfg.feature_layers})")
-    return attach()
+    return draft.attach_weights(embed, head)
 
 
 def native_bfloat16(device: str | torch.device = "cpu") -> bool:

@@ -244,7 +244,10 @@ def choose(spec: PairSpec, params: SamplingParams = SamplingParams(), rule: str 
             m = measure(spec, candidate, max_gamma, params)
             cached[candidate.label] = {"target_ms": m.target_ms, "draft_step_ms": m.draft_step_ms}
         if missing:
-            write_json_atomically(file, cached)
+            try:
+                write_json_atomically(file, cached)
+            except OSError:  # an unwritable cache costs a measurement next time, never the run
+                pass
         measured = tuple(Measurement(c, {int(n): ms for n, ms in cached[c.label]["target_ms"].items()}, cached[c.label]["draft_step_ms"])
                          for c in options)
         source = "measured now" if missing else "cached"

@@ -193,8 +193,6 @@ def choose_runtime(args: argparse.Namespace, spec: PairSpec) -> None:
     args.runtime_choice = choice
 
 
-
-
 def resolved_spec(args: argparse.Namespace, with_draft: bool = True, choose: bool = True) -> PairSpec:
     """The pair resolved to local paths (a hub id is fetched, with --download, here and only here)."""
     try:

@@ -67,6 +67,10 @@ class TrainDraftArgs:
             raise ValueError("--answers-per-prompt must be >= 1")
         if self.backend not in ("auto", "lean", "llamacpp"):
             raise ValueError(f"unknown backend {self.backend!r}; choose one of auto, lean, llamacpp")
+        from exactspec.models.base import is_gguf
+
+        if self.backend == "llamacpp" and not is_gguf(self.target):
+            raise ValueError(f"--backend llamacpp runs .gguf files; {self.target} is not one (use --backend lean)")
 
     @property
     def data_backend(self) -> str:
