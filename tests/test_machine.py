@@ -116,7 +116,8 @@ def test_a_real_measurement_fills_every_call_size():
 
     specs = [PairSpec(default_pair_dirs()[0], speculate=False, backend="auto", dtype="auto", threads=1)]
     try:
-        specs.append(PairSpec(PACKAGED_MODELS["smollm2"].path(), speculate=False, backend="llamacpp", dtype="float32", threads=1))
+        if machine.llama_cpp_available():
+            specs.append(PairSpec(PACKAGED_MODELS["smollm2"].path(), speculate=False, backend="llamacpp", dtype="float32", threads=1))
     except FileNotFoundError:
         pass
     for spec in specs:

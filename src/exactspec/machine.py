@@ -179,11 +179,12 @@ def machine_signature(device: str = "cpu") -> dict:
                 flags = set(value.split())
     except OSError:
         pass
-    llama_version = None
-    if llama_cpp_available():
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        llama_version = version("llama_cpp_python")
+    try:
+        llama_version = version("llama_cpp_python") if llama_cpp_available() else None
+    except PackageNotFoundError:  # importable without package metadata (a source build on the path)
+        llama_version = "unknown"
     return {"cpu": model, "flags": sorted(flags & set(_FLAGS)), "cores": usable_cores(), "device": str(device),
             "exactspec": __version__, "torch": torch.__version__, "llama_cpp_python": llama_version,
             "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
