@@ -54,8 +54,8 @@ def test_the_check_detects_one_changed_bit_in_one_block():
     model = LeanModel.from_pretrained(target_dir, dtype=torch.bfloat16, max_len=256, invariant=True)
     exact_forward = model.forward
 
-    def forward_with_one_changed_bit(token_ids):
-        logits = exact_forward(token_ids)
+    def forward_with_one_changed_bit(token_ids, outputs=None):
+        logits = exact_forward(token_ids, outputs)
         if len(token_ids) > 1:
             logits[-1, 0] = torch.nextafter(logits[-1, 0], torch.tensor(float("inf")))
         return logits

@@ -111,3 +111,29 @@ def test_a_copied_prefix_continues_as_its_source_does(invariant):
     assert batched.lengths == [6, 6, 3]
     with pytest.raises(ValueError, match="copy 4 positions of slot 2: it holds 3"):
         batched.copy_prefix(2, 0, 4)  # slot 2 holds 3 positions
+
+
+@pytest.mark.parametrize("mode", ["one row", "ragged", "invariant", "bfloat16 one position"])
+def test_outputs_return_the_logits_of_each_rows_last_positions(mode):
+    """``forward(rows, outputs)`` gives the last outputs[i] positions' logits of a full call: not the first ones,
+    not another row's; the invariant mode keeps the bits of a full call (its head runs at the fixed row count)."""
+    model = small_model()
+    if mode == "invariant":
+        model = LeanModel(model.decoder.to(torch.bfloat16), invariant=True)
+    elif mode == "bfloat16 one position":  # the float16 copy of the head: the same numbers within rounding
+        model = LeanModel(model.decoder.to(torch.bfloat16))
+    rows = [(0, [1, 2, 3, 4, 5])] if mode != "ragged" else [(1, [1, 2, 3, 4, 5]), (0, [6, 7]), (2, [8, 9, 10])]
+    counts = [1] if mode != "ragged" else [2, 0, 3]
+    full, part = (LeanRuntime.like(model, slots=3, max_len=32) for _ in range(2))
+    expected = full.forward(rows)
+    got = part.forward(rows, counts)
+    assert [g.shape[0] for g in got] == counts and part.lengths == full.lengths
+    for g, e, k in zip(got, expected, counts):
+        tail = e[len(e) - k :]
+        if mode == "invariant":
+            assert torch.equal(g, tail)
+        else:
+            tolerance = 0.05 if model.dtype == torch.bfloat16 else 1e-5
+            assert torch.allclose(g, tail, atol=tolerance) and (k == 0 or not torch.allclose(g, e[:k], atol=tolerance) or k == len(e))
+    with pytest.raises(ValueError, match="outputs must give each of the"):
+        part.forward([(0, [1, 2])], [3])

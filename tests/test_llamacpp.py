@@ -117,6 +117,24 @@ def test_a_block_and_a_batch_give_the_logits_of_calls_alone(files):
     assert [len(r) for r in ragged] == [2, 4, 1] and runtime.lengths == [5, 4, 1]
 
 
+def test_outputs_give_the_last_positions_logits_and_features_stay_whole(files):
+    """llama.cpp computes logits only for the positions asked for (and its last layer only for them), so the
+    tail asked for must be the full call's tail; with features captured every position's layer outputs remain."""
+    rows = [(0, PROMPT + [11, 12]), (1, [5, 6, 7]), (2, [9])]
+    full = LlamaCppRuntime(files[0], slots=3, max_len=64, threads=1).forward(rows)
+    part = LlamaCppRuntime(files[0], slots=3, max_len=64, threads=1)
+    got = part.forward(rows, [1, 0, 1])
+    assert [len(g) for g in got] == [1, 0, 1] and part.lengths == [5, 3, 1]
+    assert (got[0] - full[0][-1:]).abs().max() < ATOL and (got[2] - full[2]).abs().max() < ATOL
+    assert (got[0] - full[0][:1]).abs().max() > 10 * ATOL  # the last position, not the first
+    assert part.forward([(1, [8])], [0])[0].shape == (0, VOCAB) and part.lengths[1] == 4  # no logits at all is a call too
+    captured = LlamaCppRuntime(files[0], slots=1, max_len=64, threads=1)
+    captured.capture_features([0, 1])
+    last = captured.forward([(0, PROMPT + [11, 12])], [2])[0]
+    assert last.shape[0] == 2 and (last - full[0][-2:]).abs().max() < ATOL
+    assert captured.last_features[0].shape[0] == 5  # the last layer's output at every position, not only the asked ones
+
+
 def test_rollback_and_a_copied_prefix_continue_as_a_fresh_call(files):
     runtime = LlamaCppRuntime(files[0], slots=2, max_len=64, threads=1)
     fresh = runtime.forward([(0, [1, 20, 21, 22, 23])])[0]

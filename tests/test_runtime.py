@@ -81,3 +81,13 @@ def test_as_runtime_keeps_a_runtime_and_wraps_a_model():
     assert as_runtime(batched) is batched and isinstance(batched, Runtime)
     wrapped = as_runtime(markov())
     assert isinstance(wrapped, SequenceSlots) and wrapped.slots == 1
+
+
+def test_outputs_cut_each_rows_logits_to_its_last_positions():
+    runtime = SequenceSlots([markov(), markov()])
+    out = runtime.forward([(0, [1, 2, 3]), (1, [4, 0])], [1, 0])
+    full = markov().prefill([1, 2, 3])
+    assert torch.equal(out[0], full[-1:]) and not torch.equal(out[0], full[:1]) and out[1].shape == (0, 5)
+    assert runtime.lengths == [3, 2]
+    with pytest.raises(ValueError, match="between 0 and its length"):
+        runtime.forward([(0, [1])], [2])

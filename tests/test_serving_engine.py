@@ -52,7 +52,7 @@ def run(engine: BatchEngine, requests: list[SequenceRequest]) -> list[dict]:
 def recording_fed_rows(engine: BatchEngine) -> list[tuple[int, ...]]:
     """Every row the engine feeds its target, in order."""
     calls, forward = [], engine.target.forward
-    engine.target.forward = lambda rows: calls.extend(tuple(tokens) for _, tokens in rows) or forward(rows)
+    engine.target.forward = lambda rows, outputs=None: calls.extend(tuple(tokens) for _, tokens in rows) or forward(rows, outputs)
     return calls
 
 
@@ -209,6 +209,8 @@ def law_counts(engine: BatchEngine, n: int, params: SamplingParams = SamplingPar
         requests.append(SequenceRequest(PROMPT, params, NEW_TOKENS, seed=seed, speculation="draft"))
         requests.append(SequenceRequest(prompt, SamplingParams(temperature=temperature), 1 + seed % 6, seed=n + seed, speculation=mode))
     results = run(engine, requests)
+    errors = {r["handle"].error for r in results if r["handle"].finish_reason == "error"}
+    assert not errors, f"a sequence ended with an error, not a draw: {errors}"  # a mutant must fail the law, not crash
     counts: dict[tuple[int, ...], int] = {}
     for i in mine:
         key = tuple(results[i]["tokens"])
@@ -242,11 +244,11 @@ def test_the_same_test_rejects_an_engine_that_mixes_up_rows(n):
     engine = tiny_engine(LAW_SLOTS)
     forward = engine.target.forward
 
-    def rotated(rows):
-        out = forward(rows)
+    def rotated(rows, outputs=None):
+        out = forward(rows, outputs)
         if len(out) < 2:
             return out
-        widths = [len(t) for _, t in rows]  # the neighbour's row, cut or padded to this row's length
+        widths = [len(o) for o in out]  # the neighbour's row, cut or padded to this row's length
         shifted = out[1:] + out[:1]
         return [torch.cat([s, s[-1:].expand(max(0, w - len(s)), -1)])[:w] for s, w in zip(shifted, widths)]
 

@@ -219,7 +219,7 @@ def runtime_prompt_logits(runtime, prompt: list[int], continuations: list[list[i
     once to slot 0 and shared with the other slots, each continuation fed to its own slot in one call. The slots are
     emptied afterwards."""
     b, width, p = len(continuations), max(map(len, continuations), default=0), len(prompt)
-    last = runtime.forward([(0, prompt)])[0][-1]  # (V,)
+    last = runtime.forward([(0, prompt)], [1])[0][-1]  # (V,)
     for slot in range(1, b):
         runtime.copy_prefix(0, slot, p)
     out = last.new_zeros((b, 1 + width, last.shape[-1]))

@@ -297,7 +297,8 @@ class BatchEngine:
         short = [(group, feed) for group, feed in groups if 1 + self.config.gamma < len(feed) <= MAX_BLOCK]
         for call in [short] * bool(short) + [[(group, feed)] for group, feed in groups if len(feed) > MAX_BLOCK]:
             began = time.perf_counter()
-            logits = self._guarded([s for group, _ in call for s in group], self.target.forward, [(group[0].slot, feed) for group, feed in call])
+            logits = self._guarded([s for group, _ in call for s in group], self.target.forward, [(group[0].slot, feed) for group, feed in call],
+                                   [1] * len(call))  # only the last position's logits: they draw the first token
             seconds = time.perf_counter() - began
             for i, ((group, feed), rows) in enumerate(zip(call, logits or [])):
                 self._joined(group, feed, i, rows, seconds)
@@ -317,7 +318,7 @@ class BatchEngine:
                          0 if proposer is None else None if gamma == "auto" else gamma)
 
     def _joined(self, group: list[_Sequence], feed: list[int], row: int, logits: torch.Tensor, seconds: float) -> None:
-        """After the call that fed the rest of the first sequence's prompt (row ``row``, logits ``(len(feed), V)``):
+        """After the call that fed the rest of the first sequence's prompt (row ``row``, its last position's logits ``(1, V)``):
         the others of the group copy its cache, and each draws its first token."""
         first = group[0]
         for s in group:
@@ -424,7 +425,8 @@ class BatchEngine:
         if not rows:
             return
         started = time.perf_counter()
-        logits = self._guarded(sequences + [s for group, _ in joining for s in group], self.target.forward, rows)
+        outputs = [len(row) for _, row in rows[: len(sequences)]] + [1] * len(joining)
+        logits = self._guarded(sequences + [s for group, _ in joining for s in group], self.target.forward, rows, outputs)
         if logits is None:
             return
         seconds = time.perf_counter() - started

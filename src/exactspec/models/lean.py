@@ -5,8 +5,9 @@
 step, gamma + 1 for a speculative block, a whole prompt for a prefill), under ``torch.inference_mode`` and with
 no Python work per token:
 
-* one row runs against its slot of the cache unpadded (a one-token call of a bfloat16 model on the CPU through
-  a float16 copy of the head, :func:`exactspec.models.llama.one_row_head`);
+* one row runs against its slot of the cache unpadded (the head only on the positions whose logits are asked
+  for; one position of a bfloat16 model on the CPU through a float16 copy of the head,
+  :func:`exactspec.models.llama.one_row_head`);
 * several rows are right-padded to the longest and run as one batch: every row reads its own positions' rotary
   angles and attends to its own slot only, through a mask that stops at each query's position
   (:func:`exactspec.models.attention.grouped_attention`). Padding rows compute garbage that is never returned;
@@ -38,7 +39,7 @@ from .kv_cache import MAX_BLOCK, KVCache, slot_rows
 from .llama import INVARIANT_ROWS, LlamaDecoder, cache_dtype, load_hf_state_dict, one_row_head
 from .llama_config import LlamaConfig, rope_tables
 from .quantized import use_q4_weights
-from .runtime import OneSlot
+from .runtime import OneSlot, outputs_per_row
 
 __all__ = ["LeanModel", "LeanRuntime", "WEIGHT_FORMATS"]
 
@@ -91,24 +92,28 @@ class LeanRuntime:
     def copy_prefix(self, source: int, slot: int, length: int) -> None:
         self.cache.copy_prefix(source, slot, length)
 
-    def forward(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
-        """``rows``: (slot, tokens to append) per sequence, slots distinct. Returns each row's logits ``(t_i, V)``
-        and advances each slot's length by ``t_i``."""
+    def forward(self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """``rows``: (slot, tokens to append) per sequence, slots distinct. Returns the logits of each row's last
+        ``outputs[i]`` positions ``(outputs_i, V)`` (every position without ``outputs``) and advances each slot's
+        length by ``t_i``. The head runs only on those positions, except in the invariant mode, where it runs on
+        the call's fixed rows and the logits are cut afterwards."""
         slots = [slot for slot, _ in rows]
         ids = [check_token_ids(tokens, self.vocab_size) for _, tokens in rows]
+        counts = outputs_per_row(rows, outputs)
         self.cache.check_rows(slots, [len(t) for t in ids])
         with torch.inference_mode():
             if len(rows) == 1 or self.invariant:
-                outputs = [self._forward_one(slot, tokens) for slot, tokens in zip(slots, ids)]
+                outputs = [self._forward_one(slot, tokens, count) for slot, tokens, count in zip(slots, ids, counts)]
             else:
-                outputs = self._forward_ragged(slots, ids)
+                outputs = self._forward_ragged(slots, ids, counts)
         self.last_features = [features for _, features in outputs] if self.feature_layers else []
         if self.vocab_size < self.cfg.vocab_size:  # padding rows of the embedding
             outputs = [(logits[:, : self.vocab_size], features) for logits, features in outputs]
         return [logits.float().cpu() for logits, _ in outputs]
 
-    def _forward_one(self, slot: int, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:  # (t, V), (t, F)
-        """One sequence's call against its slot, unpadded (or at INVARIANT_ROWS rows in the invariant mode)."""
+    def _forward_one(self, slot: int, ids: list[int], count: int) -> tuple[torch.Tensor, torch.Tensor | None]:  # (count, V), (t, F)
+        """One sequence's call against its slot, unpadded (or at INVARIANT_ROWS rows in the invariant mode); the
+        logits of its last ``count`` positions."""
         pos, t = self.cache.lengths[slot], len(ids)
         fixed = self.invariant and t <= INVARIANT_ROWS
         rows = INVARIANT_ROWS if fixed else t
@@ -125,21 +130,23 @@ class LeanRuntime:
                 x = layer.forward_cached(x, cos, sin, keys, values, pos, mask)
             if i in self.feature_layers:
                 features.append(x[0, :t])
-        h = self.decoder.final_norm(x)  # (1, R, C): the head runs at the call's fixed row count too
-        if t == 1 and self.one_token_head is not None:
-            logits = F.linear(h.to(torch.float16), self.one_token_head)[0]  # (1, V)
+        if self.invariant:  # the head runs at the call's fixed row count too
+            logits = self.decoder.logits(x)[0, t - count : t]  # (count, V)
+        elif count == 1 and self.one_token_head is not None:
+            logits = F.linear(self.decoder.final_norm(x[:, t - 1 : t]).to(torch.float16), self.one_token_head)[0]  # (1, V)
         else:
-            logits = self.decoder.lm_head(h)[0, :t]  # (t, V)
+            logits = self.decoder.logits(x[:, t - count : t])[0]  # (count, V)
         self.cache.lengths[slot] = pos + t
         return logits, torch.cat(features, dim=-1) if features else None
 
-    def _forward_ragged(self, slots: list[int], ids: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Several sequences' rows right-padded into one batch; each row's logits ``(t_i, V)`` and features."""
+    def _forward_ragged(self, slots: list[int], ids: list[list[int]], counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Several sequences' rows right-padded into one batch; the logits of each row's last ``counts[i]``
+        positions ``(counts_i, V)``, and its features."""
         width = max(len(t) for t in ids)
         if width > MAX_BLOCK:
             raise ValueError(f"a batched call feeds at most {MAX_BLOCK} tokens per row; prefill long prompts alone")
         order = sorted(range(len(slots)), key=slots.__getitem__)  # by slot: consecutive slots read the cache as a view
-        slots, ids = [slots[i] for i in order], [ids[i] for i in order]
+        slots, ids, counts = [slots[i] for i in order], [ids[i] for i in order], [counts[i] for i in order]
         device = self.device
         batch = torch.tensor([t + [0] * (width - len(t)) for t in ids], device=device)  # (B, T)
         start = torch.tensor([self.cache.lengths[s] for s in slots], device=device)  # (B,)
@@ -157,11 +164,13 @@ class LeanRuntime:
             x = layer.finish(x, grouped_attention(q.to(keys.dtype), keys, values, mask).to(x.dtype))
             if i in self.feature_layers:
                 features.append(x)
-        logits = self.decoder.logits(x)  # (B, T, V)
+        wanted = [(b, i) for b, (t, count) in enumerate(zip(ids, counts)) for i in range(len(t) - count, len(t))]
+        rows_at, positions_at = (torch.tensor(v, dtype=torch.long, device=device) for v in zip(*wanted)) if wanted else (None, None)
+        logits = self.decoder.logits(x[rows_at, positions_at]) if wanted else x.new_empty((0, self.cfg.vocab_size))  # (sum(counts), V)
         feature = torch.cat(features, dim=-1) if features else None  # (B, T, F)
         for slot, tokens in zip(slots, ids):
             self.cache.lengths[slot] += len(tokens)
-        by_slot = [(logits[b, : len(t)], None if feature is None else feature[b, : len(t)]) for b, t in enumerate(ids)]
+        by_slot = [(part, None if feature is None else feature[b, : len(t)]) for b, (t, part) in enumerate(zip(ids, logits.split(counts)))]
         return [by_slot[b] for b in torch.argsort(torch.tensor(order)).tolist()]  # back to the call's row order
 
 

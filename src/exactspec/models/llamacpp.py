@@ -3,8 +3,9 @@
 Through llama-cpp-python's bindings of llama.cpp's C API (the optional extra ``exactspec[llamacpp]``), this module
 implements the runtime interface (:mod:`exactspec.models.runtime`) on llama.cpp's own kernels and KV cache:
 
-* ``forward(rows)``: one ``llama_decode`` for every row of the call, each row's tokens at its slot's next positions
-  in sequence ``slot``, logits requested for every fed position and read back in the batch's order ``(t_i, V)``;
+* ``forward(rows, outputs)``: one ``llama_decode`` for every row of the call, each row's tokens at its slot's next
+  positions in sequence ``slot``, logits requested for the positions asked for (every fed position by default)
+  and read back in the batch's order;
 * ``rollback(slot, n)``: ``llama_memory_seq_rm(slot, n, -1)``; the cells past ``n`` are free again;
 * ``copy_prefix(source, slot, n)``: the slot's cells dropped, then the source's first ``n`` positions shared with
   it (``llama_memory_seq_cp``: no recomputation, the cells are tagged with both sequences).
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 from .base import check_rollback_length, check_token_ids
-from .runtime import OneSlot
+from .runtime import OneSlot, outputs_per_row
 
 __all__ = ["LlamaCppRuntime", "LlamaCppModel", "llama_cpp_available", "llama_cpp_version", "requantize"]
 
@@ -191,8 +192,9 @@ class LlamaCppRuntime:
         self._free_context: weakref.finalize | None = None
         self.last_features: list[torch.Tensor] = []  # per row of the last call, (t_i, F), when capture_features asked
         self._lengths = [0] * slots
-        self._ctx = None  # made at the first call (after capture_features, which would make it again)
+        self._ctx = None
         self._vocab_size = min(vocab_size or self.weights.vocab_size, self.weights.vocab_size)  # padding rows cut
+        self._make_context()  # here, not in the first call, which a user times (150 ms for SmolLM2's 8192 positions)
 
     def _make_context(self) -> None:
         """llama.cpp's context for the slots, with the feature capture's callback where features are asked for. A
@@ -241,8 +243,7 @@ class LlamaCppRuntime:
 
     def set_threads(self, threads: int) -> None:
         self.threads = threads
-        if self._ctx is not None:
-            _llama().llama_set_n_threads(self._ctx, threads, threads)
+        _llama().llama_set_n_threads(self._ctx, threads, threads)
 
     def capture_features(self, layers: Sequence[int]) -> None:
         """Keep the outputs of ``layers`` (concatenated in layer order) for every row of each call, as
@@ -255,46 +256,51 @@ class LlamaCppRuntime:
         if bad:
             raise ValueError(f"feature layers {bad} do not exist in a {n_layers}-layer target")
         self._capture = _FeatureCapture(layers) if layers else None
-        if self._ctx is not None:
-            self._make_context()
+        self._make_context()
 
-    def forward(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
-        """``rows``: (slot, tokens to append) per sequence, slots distinct. Returns each row's logits ``(t_i, V)``
-        (float32, CPU) and advances each slot's length by ``t_i``."""
+    def forward(self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """``rows``: (slot, tokens to append) per sequence, slots distinct. Returns the logits of each row's last
+        ``outputs[i]`` positions (every position without ``outputs``), float32 on the CPU, and advances each slot's
+        length by ``t_i``. llama.cpp computes logits only where asked, and the last layer only for those positions;
+        while features are captured every position is computed (the last layer's output is a feature), and the
+        logits are cut to ``outputs`` afterwards."""
         llama = _llama()
         slots = [slot for slot, _ in rows]
         if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
             raise ValueError(f"rows need distinct slots in [0, {self.slots}), got {slots}")
         ids = [check_token_ids(tokens, self.vocab_size) for _, tokens in rows]
+        counts = outputs_per_row(rows, outputs)
         for slot, tokens in zip(slots, ids):
             if self._lengths[slot] + len(tokens) > self.max_len:
                 raise ValueError(f"slot {slot}: {self._lengths[slot]} cached + {len(tokens)} new tokens exceeds {self.max_len} positions")
+        computed = [len(t) for t in ids] if self._capture is not None else counts  # logits llama.cpp computes per row
         total = sum(len(t) for t in ids)
         batch = llama.llama_batch_init(total, 0, 1)
         try:
             i = 0
-            for slot, tokens in zip(slots, ids):
+            for slot, tokens, wanted in zip(slots, ids, computed):
+                start = self._lengths[slot]
                 for offset, token in enumerate(tokens):
-                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, self._lengths[slot] + offset, 1
-                    batch.seq_id[i][0], batch.logits[i] = slot, 1
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, start + offset, 1
+                    batch.seq_id[i][0], batch.logits[i] = slot, offset >= len(tokens) - wanted
                     i += 1
             batch.n_tokens = total
             if self._capture is not None:
                 self._capture.clear()  # nothing left from a decode that failed
-            if self._ctx is None:
-                self._make_context()
             status = llama.llama_decode(self._ctx, batch)
             if status != 0:
                 raise RuntimeError(f"llama_decode failed with status {status} on {total} tokens in {len(rows)} rows")
-            logits = np.ctypeslib.as_array(llama.llama_get_logits(self._ctx), shape=(total, self.weights.vocab_size))
-            logits = torch.from_numpy(logits[:, : self.vocab_size].copy())  # (total, V): llama.cpp reuses its buffer
+            logits = torch.empty((0, self.vocab_size))  # (sum(computed), V): copied, llama.cpp reuses its buffer
+            if sum(computed):
+                found = np.ctypeslib.as_array(llama.llama_get_logits(self._ctx), shape=(sum(computed), self.weights.vocab_size))
+                logits = torch.from_numpy(found[:, : self.vocab_size].copy())
             features = self._capture.take(total) if self._capture is not None else None  # (total, F)
         finally:
             llama.llama_batch_free(batch)
         self.last_features = list(features.split([len(t) for t in ids])) if features is not None else []
         for slot, tokens in zip(slots, ids):
             self._lengths[slot] += len(tokens)
-        return list(logits.split([len(t) for t in ids]))
+        return [row[len(row) - count :] for row, count in zip(logits.split(computed), counts)]
 
     def rollback(self, slot: int, length: int) -> None:
         check_rollback_length(length, self._lengths[slot])
@@ -305,8 +311,6 @@ class LlamaCppRuntime:
     def copy_prefix(self, source: int, slot: int, length: int) -> None:
         check_rollback_length(length, self._lengths[source])
         llama = _llama()
-        if self._ctx is None:
-            self._make_context()
         llama.llama_memory_seq_rm(self._memory, slot, 0, -1)
         if length:
             llama.llama_memory_seq_cp(self._memory, source, slot, 0, length)

@@ -3,7 +3,10 @@
 A runtime holds ``slots`` sequences, each with its own length. The engine (:mod:`exactspec.decoding.engine`) talks to it
 only through:
 
-* ``forward(rows)``      feed each (slot, tokens) row its tokens; get their logits ``(t_i, V)`` per row;
+* ``forward(rows, outputs)``  feed each (slot, tokens) row its tokens; get the logits of each row's last
+  ``outputs[i]`` positions ``(outputs_i, V)`` (every position, ``(t_i, V)``, without ``outputs``): a prompt's
+  prefill needs only its last position's, and a runtime may then skip the head (and llama.cpp the last layer) for
+  the rest;
 * ``rollback(slot, n)``  keep only the first ``n`` positions of a slot;
 * ``copy_prefix(source, slot, n)``  give a slot another slot's first ``n`` positions (a shared prompt);
 * ``lengths``            positions held per slot; ``slots``, ``max_len``, ``vocab_size``;
@@ -33,7 +36,18 @@ import torch
 
 from .base import LanguageModel, check_rollback_length
 
-__all__ = ["OneSlot", "Runtime", "SequenceSlots", "as_runtime"]
+__all__ = ["OneSlot", "Runtime", "SequenceSlots", "as_runtime", "outputs_per_row"]
+
+
+def outputs_per_row(rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None) -> list[int]:
+    """How many of each row's last positions a ``forward`` call returns logits for: ``outputs`` checked against the
+    rows (one count per row, between 0 and the row's length), or every position where it is None."""
+    if outputs is None:
+        return [len(tokens) for _, tokens in rows]
+    counts = [int(k) for k in outputs]
+    if len(counts) != len(rows) or any(not 0 <= k <= len(tokens) for k, (_, tokens) in zip(counts, rows)):
+        raise ValueError(f"outputs must give each of the {len(rows)} rows a count between 0 and its length, got {list(outputs)}")
+    return counts
 
 
 @runtime_checkable
@@ -48,7 +62,7 @@ class Runtime(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def forward(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]: ...
+    def forward(self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None) -> list[torch.Tensor]: ...
 
     def rollback(self, slot: int, length: int) -> None: ...
 
@@ -75,12 +89,13 @@ class OneSlot:
     def capture_features(self, layers: Sequence[int]) -> None:
         self.runtime.capture_features(layers)
 
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:  # (n, V)
+    def prefill(self, token_ids: Sequence[int], outputs: int | None = None) -> torch.Tensor:  # (n or outputs, V)
         self.runtime.rollback(0, 0)
-        return self.forward(token_ids)
+        return self.forward(token_ids, outputs)
 
-    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:  # (n, V)
-        return self.runtime.forward([(0, token_ids)])[0]
+    def forward(self, token_ids: Sequence[int], outputs: int | None = None) -> torch.Tensor:  # (n or outputs, V)
+        """The logits of every fed position, or of the last ``outputs`` of them."""
+        return self.runtime.forward([(0, token_ids)], None if outputs is None else [outputs])[0]
 
     def rollback(self, length: int) -> None:
         self.runtime.rollback(0, length)
@@ -123,18 +138,23 @@ class SequenceSlots:
             model.capture_features(layers)
         self.feature_layers = tuple(layers)
 
-    def forward(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+    def forward(self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None) -> list[torch.Tensor]:
         slots = [slot for slot, _ in rows]
         if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
             raise ValueError(f"rows need distinct slots in [0, {self.slots}), got {slots}")
+        counts = outputs_per_row(rows, outputs)
         out, features = [], []
-        for slot, tokens in rows:
+        for (slot, tokens), count in zip(rows, counts):
             model, held = self.models[slot], self._tokens[slot]
             if held and model.length != len(held):  # an empty slot prefills, whatever the model held
                 raise RuntimeError("the model's cache was changed outside this engine (another decoder on the same model?)")
-            logits = model.forward(list(tokens)) if held else model.prefill(list(tokens))
+            call = model.forward if held else model.prefill
+            if isinstance(model, OneSlot):  # its runtime computes only the logits asked for
+                out.append(call(list(tokens), count))
+            else:
+                logits = call(list(tokens))
+                out.append(logits[len(logits) - count :])
             held.extend(int(t) for t in tokens)
-            out.append(logits)
             if self.feature_layers:
                 features.append(model.last_features)
         self.last_features = features

@@ -100,10 +100,9 @@ class DraftModelProposer(ModelDraft):
         if len(feeds) > 1:  # a row longer than a batched call allows (a prompt) is fed alone first
             for slot, feed in feeds:
                 if len(feed) > MAX_BLOCK:
-                    self.model.forward([(slot, feed[:-1])])
+                    self.model.forward([(slot, feed[:-1])], [0])
             feeds = [(slot, feed[-1:] if len(feed) > MAX_BLOCK else feed) for slot, feed in feeds]
-        logits = self.model.forward(feeds)
-        return [row[-1:] for row in logits], is_setup
+        return self.model.forward(feeds, [1] * len(feeds)), is_setup
 
     def _catch_up(self, slot: int, context: list[int]) -> list[int]:
         """Roll the slot back to what it shares with the context; the tokens it still has to read (at least the
