@@ -34,7 +34,8 @@ def test_medians_spread_and_ratios_come_from_every_run(target, monkeypatch):
     prompt median; ratios are to llama.cpp plain and exactspec plain of the same run; tokens per call averaged."""
     rates = itertools.count(1.0)
     monkeypatch.setattr(peers, "_run", lambda arm, prompt: {"tokens_per_second": next(rates),
-                                                            **({"tokens_per_round": 2.0} if "lookup" in arm.name else {})})
+                                                            **({"tokens_per_round": 2.0} if "lookup" in arm.name else {}),
+                                                            "cost_model": {"efficiency": 0.9} if arm.name == peers.DEFAULT_ARM else None})
     monkeypatch.setattr(peers, "llama_cpp_version", lambda: {"version": "x", "system_info": "AVX2 = 1"})
     config = peers.PeerBenchConfig(target, threads=1, num_prompts=2, repeats=3)  # greedy, chat only
     report = peers.run_peer_bench(config, progress=False)
@@ -49,7 +50,19 @@ def test_medians_spread_and_ratios_come_from_every_run(target, monkeypatch):
     assert rows["llama.cpp plain"]["vs_llama_cpp_plain"] == 1.0
     assert rows["exactspec prompt lookup (auto gamma)"]["speedup"] == pytest.approx(19.5 / 18.5)
     assert rows["exactspec prompt lookup (auto gamma)"]["tokens_per_call"] == 2.0 and rows["exactspec plain"]["tokens_per_call"] is None
+    assert rows[peers.DEFAULT_ARM]["vs_cost_model"] == 0.9 and rows["exactspec plain"]["vs_cost_model"] is None
     assert report["llama_cpp"]["system_info"] == "AVX2 = 1" and "hidden states" in report["hf_assisted"]
+
+
+def test_arms_run_only_the_groups_asked_for(target, monkeypatch):
+    ran = []
+    monkeypatch.setattr(peers, "_run", lambda arm, prompt: ran.append(arm.name) or {"tokens_per_second": 1.0})
+    monkeypatch.setattr(peers, "llama_cpp_version", lambda: {"version": "x", "system_info": ""})
+    config = peers.PeerBenchConfig(target, threads=1, num_prompts=1, repeats=1, arm_groups=("default", "llama.cpp"))
+    peers.run_peer_bench(config, progress=False)
+    assert ran == [peers.DEFAULT_ARM, "llama.cpp plain", "llama.cpp prompt lookup (2 tokens)"]
+    with pytest.raises(ValueError, match="--arms must be among torch, default"):
+        peers.PeerBenchConfig(target, threads=1, arm_groups=("gpu",))
 
 
 def test_a_safetensors_target_runs_the_exactspec_arms_and_says_why_llama_cpp_did_not(target, tmp_path, capsys):

@@ -14,7 +14,10 @@ so no arm's threads compete with another's (llama.cpp's workers spin while idle)
 run would. A rate is new tokens over the generation's wall time, prompt processing included, loading (and
 exactspec's calibration) excluded. Arms interleave inside each repetition, so drift of a shared machine hits all
 alike; a prompt's figure is the median over repetitions, an arm's the median over prompts, and every arm is also
-given as a ratio to llama.cpp plain measured in the same run.
+given as a ratio to llama.cpp plain measured in the same run. An exactspec arm whose call costs were measured before
+it ran (the cold start's calibration, or the machine measurement of ``--backend auto``) also reports ``vs model``:
+what the cost model predicts for the rounds it ran, from those costs, over its wall time (the median over runs;
+below 1 is the loop's own time beyond the modelled calls).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ DEFAULT_ARM = "exactspec default (--backend auto, shipped draft or lookup)"
 HF_ASSISTED_SKIPPED = ("transformers' assisted generation takes a standalone draft model; exactspec's trained draft reads the "
                        "target's hidden states, and no standalone model shares SmolLM2's tokenizer offline")
 MODES = {"greedy": 0.0, "sample": 1.0}  # temperature
+#: The arms by group, for --arms: exactspec on the torch runtime (plain, lookup, the draft), exactspec's default,
+#: exactspec on its llama.cpp runtime (plain, lookup, the draft), llama.cpp itself (plain, lookup).
+ARM_GROUPS = ("torch", "default", "llamacpp-runtime", "llama.cpp")
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class PeerBenchConfig:
     draft: Path | None = None  # a trained draft: one more exactspec arm
     modes: tuple[str, ...] = ("greedy",)  # greedy: T = 0; sample: T = 1, no truncation
     workloads: tuple[str, ...] = ("chat",)  # keys of CHAT_WORKLOADS; num_prompts of each
+    arm_groups: tuple[str, ...] = ARM_GROUPS  # which arms run
 
     def __post_init__(self) -> None:
         for name in ("threads", "num_prompts", "max_new_tokens", "repeats", "lookup_tokens"):
@@ -66,6 +73,8 @@ class PeerBenchConfig:
             raise ValueError(f"modes must be among {', '.join(MODES)}, got {self.modes}")
         if not self.workloads or set(self.workloads) - set(CHAT_WORKLOADS):
             raise ValueError(f"--workloads: against llama.cpp the workloads are {', '.join(CHAT_WORKLOADS)}, got {', '.join(self.workloads)}")
+        if not self.arm_groups or set(self.arm_groups) - set(ARM_GROUPS):
+            raise ValueError(f"--arms must be among {', '.join(ARM_GROUPS)}, got {', '.join(self.arm_groups)}")
         fewest = min(len(CHAT_WORKLOADS[w]) for w in self.workloads)
         if self.num_prompts > fewest:
             raise ValueError(f"--prompts: these workloads have {fewest} prompts each at most, got {self.num_prompts}")
@@ -75,8 +84,10 @@ class PeerBenchConfig:
 class PeerArm:
     name: str
     command: list[str]  # without the prompt, which goes last
+    group: str  # one of ARM_GROUPS
     per_prompt: list[list[float]] = field(default_factory=list)  # tokens/s, one list of repetitions per prompt
     tokens_per_call: list[float] = field(default_factory=list)  # exactspec arms: new tokens per target call, every run
+    efficiency: list[float] = field(default_factory=list)  # exactspec arms with measured costs: cost model / wall time
 
 
 def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
@@ -86,23 +97,24 @@ def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
     generate = [*defaults, *config.generate_flags]
     chat = TextTokenizer.from_path(config.target).chat_template is not None  # else the prompt is plain text
     prompt_flag = ["--user"] if chat else ["--"]
-    arms = [PeerArm(EXACTSPEC_PLAIN, [*generate, "--no-speculation", *prompt_flag]),
-            PeerArm("exactspec prompt lookup (auto gamma)", [*generate, "--draft", "lookup", *prompt_flag])]
+    arms = [PeerArm(EXACTSPEC_PLAIN, [*generate, "--no-speculation", *prompt_flag], "torch"),
+            PeerArm("exactspec prompt lookup (auto gamma)", [*generate, "--draft", "lookup", *prompt_flag], "torch")]
     if config.draft is not None:
-        arms.append(PeerArm("exactspec trained draft + lookup (auto gamma)", [*generate, "--draft", str(config.draft), *prompt_flag]))
-    arms.append(PeerArm(DEFAULT_ARM, [*defaults, *prompt_flag]))  # what a user's run gets: --backend auto, the shipped draft
+        arms.append(PeerArm("exactspec trained draft + lookup (auto gamma)", [*generate, "--draft", str(config.draft), *prompt_flag], "torch"))
+    arms.append(PeerArm(DEFAULT_ARM, [*defaults, *prompt_flag], "default"))  # what a user's run gets: --backend auto, the shipped draft
     if config.llama_cpp and "--invariant" not in config.generate_flags:  # the same file on exactspec's llama.cpp runtime
         on_llama = [*generate, "--backend", "llamacpp"]
-        arms += [PeerArm(f"{EXACTSPEC_PLAIN} (llama.cpp runtime)", [*on_llama, "--no-speculation", *prompt_flag]),
-                 PeerArm("exactspec prompt lookup (llama.cpp runtime, auto gamma)", [*on_llama, "--draft", "lookup", *prompt_flag])]
+        arms += [PeerArm(f"{EXACTSPEC_PLAIN} (llama.cpp runtime)", [*on_llama, "--no-speculation", *prompt_flag], "llamacpp-runtime"),
+                 PeerArm("exactspec prompt lookup (llama.cpp runtime, auto gamma)", [*on_llama, "--draft", "lookup", *prompt_flag], "llamacpp-runtime")]
         if config.draft is not None:
             arms.append(PeerArm("exactspec trained draft + lookup (llama.cpp runtime, auto gamma)",
-                                [*on_llama, "--draft", str(config.draft), *prompt_flag]))
+                                [*on_llama, "--draft", str(config.draft), *prompt_flag], "llamacpp-runtime"))
     if config.llama_cpp:
         child = [sys.executable, "-m", "exactspec.bench.peers", "--target", str(config.target), "--threads", str(config.threads),
                  "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature, *(["--chat"] if chat else [])]
-        arms += [PeerArm(BASELINE, [*child, "--prompt"]),
-                 PeerArm(f"llama.cpp prompt lookup ({config.lookup_tokens} tokens)", [*child, "--lookup-tokens", str(config.lookup_tokens), "--prompt"])]
+        arms += [PeerArm(BASELINE, [*child, "--prompt"], "llama.cpp"),
+                 PeerArm(f"llama.cpp prompt lookup ({config.lookup_tokens} tokens)", [*child, "--lookup-tokens", str(config.lookup_tokens), "--prompt"], "llama.cpp")]
+    arms = [arm for arm in arms if arm.group in config.arm_groups]
     return arms
 
 
@@ -141,10 +153,13 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
                         runs[arm.name].append(float(result["tokens_per_second"]))
                         if "tokens_per_round" in result:
                             arm.tokens_per_call.append(float(result["tokens_per_round"]))
+                        if result.get("cost_model"):
+                            arm.efficiency.append(float(result["cost_model"]["efficiency"]))
                 for arm in arms:
                     arm.per_prompt.append(runs[arm.name])
             rows = [rate_row(mode, workload, arm.name, [statistics.median(v) for v in arm.per_prompt],
                              tokens_per_call=statistics.mean(arm.tokens_per_call) if arm.tokens_per_call else None,
+                             vs_cost_model=statistics.median(arm.efficiency) if arm.efficiency else None,
                              per_prompt=arm.per_prompt) for arm in arms]
             add_ratios(rows, "speedup", EXACTSPEC_PLAIN)
             add_ratios(rows, "vs_llama_cpp_plain", BASELINE)
@@ -157,7 +172,8 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
 
 
 COLUMNS = (Column("arm", "arm", "s", 46), Column("tokens/s", "tokens_per_second", ".1f", 9), Column("spread", "spread", "spread", 11),
-           Column("tok/call", "tokens_per_call"), Column("vs plain", "speedup"), Column("vs llama.cpp", "vs_llama_cpp_plain", width=13))
+           Column("tok/call", "tokens_per_call"), Column("vs plain", "speedup"), Column("vs llama.cpp", "vs_llama_cpp_plain", width=13),
+           Column("vs model", "vs_cost_model"))
 
 
 def format_peer_table(report: dict) -> str:

@@ -11,6 +11,7 @@ import torch
 from exactspec.cli.common import CliError, add_model_arguments, integer, list_of, load, one_of, pair_dirs, precision, resolved_spec
 from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
 from exactspec.decoding.priors import shipped_prior
+from exactspec.bench.peers import ARM_GROUPS
 from exactspec.bench.workloads import CHAT_WORKLOADS, WORKLOADS
 
 
@@ -108,7 +109,8 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
     try:
         config = peers.PeerBenchConfig(target, args.threads or torch.get_num_threads(), args.prompts, args.max_new_tokens,
                                        args.repeats, args.llama_cpp_lookup, tuple(flags), llama_cpp=skipped is None,
-                                       draft=draft, modes=tuple(args.modes), workloads=tuple(args.workloads or CHAT_WORKLOADS))
+                                       draft=draft, modes=tuple(args.modes), workloads=tuple(args.workloads or CHAT_WORKLOADS),
+                                       arm_groups=tuple(args.arms or peers.ARM_GROUPS))
         report = peers.run_peer_bench(config, progress=not args.json)
     except (ValueError, RuntimeError) as error:
         raise CliError(str(error)) from None
@@ -153,6 +155,9 @@ def add(add_command) -> None:
     bench.add_argument("--seed", type=integer(0), default=0, help="seed of the first prompt (prompt i uses seed + i)")
     bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face arms")
     bench.add_argument("--rules", action="store_true", help="compare the verification rules instead: block and token-wise tokens per target call from the same rounds at the first of --gammas (T=1), and --gamma auto's speed under each")
+    bench.add_argument("--arms", type=list_of(one_of(ARM_GROUPS), f"names from {', '.join(ARM_GROUPS)}"),
+                       help="against llama.cpp, the comma-separated groups of arms to run (default: all): torch (exactspec on the torch runtime), "
+                            "default (exactspec as a user runs it), llamacpp-runtime (exactspec on its llama.cpp runtime), llama.cpp (llama.cpp itself)")
     bench.add_argument("--llama-cpp-lookup", type=integer(1), default=2, help="tokens per llama.cpp prompt-lookup draft (a target without a draft model; 2 is llama-cpp-python's advice for CPUs)")
     bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")

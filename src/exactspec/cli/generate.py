@@ -63,13 +63,27 @@ def run(args: argparse.Namespace) -> dict:
         "seed": completion.seed,
         "sampling": "greedy" if params.greedy else "sampled",
         "stop_reason": generation.stop_reason,
-        "tokens_per_second": stats.committed / stats.total_seconds if stats.total_seconds else 0.0,
+        "tokens_per_second": stats.committed / stats.wall_seconds if stats.wall_seconds else 0.0,
         "policy": completion.policy,
+        "cost_model": _cost_model(stats, completion.policy, choice),
         **stats.summary(),
     }
     if args.record:
         _write_generate_record(args, speculator, params, completion, result)
     return result
+
+
+def _cost_model(stats, policy: dict | None, choice) -> dict | None:
+    """The run's wall time against what the cost model predicts for its own rounds from the call costs measured
+    before it (the cold start's calibration, else the machine measurement that chose the runtime): efficiency below
+    1 is time the loop spent beyond the modelled calls."""
+    calibration = (policy or {}).get("calibration") or (choice.calibration.as_dict() if choice and choice.calibration else None)
+    if calibration is None or not stats.wall_seconds:
+        return None
+    predicted = stats.modelled_seconds(calibration["target_ms"], calibration["draft_step_ms"])
+    if predicted is None:
+        return None
+    return {"predicted_seconds": predicted, "wall_seconds": stats.wall_seconds, "efficiency": predicted / stats.wall_seconds}
 
 
 def _write_generate_record(args: argparse.Namespace, speculator: Speculator, params: SamplingParams, completion: Completion,

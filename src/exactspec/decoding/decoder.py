@@ -17,6 +17,8 @@ prompt's prefill) consumes one uniform, then per round the proposer's draws come
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -115,7 +117,7 @@ class SpeculativeDecoder:
                                   speculation="off" if self.proposer is None else "draft",
                                   gamma=config.gamma if self.policy is None else "auto", verify=config.verify,
                                   compare_rules=config.compare_rules)
-        committed = []
+        committed, began = [], time.perf_counter()
         handle = self.engine.submit(request, lambda events: committed.extend(e.token for e in events), lambda _: None)
         handle.stats = generation.stats
         try:
@@ -124,6 +126,7 @@ class SpeculativeDecoder:
                 yield from committed
                 committed.clear()
         finally:
+            generation.stats.wall_seconds = time.perf_counter() - began  # the caller's work between tokens included
             if handle.finish_reason is None:  # the caller stopped reading: free the slot
                 handle.cancel()
                 self.engine.step()

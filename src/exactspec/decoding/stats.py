@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class GenerationStats:
     """Accumulates :class:`RoundRecord` s; every summary is derived from them."""
 
     rounds: list[RoundRecord] = field(default_factory=list)
+    wall_seconds: float | None = None  # the whole generation as a caller waits for it (set by the decoder)
 
     def observe(self, record: RoundRecord) -> None:
         self.rounds.append(record)
@@ -82,7 +84,20 @@ class GenerationStats:
 
     @property
     def total_seconds(self) -> float:
+        """Drafting, target calls and verification; the loop's own work between them is not in it (see wall_seconds)."""
         return self.draft_seconds + self.target_seconds + self.verify_seconds
+
+    def modelled_seconds(self, target_ms: Mapping[int, float], draft_step_ms: float | None) -> float | None:
+        """What the cost model says these rounds take: the first (the prompt's prefill) as measured, every later one
+        gamma d + c(gamma + 1) with c(n) and d the calibration's milliseconds per target call of n tokens and per
+        draft step (the model of :mod:`exactspec.decoding.costmodel`, here with the rounds' actual gammas). None
+        where a round needs a cost the calibration lacks."""
+        seconds = self.rounds[0].target_seconds if self.rounds else 0.0
+        for r in self.rounds[1:]:
+            if r.drafted + 1 not in target_ms or (r.drafted and draft_step_ms is None):
+                return None
+            seconds += (r.drafted * (draft_step_ms or 0.0) + target_ms[r.drafted + 1]) / 1000
+        return seconds
 
     def expected_tokens_per_round(self) -> dict[str, float] | None:
         """Per rule, 1 + the mean over sampled draft rounds of E[accepted | the round's draft] (recorded with
@@ -113,4 +128,5 @@ class GenerationStats:
             "target_seconds": self.target_seconds,
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,
+            "wall_seconds": self.wall_seconds,
         }
