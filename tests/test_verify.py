@@ -315,13 +315,15 @@ def test_greedy_ties_go_to_the_lowest_token_id():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_greedy_token_takes_the_first_of_tied_maxima_at_any_width(dtype):
-    """greedy_token is torch's argmax: the lowest index among tied maxima, also across the chunks a vectorised
-    kernel splits a wide row into (a wrong tie-break, e.g. the last maximum, fails)."""
+    """greedy_token gives the lowest index among tied maxima, also across the chunks a vectorised kernel splits a
+    wide row into (a wrong tie-break, e.g. the last maximum, fails), and on a strided view as on its copy."""
     generator = torch.Generator().manual_seed(0)
     for width in (5, 64, 4097, 49152):
         scores = torch.randint(0, 4, (16, 2, width), generator=generator).to(dtype)  # many ties at the maximum
         first = [[int((row == row.max()).nonzero()[0]) for row in rows] for rows in scores]
         assert greedy_token(scores).tolist() == first
+        assert greedy_token(scores.transpose(0, 1)).tolist() == [list(column) for column in zip(*first)]
+        assert greedy_token(scores[:, :, ::2]).tolist() == greedy_token(scores[:, :, ::2].contiguous()).tolist()
 
 
 def test_greedy_rows_accept_different_counts():

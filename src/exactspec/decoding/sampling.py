@@ -159,8 +159,8 @@ def block_probs(
         scores = _apply_masks(scores, params, token_ids)
         if torch.isneginf(scores).all(-1).any():
             raise ValueError("every token is excluded by the allowed/banned sets or the bias: nothing can be sampled")
-    if params.greedy:
-        return torch.nn.functional.one_hot(greedy_token(scores), vocab).to(torch.float64)
+    if params.greedy:  # a point mass on the argmax
+        return scores.new_zeros(scores.shape).scatter_(-1, greedy_token(scores).unsqueeze(-1), 1.0)
     if params.temperature != 1:
         scores = scores / params.temperature
     if params.top_k and params.top_k < vocab:
