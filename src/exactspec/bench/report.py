@@ -49,24 +49,28 @@ class Column:
     suffix: str = ""
 
 
-def _cell(row: dict, column: Column) -> str:
+def _text(row: dict, column: Column) -> str:
     value = row.get(column.key)
     if value is None:
-        text = "-"
-    elif column.spec == "spread":
-        text = f"{value[0]:.0f}-{value[1]:.0f}"
-    else:
-        text = f"{value:{column.spec}}{column.suffix}"
-    return f"{text:>{column.width}}" if column.spec != "s" else f"{text:<{column.width}}"
+        return "-"
+    if column.spec == "spread":
+        return f"{value[0]:.0f}-{value[1]:.0f}"
+    return f"{value:{column.spec}}{column.suffix}"
+
+
+def _aligned(text: str, column: Column, width: int) -> str:
+    return f"{text:<{width}}" if column.spec == "s" else f"{text:>{width}}"
 
 
 def format_rows(header: list[str], rows: list[dict], columns: tuple[Column, ...], notes: dict | None = None) -> str:
-    """``header`` lines, then one titled table per (mode, workload); ``notes[(mode, workload)]`` follows its title."""
+    """``header`` lines, then one titled table per (mode, workload); ``notes[(mode, workload)]`` follows its title.
+    A column is as wide as its width, or its longest title or cell plus a space where that is wider."""
+    widths = [max(c.width, *(len(x) + 1 for x in [c.title, *(_text(row, c) for row in rows)])) for c in columns]
     lines = list(header)
-    titles = "".join(f"{c.title:<{c.width}}" if c.spec == "s" else f"{c.title:>{c.width}}" for c in columns)
+    titles = "".join(_aligned(c.title, c, w) for c, w in zip(columns, widths))
     for (mode, workload), group in groups(rows).items():
         lines += ["", f"== {workload} / {mode} =={(notes or {}).get((mode, workload), '')}", titles]
-        lines += ["".join(_cell(row, c) for c in columns) for row in group]
+        lines += ["".join(_aligned(_text(row, c), c, w) for c, w in zip(columns, widths)) for row in group]
     return "\n".join(lines)
 
 
