@@ -109,6 +109,30 @@ def test_the_choice_follows_the_measured_costs(gguf, monkeypatch, tmp_path):
     assert len(cache.entries()) == 2
 
 
+def test_a_shipped_draft_that_would_never_draft_gives_way_to_prompt_lookup(gguf, monkeypatch, tmp_path):
+    """On a runtime whose c(n) is steep a poor draft's best gamma is 0: it would never draft, yet it costs every call
+    (llama.cpp's feature capture), so prompt lookup runs instead, and the cold start measures lookup's own costs.
+    A good draft, or one the user named, is kept."""
+    monkeypatch.setattr(machine, "measure", lambda spec, candidate, max_gamma, params: Measurement(candidate, costs(10.0, 4.0), 1.0))
+    monkeypatch.setattr(machine, "llama_cpp_available", lambda: True)
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "feature_draft.json").write_text("{}")
+    spec = PairSpec(gguf, draft, backend="auto", dtype="auto").resolved()
+    outcomes = {}
+    for name, rates in {"poor": (0.36, 0.3), "good": (0.95,) * 8}.items():
+        monkeypatch.setattr(machine, "acceptance_prior", lambda *args, rates=rates: (rates, "test"))
+        for may_drop in (True, False):
+            chosen, choice = choose(spec, cache=MachineCache(tmp_path / f"cache-{name}-{may_drop}"), may_drop_draft=may_drop)
+            outcomes[name, may_drop] = chosen.draft, choice
+    dropped_spec, dropped = outcomes["poor", True]
+    assert dropped_spec == "lookup" and dropped.draft_dropped and dropped.calibration is None
+    assert "best gamma 0" in dropped.as_dict()["drafting"] and "c(2)/c(1) = 1.40" in dropped.drafting
+    for kept in (("poor", False), ("good", True), ("good", False)):
+        kept_spec, choice = outcomes[kept]
+        assert kept_spec == draft and not choice.draft_dropped and choice.calibration is not None and choice.drafting is None
+
+
 def test_a_real_measurement_fills_every_call_size():
     """The shipped target on torch, and SmolLM2 on llama.cpp where both are installed; one thread, plain: costs for
     1..max_gamma + 1 tokens."""

@@ -184,7 +184,8 @@ def test_missing_package_names_the_pip_command(monkeypatch, capsys):
 # ---- command line ---------------------------------------------------------------------------
 
 QUESTION = "What is the capital of France?"
-FLOAT32_GREEDY = ["--target", "smollm2", "--temperature", "0", "--max-new-tokens", "24", "--dtype", "float32", "--json"]
+#: One candidate (torch, float32, two threads), so no measurement decides the drafting: the shipped draft + lookup.
+FLOAT32_GREEDY = ["--target", "smollm2", "--temperature", "0", "--max-new-tokens", "24", "--dtype", "float32", "--threads", "2", "--json"]
 
 
 def generate(capsys, *args):

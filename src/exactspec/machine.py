@@ -16,7 +16,9 @@ guessing:
 3. :func:`predicted_ms_per_token`: the cost model with the draft's acceptance prior a_1..a_K (the policy cache's,
    else the shipped one): ``min over gamma of (gamma d + c(gamma + 1)) / E_gamma`` with ``E_gamma = 1 + sum_{k <=
    gamma} prod_{i <= k} a_i`` (:func:`exactspec.decoding.costmodel.expected_tokens_by_gamma`); plain decoding (or
-   no prior) is ``c(1)``. The fastest prediction wins.
+   no prior) is ``c(1)``. The fastest prediction wins. Where the shipped draft's best gamma on the winner is 0 (it
+   would never draft, yet its feature capture costs every call), prompt lookup drafts instead; a draft the user
+   names is kept.
 
 The measurements are cached per machine signature (CPU model, its vector flags, usable cores, device, the versions
 of exactspec, torch and llama-cpp-python) and pair fingerprint, in ``$EXACTSPEC_CACHE_DIR/machine`` (default
@@ -46,14 +48,14 @@ from exactspec.decoding.decoder import SpeculativeDecoder
 from exactspec.decoding.policy import AdaptiveConfig
 from exactspec.decoding.priors import CacheDirectory, PolicyCache, acceptance_prior, default_cache_dir, fingerprint, read_json_object, write_json_atomically
 from exactspec.decoding.sampling import SamplingParams
-from exactspec.loading import SMALL_MODEL_PARAMETERS, PairSpec, native_bfloat16
+from exactspec.loading import LOOKUP, SMALL_MODEL_PARAMETERS, PairSpec, native_bfloat16
 from exactspec.models.base import check_local_checkpoint, is_gguf
 from exactspec.models.gguf import read_gguf
 from exactspec.models.llamacpp import llama_cpp_available
 from exactspec.proposers import LookupOrDraft
 
 __all__ = ["AUTO", "Candidate", "MachineCache", "Measurement", "RuntimeChoice", "candidates", "choose", "machine_signature", "measure",
-           "predicted_ms_per_token"]
+           "ms_per_token_by_gamma", "predicted_ms_per_token"]
 
 #: ``--backend auto``: the runtime (and precision and threads) chosen by measuring this machine.
 AUTO = "auto"
@@ -94,18 +96,29 @@ class RuntimeChoice:
     acceptance_prior: tuple[float, ...]
     source: str  # "measured now", "cached" or "only candidate"
     seconds: float  # spent measuring in this run
+    draft_dropped: bool = False  # the shipped draft's best gamma on the chosen runtime is 0: prompt lookup runs instead
 
     @property
     def calibration(self) -> Calibration | None:
-        """The chosen candidate's measured costs, as the gamma policy's calibration (None: nothing measured)."""
+        """The chosen candidate's measured costs, as the gamma policy's calibration (None: nothing measured, or
+        measured with the draft that was dropped, whose feature capture and steps lookup does not pay for)."""
         for m in self.measurements:
-            if m.candidate == self.chosen:
+            if m.candidate == self.chosen and not self.draft_dropped:
                 return Calibration(m.target_ms, m.draft_step_ms, 0.0)
         return None
 
+    @property
+    def drafting(self) -> str | None:
+        """In words, where the choice changed what drafts (None where it did not)."""
+        if not self.draft_dropped:
+            return None
+        c = next(m.target_ms for m in self.measurements if m.candidate == self.chosen)
+        return (f"prompt lookup: the shipped draft does not pay on {self.chosen.label} (best gamma 0 with its prior "
+                f"acceptance {self.acceptance_prior[0]:.2f} at the first position and c(2)/c(1) = {c[2] / c[1]:.2f})")
+
     def as_dict(self) -> dict:
         return {"chosen": self.chosen.label, "source": self.source, "seconds": round(self.seconds, 2),
-                "acceptance_prior": list(self.acceptance_prior),
+                "acceptance_prior": list(self.acceptance_prior), "drafting": self.drafting,
                 "candidates": [{"runtime": m.candidate.label, **asdict(m.candidate), "target_ms": m.target_ms,
                                 "draft_step_ms": m.draft_step_ms, "predicted_ms_per_token": ms}
                                for m, ms in zip(self.measurements, self.predicted_ms)]}
@@ -215,20 +228,28 @@ def measure(spec: PairSpec, candidate: Candidate, max_gamma: int, params: Sampli
     return Measurement(candidate, calibration.target_ms, calibration.draft_step_ms)
 
 
-def predicted_ms_per_token(measurement: Measurement, acceptance: tuple[float, ...], speculate: bool, max_gamma: int) -> float:
-    """The cost model's ms per committed token (module docstring, step 3)."""
+def ms_per_token_by_gamma(measurement: Measurement, acceptance: tuple[float, ...], speculate: bool, max_gamma: int) -> dict[int, float]:
+    """gamma -> the cost model's ms per committed token, ``(gamma d + c(gamma + 1)) / E_gamma`` (module docstring,
+    step 3); only gamma 0, ``c(1)``, for plain decoding or without a prior or a draft cost."""
     c, d = measurement.target_ms, measurement.draft_step_ms
     if not speculate or not acceptance or d is None:
-        return c[1]
+        return {0: c[1]}
     rates = list(acceptance[:max_gamma]) + [acceptance[-1]] * (max_gamma - len(acceptance))
     expected = expected_tokens_by_gamma(rates)
-    return min((g * d + c[g + 1]) / expected[g] for g in range(max_gamma + 1) if g + 1 in c)
+    return {g: (g * d + c[g + 1]) / expected[g] for g in range(max_gamma + 1) if g + 1 in c}
+
+
+def predicted_ms_per_token(measurement: Measurement, acceptance: tuple[float, ...], speculate: bool, max_gamma: int) -> float:
+    """The cost model's ms per committed token at the best gamma."""
+    return min(ms_per_token_by_gamma(measurement, acceptance, speculate, max_gamma).values())
 
 
 def choose(spec: PairSpec, params: SamplingParams = SamplingParams(), rule: str = "block", cache: MachineCache | None = None,
-           policy_cache: PolicyCache | None = None, progress: Callable[[str], None] | None = None) -> tuple[PairSpec, RuntimeChoice]:
+           policy_cache: PolicyCache | None = None, progress: Callable[[str], None] | None = None,
+           may_drop_draft: bool = False) -> tuple[PairSpec, RuntimeChoice]:
     """``spec`` (resolved: local paths) with its backend, dtype, weights and threads chosen as the module docstring
-    says, and the choice's record. ``progress`` receives a line before a measurement starts."""
+    says, and the choice's record. ``progress`` receives a line before a measurement starts. ``may_drop_draft``: the
+    draft is the shipped one, not named by the user, and gives way to prompt lookup where it would never draft."""
     max_gamma = AdaptiveConfig().max_gamma
     target_dir, draft_dir = spec.dirs()
     check_local_checkpoint(target_dir)  # the draft is checked where it loads (a feature draft is not a checkpoint)
@@ -253,6 +274,17 @@ def choose(spec: PairSpec, params: SamplingParams = SamplingParams(), rule: str 
                          for c in options)
         source = "measured now" if missing else "cached"
     predicted = tuple(predicted_ms_per_token(m, acceptance, spec.speculate, max_gamma) for m in measured)
-    chosen = measured[min(range(len(measured)), key=predicted.__getitem__)].candidate if measured else options[0]
-    choice = RuntimeChoice(chosen, measured, predicted, tuple(acceptance), source, time.perf_counter() - began)
-    return replace(spec, backend=chosen.backend, dtype=chosen.dtype, weights=chosen.weights, threads=chosen.threads or None), choice
+    best = min(range(len(measured)), key=predicted.__getitem__) if measured else None
+    chosen = measured[best].candidate if measured else options[0]
+    # A shipped draft whose best gamma here is 0 never drafts, yet its feature capture and catch-up cost every
+    # call: prompt lookup instead. A draft the user named is kept.
+    dropped = (may_drop_draft and best is not None and spec.speculate and not spec.lookup and measured[best].draft_step_ms is not None
+               and bool(acceptance) and _best_gamma(measured[best], acceptance, max_gamma) == 0)
+    choice = RuntimeChoice(chosen, measured, predicted, tuple(acceptance), source, time.perf_counter() - began, dropped)
+    return replace(spec, backend=chosen.backend, dtype=chosen.dtype, weights=chosen.weights, threads=chosen.threads or None,
+                   draft=LOOKUP if dropped else spec.draft), choice
+
+
+def _best_gamma(measurement: Measurement, acceptance: tuple[float, ...], max_gamma: int) -> int:
+    by_gamma = ms_per_token_by_gamma(measurement, acceptance, True, max_gamma)
+    return min(by_gamma, key=by_gamma.__getitem__)

@@ -184,10 +184,12 @@ def choose_runtime(args: argparse.Namespace, spec: PairSpec) -> None:
         resolved = spec.resolved()  # a hub id fetched (with --download) here, once
         chosen, choice = choose(resolved, params, getattr(args, "verify", "block"),
                                 policy_cache=None if getattr(args, "no_policy_cache", False) else PolicyCache(),
-                                progress=_note if sys.stderr.isatty() else None)
+                                progress=_note if sys.stderr.isatty() else None, may_drop_draft=spec.draft is None)
     except (OSError, ValueError) as error:
         raise CliError(str(error)) from None
     args.backend, args.dtype, args.weights, args.threads = chosen.backend, chosen.dtype, chosen.weights, chosen.threads
+    if choice.draft_dropped:
+        args.draft = LOOKUP
     if args.download:  # fetched now: the local copy from here on, never fetched twice
         args.target, args.draft, args.download = str(resolved.target), resolved.draft and str(resolved.draft), False
     args.runtime_choice = choice

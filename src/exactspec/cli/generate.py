@@ -143,6 +143,7 @@ def show(r: dict) -> None:
         f"{'greedy' if r['sampling'] == 'greedy' else 'seed ' + str(r['seed'])}, stop: {r['stop_reason']}, "
         f"{r['runtime']} runtime, {r['threads']} threads"
         + (f" ({CHOICE_WORDS[r['runtime_choice']['source']]})" if r.get("runtime_choice") else "")
+        + (f"; drafting by {r['runtime_choice']['drafting']}" if (r.get("runtime_choice") or {}).get("drafting") else "")
         + (f", calibration {r['policy']['calibration']['seconds']:.2f} s, prior: {r['policy']['prior_source']}" if r["policy"] else "")
         + "]",
         file=sys.stderr,
