@@ -230,6 +230,16 @@ def test_cli_lookup_equals_plain_decoding_in_float32(float32_lookup_run, capsys)
     assert plain["text"] == float32_lookup_run[1]["text"] and plain["stop_reason"] == "stop_token"
 
 
+def test_cli_draft_without_lookup_routing_drafts_every_round_and_reports_by_source(float32_lookup_run, capsys):
+    """--no-lookup-routing: the trained draft proposes every drafting round (no lookup rounds in the breakdown by
+    source), and greedy output is still plain greedy's."""
+    code, out, err = generate(capsys, *FLOAT32_GREEDY, "--user", QUESTION, "--no-lookup-routing", "--gamma", "3")
+    result = json.loads(out)
+    assert code == 0 and result["mode"] == "speculative (trained draft), gamma 3", err
+    assert set(result["acceptance_by_source"]) == {"draft"} and result["acceptance_by_source"]["draft"]["drafted"] == result["drafted"]
+    assert result["text"] == float32_lookup_run[1]["text"]
+
+
 def test_cli_chat_flag_equals_user_flag(float32_lookup_run, capsys):
     """`--chat PROMPT` sends the same user turn as `--user PROMPT` (plain decoding here: the greedy text is the same
     with or without speculation, and it skips the calibration)."""

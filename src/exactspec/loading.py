@@ -276,10 +276,10 @@ class LoadedPair:
     draft: LanguageModel | FeatureDraft | None
     tokenizer: TextTokenizer
 
-    def proposer(self) -> LanguageModel | Proposer | None:
+    def proposer(self, lookup_routing: bool = True) -> LanguageModel | Proposer | None:
         """What a :class:`exactspec.decoding.decoder.SpeculativeDecoder` drafts with: the draft model itself (the decoder wraps
-        it), or a feature-level draft's proposer (:mod:`exactspec.proposers.feature_draft`) combined with prompt
-        lookup where the context repeats itself (:class:`exactspec.proposers.LookupOrDraft`)."""
+        it), or a feature-level draft's proposer (:mod:`exactspec.proposers.feature_draft`), with ``lookup_routing``
+        combined with prompt lookup where the context repeats itself (:class:`exactspec.proposers.LookupOrDraft`)."""
         from exactspec.models.eagle import FeatureDraft
         from exactspec.proposers import LookupOrDraft
         from exactspec.proposers.feature_draft import FeatureDraftProposer
@@ -287,8 +287,8 @@ class LoadedPair:
         if not isinstance(self.draft, FeatureDraft):
             return self.draft
         target = unwrapped(self.target)
-        return LookupOrDraft(FeatureDraftProposer.solo(self.draft, self.target.vocab_size, target.max_len, target.device,
-                                                       self.draft_dtype, target.invariant))
+        draft = FeatureDraftProposer.solo(self.draft, self.target.vocab_size, target.max_len, target.device, self.draft_dtype, target.invariant)
+        return LookupOrDraft(draft) if lookup_routing else draft
 
     @property
     def draft_dtype(self) -> torch.dtype:
@@ -354,6 +354,7 @@ class PairSpec:
     device: str = "cpu"
     download: bool = False  # a hub id not in the local cache may be fetched
     threads: int | None = None  # torch's CPU threads
+    lookup_routing: bool = True  # a trained draft hands the rounds where the context repeats to prompt lookup
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS + ("auto",):

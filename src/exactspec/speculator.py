@@ -86,7 +86,9 @@ class Speculator:
             return "none (plain decoding)"
         if self.spec.lookup:
             return "prompt lookup"
-        return "trained draft + prompt lookup" if isinstance(self.pair.draft, FeatureDraft) else "draft model"
+        if isinstance(self.pair.draft, FeatureDraft):
+            return "trained draft + prompt lookup" if self.spec.lookup_routing else "trained draft"
+        return "draft model"
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of ``prompt`` (text is encoded as plain text, with the tokenizer's BOS where it has one)."""
@@ -108,7 +110,7 @@ class Speculator:
         taught it."""
         key = (repr(params), auto, rule)  # SamplingParams holds a dict (logit bias), so its repr is the key
         if key not in self._decoders:
-            proposer = None if not self.spec.speculate else PromptLookupProposer() if self.spec.lookup else self.pair.proposer()
+            proposer = None if not self.spec.speculate else PromptLookupProposer() if self.spec.lookup else self.pair.proposer(self.spec.lookup_routing)
             decoder = SpeculativeDecoder(self.pair.target, proposer, params)
             started = cold_start(decoder, prompt_ids, params, *self.dirs, cache=self.policy_cache, rule=rule,
                                  calibration=self.calibration) if auto and proposer else None

@@ -157,7 +157,7 @@ def pair_spec(args: argparse.Namespace, with_draft: bool = True, choose: bool = 
         raise CliError("--draft needs --target (give neither for the shipped default pair)")
     try:
         spec = PairSpec(args.target, args.draft, with_draft, args.backend, args.dtype, args.weights, args.invariant, args.device,
-                        args.download, args.threads)
+                        args.download, args.threads, lookup_routing=not getattr(args, "no_lookup_routing", False))
     except ValueError as error:
         raise CliError(str(error)) from None
     if spec.backend == "auto" and choose:

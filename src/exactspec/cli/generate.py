@@ -164,6 +164,8 @@ def add(add_command) -> None:
     generate.add_argument("--verify", choices=RULES, default="block", help="verification of sampled drafts: block (the optimal exact rule, default) or token (token-wise min(1, p/q)); greedy and lookup drafts are unaffected")
     generate.add_argument("--seed", type=seed_argument, default=0, help="seed of the run's random generator, 0 to 2^64-1; -1 picks a random one (printed in the summary)")
     generate.add_argument("--no-speculation", action="store_true", help="plain decoding of the target (the baseline)")
+    generate.add_argument("--no-lookup-routing", action="store_true",
+                          help="a trained draft drafts every round (by default rounds where the context repeats go to prompt lookup)")
     generate.add_argument("--no-policy-cache", action="store_true", help="with --gamma auto: neither read nor write the acceptance remembered from the last run of this pair (see `exactspec cache`)")
     generate.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     add_sampling_arguments(generate)

@@ -455,7 +455,7 @@ class BatchEngine:
             expected = {rule: float(expected_accepted(rule, draft_tokens, draft_probs, p.unsqueeze(0))[0, -1]) for rule in RULES}
         record = RoundRecord(len(draft.tokens), accepted, accepted + 1, round_.draft_seconds, round_.target_seconds,
                              verify_seconds, draft.setup_seconds, rule_that_runs(params, draft_probs is not None, s.request.verify),
-                             expected.get("block"), expected.get("token"))
+                             expected.get("block"), expected.get("token"), s.source)
         self.policy.observe_round(s.source, record)
         self._commit(s, result.committed(), p, record)
 

@@ -20,6 +20,7 @@ class RoundRecord:
     rule: str = "token"  # the verification rule that ran: "greedy", "token" or "block"
     expected_block: float | None = None  # E[accepted | this round's draft] under the block rule (sampled drafts)
     expected_token: float | None = None  # the same under the token-wise rule
+    source: str = "off"  # what proposed: "draft", "lookup", or "off" (a round without a proposer)
 
 
 @dataclass
@@ -113,6 +114,17 @@ class GenerationStats:
         """The verification rules the rounds with a draft ran ("greedy", "token", "block")."""
         return sorted({r.rule for r in self.rounds if r.drafted})
 
+    def by_source(self) -> dict[str, dict]:
+        """Per proposal source that drafted (``draft``, ``lookup``): its rounds, tokens drafted and accepted,
+        acceptance by position and tokens per round, from its own drafting rounds alone (lookup's point masses and a
+        draft's samples have very different acceptance, which one pooled figure would blur)."""
+        out = {}
+        for source in sorted({r.source for r in self.rounds if r.drafted}):
+            own = GenerationStats([r for r in self.rounds if r.drafted and r.source == source])
+            out[source] = {"rounds": len(own.rounds), "drafted": own.drafted, "accepted": own.accepted,
+                           "acceptance_by_position": own.acceptance_by_position(), "tokens_per_round": own.tokens_per_round}
+        return out
+
     def summary(self) -> dict[str, float | int | list[float]]:
         return {
             "verify": self.rules,
@@ -124,6 +136,7 @@ class GenerationStats:
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_round": self.tokens_per_round,
             "acceptance_by_position": self.acceptance_by_position(),
+            "acceptance_by_source": self.by_source(),
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,
             "verify_seconds": self.verify_seconds,
