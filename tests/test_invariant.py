@@ -19,18 +19,19 @@ BLOCKS = range(2, INVARIANT_ROWS + 1)
 
 def worst_block_difference(model: LeanModel, tokens: list[int], history: int) -> float:
     """Largest logit difference between positions computed one token per call and inside blocks of every size in
-    BLOCKS (at the start of the range and at its end), the cache before each block computed one token per call."""
+    BLOCKS (at the start of the range and at its end), the cache before each block computed one token per call.
+
+    The one-token pass leaves the cache holding every position computed alone; blocks then run latest start first,
+    each after a rollback to its start, which drops only positions past it (a later block's), so no position before
+    a block is ever recomputed."""
     span = INVARIANT_ROWS
     model.prefill(tokens[:history])
     alone = torch.cat([model.forward([t]) for t in tokens[history : history + span]])  # (span, V)
     worst = 0.0
-    for size in BLOCKS:
-        for start in sorted({0, span - size}):
-            model.rollback(history)
-            for t in tokens[history : history + start]:
-                model.forward([t])
-            block = model.forward(tokens[history + start : history + start + size])
-            worst = max(worst, (block - alone[start : start + size]).abs().max().item())
+    for start, size in sorted({(start, size) for size in BLOCKS for start in (0, span - size)}, reverse=True):
+        model.rollback(history + start)
+        block = model.forward(tokens[history + start : history + start + size])
+        worst = max(worst, (block - alone[start : start + size]).abs().max().item())
     return worst
 
 
