@@ -21,6 +21,7 @@ def test_a_fixed_gamma_record_replays_to_the_same_tokens(tmp_path, capsys):
     assert record["figures"]["token_ids"] == generated["token_ids"] and len(generated["token_ids"]) == 24
     assert record["target"] == model_identity(default_pair_dirs()[0]) and len(record["target"]["weights_sha256"]) == 64
     assert record["sampling"] == [["top_k", 40]] and record["gamma_policy"] == "fixed 3" and record["seed"] == 7
+    assert record["figures"]["runtime_choice"] == generated["runtime_choice"] and "candidates" in record["figures"]["runtime_choice"]
     assert record["precision"] == "float32, dense weights, call-size dependent" and record["environment"]["libraries"]["torch"]
     assert main(["replay", str(record_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["identical"] is True

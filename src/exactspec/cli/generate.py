@@ -92,7 +92,8 @@ def _write_generate_record(args: argparse.Namespace, speculator: Speculator, par
 
     generation = completion.generation
     figures = {"token_ids": list(generation.tokens), "stop_reason": generation.stop_reason,
-               "sampling": "greedy" if params.greedy else "sampled", **generation.stats.summary()}
+               "sampling": "greedy" if params.greedy else "sampled", "runtime_choice": result["runtime_choice"],
+               "cost_model": result["cost_model"], **generation.stats.summary()}
     record = run_record("generate", args.argv, *speculator.dirs, params, speculator.proposal, f"{args.gamma}" if args.gamma == "auto" else f"fixed {args.gamma}",
                         completion.seed, precision(args), figures, args.verify)
     write_record_file(record, args.record, result)
