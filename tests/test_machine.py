@@ -104,6 +104,11 @@ def test_the_choice_follows_the_measured_costs(gguf, monkeypatch, tmp_path):
     measured_once = len(calls)
     assert measured_once == len(candidates(PairSpec(gguf, backend="auto", dtype="auto")))  # then every choice from the cache
     assert choose(spec, cache=cache)[1].source == "cached" and len(calls) == measured_once
+    file = cache.entries()[0]
+    damaged = json.loads(file.read_text())
+    damaged[next(iter(damaged))] = "not a measurement"  # a hand-edited or truncated entry is measured again, not a crash
+    file.write_text(json.dumps(damaged))
+    assert choose(spec, cache=cache)[1].source == "measured now" and len(calls) == measured_once + 1
     monkeypatch.setattr(machine, "machine_signature", lambda device: {"cpu": "another"})
     assert choose(spec, cache=cache)[1].source == "measured now" and len(calls) == 2 * measured_once
     assert len(cache.entries()) == 2

@@ -258,7 +258,7 @@ def choose(spec: PairSpec, params: SamplingParams = SamplingParams(), rule: str 
     began, source, measured = time.perf_counter(), "only candidate", ()
     if len(options) > 1:
         file = (cache or MachineCache()).file(machine_signature(spec.device), fingerprint(target_dir, draft_dir))
-        cached = read_json_object(file)
+        cached = {label: entry for label, entry in read_json_object(file).items() if _well_formed(entry)}  # the rest: measured again
         missing = [c for c in options if c.label not in cached]
         if missing and progress:
             progress(f"measuring {len(missing)} ways to run {Path(str(target_dir)).name} on this machine (once; cached in {file.parent})")
@@ -283,6 +283,16 @@ def choose(spec: PairSpec, params: SamplingParams = SamplingParams(), rule: str 
     choice = RuntimeChoice(chosen, measured, predicted, tuple(acceptance), source, time.perf_counter() - began, dropped)
     return replace(spec, backend=chosen.backend, dtype=chosen.dtype, weights=chosen.weights, threads=chosen.threads or None,
                    draft=LOOKUP if dropped else spec.draft), choice
+
+
+def _well_formed(entry) -> bool:
+    """A cached measurement: call costs for 1.. tokens as positive numbers, and a draft step that is a number or null."""
+    try:
+        costs = {int(n): float(ms) for n, ms in entry["target_ms"].items()}
+        step = entry["draft_step_ms"]
+        return 1 in costs and all(ms > 0 for ms in costs.values()) and (step is None or float(step) >= 0)
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return False
 
 
 def _best_gamma(measurement: Measurement, acceptance: tuple[float, ...], max_gamma: int) -> int:
