@@ -6,6 +6,7 @@ import argparse
 import secrets
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,10 @@ from exactspec.decoding.sampling import SamplingParams
 from exactspec.loading import unwrapped
 from exactspec.speculator import Completion, Speculator
 from exactspec.tokenizer import stream_text
+
+if TYPE_CHECKING:
+    from exactspec.decoding.stats import GenerationStats
+    from exactspec.machine import RuntimeChoice
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -73,7 +78,7 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _cost_model(stats, policy: dict | None, choice) -> dict | None:
+def _cost_model(stats: GenerationStats, policy: dict | None, choice: RuntimeChoice | None) -> dict | None:
     """The run's wall time against what the cost model predicts for its own rounds from the call costs measured
     before it (the cold start's calibration, else the machine measurement that chose the runtime): efficiency below
     1 is time the loop spent beyond the modelled calls."""

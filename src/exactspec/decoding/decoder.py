@@ -18,7 +18,6 @@ prompt's prefill) consumes one uniform, then per round the proposer's draws come
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
