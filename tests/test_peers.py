@@ -103,7 +103,8 @@ def test_smollm2_against_llama_cpp(tmp_path, capsys, monkeypatch):
     if not available:
         monkeypatch.setattr(peers, "llama_cpp_available", lambda: False)
     code, stdout, err = bench(capsys, "--target", "smollm2", "--prompts", "1", "--repeats", "1", "--max-new-tokens", "8",
-                              "--threads", "1", "--output-dir", str(tmp_path / "out"), "--json", "--modes", "sample", "--workloads", "grounded")
+                              "--threads", "1", "--output-dir", str(tmp_path / "out"), "--json", "--modes", "sample", "--workloads", "grounded",
+                              "--arms", "torch,default,llamacpp-runtime,llama.cpp")  # llama-server's arms: test_llama_server
     assert code == 0, err
     report = json.loads(stdout)
     rows = {row["arm"]: row for row in report["results"]}

@@ -4,7 +4,8 @@ Arms: exactspec plain (``--no-speculation``), exactspec with prompt lookup, exac
 one is given or shipped), all three on the torch runtime unless ``--backend`` names another; exactspec as a user
 runs it (``--backend auto``: the runtime this machine's measurement chose, the default drafting); the same three again on exactspec's llama.cpp runtime (``--backend llamacpp``, when
 llama-cpp-python is installed: the same kernels as the llama.cpp arms, so the difference is the method), llama.cpp plain and llama.cpp with prompt lookup (llama-cpp-python's
-``LlamaPromptLookupDecoding``). Same chat prompts, greedy (T=0) and/or sampled (T=1, no truncation: llama.cpp's
+``LlamaPromptLookupDecoding``); llama-server (llama.cpp's own server, a newer llama.cpp than llama-cpp-python's) plain and in each of
+its draft-free speculative modes (:mod:`exactspec.bench.llama_server`), when it is installed. Same chat prompts, greedy (T=0) and/or sampled (T=1, no truncation: llama.cpp's
 default top-k, top-p and min-p are switched off), the same thread count, and exactly ``max_new_tokens`` new tokens in every arm (end-of-sequence
 tokens are never chosen: ``--ignore-eos`` here, a -inf logit bias in llama.cpp), so that no arm's rate is a
 different mix of prompt processing and decoding.
@@ -34,6 +35,7 @@ from pathlib import Path
 from exactspec.chat import chat_messages
 from exactspec.models.llamacpp import llama_cpp_available, llama_cpp_version
 from exactspec.tokenizer import TextTokenizer
+from exactspec.bench.llama_server import MODES as SERVER_MODES, llama_server_version
 from exactspec.bench.report import Column, add_ratios, format_rows, rate_row, write_report
 from exactspec.bench.workloads import CHAT_WORKLOADS
 
@@ -46,8 +48,9 @@ HF_ASSISTED_SKIPPED = ("transformers' assisted generation takes a standalone dra
                        "target's hidden states, and no standalone model shares SmolLM2's tokenizer offline")
 MODES = {"greedy": 0.0, "sample": 1.0}  # temperature
 #: The arms by group, for --arms: exactspec on the torch runtime (plain, lookup, the draft), exactspec's default,
-#: exactspec on its llama.cpp runtime (plain, lookup, the draft), llama.cpp itself (plain, lookup).
-ARM_GROUPS = ("torch", "default", "llamacpp-runtime", "llama.cpp")
+#: exactspec on its llama.cpp runtime (plain, lookup, the draft), llama.cpp itself (plain, lookup), llama-server
+#: (plain and its speculative modes).
+ARM_GROUPS = ("torch", "default", "llamacpp-runtime", "llama.cpp", "llama-server")
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class PeerBenchConfig:
     modes: tuple[str, ...] = ("greedy",)  # greedy: T = 0; sample: T = 1, no truncation
     workloads: tuple[str, ...] = ("chat",)  # keys of CHAT_WORKLOADS; num_prompts of each
     arm_groups: tuple[str, ...] = ARM_GROUPS  # which arms run
+    llama_server: Path | None = None  # llama-server's binary: its arms run when given (and a .gguf target)
+    llama_server_modes: tuple[str, ...] = SERVER_MODES  # llama-server plain and its speculative modes
 
     def __post_init__(self) -> None:
         for name in ("threads", "num_prompts", "max_new_tokens", "repeats", "lookup_tokens"):
@@ -75,6 +80,8 @@ class PeerBenchConfig:
             raise ValueError(f"--workloads: against llama.cpp the workloads are {', '.join(CHAT_WORKLOADS)}, got {', '.join(self.workloads)}")
         if not self.arm_groups or set(self.arm_groups) - set(ARM_GROUPS):
             raise ValueError(f"--arms must be among {', '.join(ARM_GROUPS)}, got {', '.join(self.arm_groups)}")
+        if not self.llama_server_modes or set(self.llama_server_modes) - set(SERVER_MODES):
+            raise ValueError(f"llama-server modes must be among {', '.join(SERVER_MODES)}, got {', '.join(self.llama_server_modes)}")
         fewest = min(len(CHAT_WORKLOADS[w]) for w in self.workloads)
         if self.num_prompts > fewest:
             raise ValueError(f"--prompts: these workloads have {fewest} prompts each at most, got {self.num_prompts}")
@@ -114,8 +121,12 @@ def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
                  "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature, *(["--chat"] if chat else [])]
         arms += [PeerArm(BASELINE, [*child, "--prompt"], "llama.cpp"),
                  PeerArm(f"llama.cpp prompt lookup ({config.lookup_tokens} tokens)", [*child, "--lookup-tokens", str(config.lookup_tokens), "--prompt"], "llama.cpp")]
-    arms = [arm for arm in arms if arm.group in config.arm_groups]
-    return arms
+    if config.llama_server is not None:
+        server = [sys.executable, "-m", "exactspec.bench.llama_server", "--binary", str(config.llama_server), "--target", str(config.target),
+                  "--threads", str(config.threads), "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature,
+                  *(["--chat"] if chat else [])]
+        arms += [PeerArm(f"llama-server {mode}", [*server, "--mode", mode, "--prompt"], "llama-server") for mode in config.llama_server_modes]
+    return [arm for arm in arms if arm.group in config.arm_groups]
 
 
 def _run(arm: PeerArm, prompt: str) -> dict:
@@ -167,8 +178,10 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
     if progress:
         print(file=sys.stderr)
     build = llama_cpp_version() if config.llama_cpp else None
-    return {"config": {**asdict(config), "target": str(config.target), "draft": config.draft and str(config.draft)},
-            "llama_cpp": build, "hf_assisted": HF_ASSISTED_SKIPPED, "results": results}
+    server = llama_server_version(config.llama_server) if config.llama_server is not None else None
+    return {"config": {**asdict(config), "target": str(config.target), "draft": config.draft and str(config.draft),
+                       "llama_server": server and str(config.llama_server)},
+            "llama_cpp": build, "llama_server": server, "hf_assisted": HF_ASSISTED_SKIPPED, "results": results}
 
 
 COLUMNS = (Column("arm", "arm", "s", 46), Column("tokens/s", "tokens_per_second", ".1f", 9), Column("spread", "spread", "spread", 11),
@@ -183,6 +196,8 @@ def format_peer_table(report: dict) -> str:
               "greedy: T=0, sample: T=1"]
     if report.get("llama_cpp"):
         header.append(f"llama-cpp-python {report['llama_cpp']['version']}: {report['llama_cpp']['system_info']}")
+    if report.get("llama_server"):
+        header.append(f"llama-server ({report['config']['llama_server']}): {report['llama_server']}; its own defaults for each mode")
     header.append(f"HF assisted generation: not run ({report.get('hf_assisted', HF_ASSISTED_SKIPPED)})")
     return format_rows(header, report["results"], COLUMNS)
 

@@ -15,6 +15,11 @@ A server that takes only text and returns only text (llama-cpp-python's) is audi
 as text and each completion is re-tokenized. Re-tokenizing is a fixed function of the text, but it can split a
 completion differently from how it was sampled, so the PIT values are no longer uniform under the exact law and
 only the two-sample tests against a baseline (both sides re-tokenized alike) remain valid; text mode needs one.
+
+llama-server is audited through its own ``/completion`` endpoint (``api="llama-server"``), which takes token ids and
+returns them: every sampling field it reads is sent (:func:`exactspec.bench.llama_server.sampling_fields`), so its own
+defaults never make a configuration fail for a mismatch of settings, and its counts of drafted and accepted tokens
+are kept, so a report says how much of what was tested came from speculation.
 """
 
 from __future__ import annotations
@@ -28,16 +33,18 @@ import numpy as np
 from scipy import stats
 from tqdm import tqdm
 
-from exactspec.certification.certify import CONFIGS, MIN_TEST_TOKENS, ORDERS, precision_mode, run_tests, score_runs
+from exactspec.bench.llama_server import sampling_fields
+from exactspec.certification.certify import AUDIT_CONFIGS, MIN_TEST_TOKENS, ORDERS, precision_mode, run_tests, score_runs
 from exactspec.certification.pit import TestResult, holm, ks_critical_value
 from exactspec.loading import LoadedPair
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.tokenizer import TextTokenizer
 
-__all__ = ["AuditConfig", "audit", "format_audit_table"]
+__all__ = ["APIS", "AuditConfig", "audit", "format_audit_table"]
 
 MAX_REQUESTS = 100_000
 MAX_CONCURRENCY = 64
+APIS = ("openai", "llama-server")  # /v1/completions with return_token_ids; llama-server's /completion with return_tokens
 
 
 @dataclass(frozen=True)
@@ -56,10 +63,21 @@ class AuditConfig:
     extra_body: dict = field(default_factory=dict)  # added to every request to the endpoint (e.g. {"speculation": "draft"})
     baseline_extra_body: dict = field(default_factory=dict)
     text_mode: bool = False  # prompts sent as text, completions re-tokenized (module docstring); needs a baseline
+    api: str = "openai"  # one of APIS
 
     def __post_init__(self) -> None:
-        if set(self.configs) - set(CONFIGS) or not self.configs:
-            raise ValueError(f"configs must be among {', '.join(CONFIGS)}, got {', '.join(self.configs)}")
+        if set(self.configs) - set(AUDIT_CONFIGS) or not self.configs:
+            raise ValueError(f"configs must be among {', '.join(AUDIT_CONFIGS)}, got {', '.join(self.configs)}")
+        if self.api not in APIS:
+            raise ValueError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
+        if self.api == "llama-server":
+            if self.text_mode:
+                raise ValueError("llama-server returns token ids: text mode is for servers that do not")
+            for name in self.configs:
+                try:
+                    sampling_fields(AUDIT_CONFIGS[name], 1)
+                except ValueError as error:
+                    raise ValueError(f"configuration {name!r}: {error}") from None
         if not 1 <= self.requests * len(self.configs) * (2 if self.baseline else 1) <= MAX_REQUESTS:
             raise ValueError(f"requests x configurations x servers must be in [1, {MAX_REQUESTS}]")
         if not 1 <= self.concurrency <= MAX_CONCURRENCY or self.max_tokens < 1:
@@ -91,6 +109,8 @@ def _sample(url: str, config: AuditConfig, prompts: list[list[int]], params: Sam
     with httpx.Client(timeout=config.timeout, headers=headers) as client:
         def one(i: int) -> dict:
             prompt = prompts[i % len(prompts)]
+            if config.api == "llama-server":
+                return _llama_server_one(client, base, prompt, params, config.max_tokens, seed + i, extra, bar)
             sent = _prompt_text(tokenizer, prompt) if config.text_mode else prompt
             try:
                 response = client.post(f"{base}/v1/completions", json=_body(config.model, sent, params, config.max_tokens, seed + i, extra))
@@ -110,6 +130,28 @@ def _sample(url: str, config: AuditConfig, prompts: list[list[int]], params: Sam
             return list(pool.map(one, range(config.requests)))
 
 
+def _llama_server_one(client, base: str, prompt: list[int], params: SamplingParams, max_tokens: int, seed: int, extra: dict,
+                      bar: tqdm) -> dict:
+    """One request to llama-server's /completion: the tokens it sampled, and how many it drafted and accepted."""
+    import httpx
+
+    body = {"prompt": prompt, "n_predict": max_tokens, "seed": seed, "return_tokens": True,
+            **sampling_fields(params, len(prompt) + max_tokens), **extra}
+    try:
+        response = client.post(f"{base}/completion", json=body)
+    except httpx.HTTPError as error:
+        raise RuntimeError(f"{base}: {error}") from None
+    if response.status_code != 200:
+        raise RuntimeError(f"{base} answered {response.status_code}: {response.text[:300]}")
+    answer = response.json()
+    if "tokens" not in answer:
+        raise RuntimeError(f"{base} returned no token ids: is it llama-server?")
+    timings = answer.get("timings", {})
+    bar.update(1)
+    return {"prompt": prompt, "tokens": list(answer["tokens"]), "drafted": int(timings.get("draft_n", 0)),
+            "accepted": int(timings.get("draft_n_accepted", 0))}
+
+
 def _prompt_text(tokenizer: TextTokenizer, prompt: list[int]) -> str:
     """The prompt as text for a text-only server (its BOS left for the server to add)."""
     return tokenizer.decode(prompt[1:] if prompt and prompt[0] == tokenizer.bos_token_id else prompt)
@@ -127,19 +169,32 @@ def _two_sample(name: str, audited: dict, baseline: dict) -> list[TestResult]:
     return tests
 
 
-def audit(pair: LoadedPair, prompts: list[list[int]], config: AuditConfig, progress: bool = True) -> dict:
-    """Sample from the endpoint (and the baseline), score with ``pair.target``, test; Holm over every test."""
+def audit(pair: LoadedPair, prompts: list[list[int]], config: AuditConfig, progress: bool = True,
+          baseline_cache: dict | None = None) -> dict:
+    """Sample from the endpoint (and the baseline), score with ``pair.target``, test; Holm over every test.
+
+    ``baseline_cache`` (configuration name -> the baseline's scored samples) lets several audits against one
+    baseline sample it once: it is filled on first use and read after."""
     servers = [("endpoint", config.endpoint, config.extra_body)]
     if config.baseline:
         servers.append(("baseline", config.baseline, config.baseline_extra_body))
     bar = tqdm(total=config.requests * len(config.configs) * len(servers), desc="audit", unit="req", disable=not progress)
-    tests, per_config = [], {}
+    tests, per_config, speculation = [], {}, {}
     for index, name in enumerate(config.configs):
-        params = CONFIGS[name]
+        params = AUDIT_CONFIGS[name]
         scored = {}
         for role, url, extra in servers:
+            if role == "baseline" and baseline_cache is not None and name in baseline_cache:
+                scored[role] = baseline_cache[name]
+                bar.update(config.requests)
+                continue
             runs = _sample(url, config, prompts, params, config.seed + 10**6 * index, extra, bar, pair.tokenizer)
             scored[role] = score_runs(pair, runs, params, config.seed + index)
+            if role == "baseline" and baseline_cache is not None:
+                baseline_cache[name] = scored[role]
+            if role == "endpoint" and config.api == "llama-server":
+                speculation[name] = {"tokens": sum(len(r["tokens"]) for r in runs), "drafted": sum(r["drafted"] for r in runs),
+                                     "accepted": sum(r["accepted"] for r in runs)}
             if not config.text_mode:
                 tests += run_tests(f"{name} ({role})", scored[role], gamma=0)
         if config.baseline:
@@ -155,14 +210,16 @@ def audit(pair: LoadedPair, prompts: list[list[int]], config: AuditConfig, progr
         m = min(c["baseline"] for c in per_config.values())
         detectable *= math.sqrt(n * (1 / n + 1 / m))
     return {"config": {**asdict(config), "api_key": None}, "precision": precision_mode(pair), "passed": not any(t.rejected for t in tests),
-            "tokens": per_config, "tests": [asdict(t) for t in tests], "detectable_tv": detectable}
+            "tokens": per_config, "tests": [asdict(t) for t in tests], "detectable_tv": detectable, "speculation": speculation or None}
 
 
 def format_audit_table(report: dict) -> str:
     config = report["config"]
     lines = [f"audit of {config['endpoint']} ({config['model']}), scored in {report['precision']}: "
              f"{'PASS' if report['passed'] else 'FAIL'} at family-wise rate {config['alpha']:g} (Holm over {len(report['tests'])} tests)",
-             f"tokens per configuration: {json.dumps(report['tokens'])}; detectable per-token TV about {report['detectable_tv']:.4f}",
-             "smallest adjusted p-values:"]
+             f"tokens per configuration: {json.dumps(report['tokens'])}; detectable per-token TV about {report['detectable_tv']:.4f}"]
+    for name, counts in (report.get("speculation") or {}).items():
+        lines.append(f"speculation ({name}): {counts['accepted']} of {counts['tokens']} tokens were accepted drafts ({counts['drafted']} drafted)")
+    lines.append("smallest adjusted p-values:")
     lines += [f"  {t['adjusted_p']:10.3g}  {t['name']} (n={t['n']})" for t in sorted(report["tests"], key=lambda t: t["adjusted_p"])[:5]]
     return "\n".join(lines)

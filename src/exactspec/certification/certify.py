@@ -52,7 +52,7 @@ from exactspec.tokenizer import TextTokenizer
 from exactspec.decoding.verify import sample_from
 from exactspec.bench.workloads import CHAT_WORKLOADS, workload_prompts
 
-__all__ = ["CONFIGS", "MIN_TEST_TOKENS", "CertifyConfig", "LocalSampler", "certify", "default_prompts", "drafting", "merge_scored", "precision_mode",
+__all__ = ["AUDIT_CONFIGS", "CONFIGS", "MIN_TEST_TOKENS", "CertifyConfig", "LocalSampler", "certify", "default_prompts", "drafting", "merge_scored", "precision_mode",
            "run_tests", "score_runs", "shared_prompt_logits"]
 
 CONFIGS = {
@@ -62,6 +62,10 @@ CONFIGS = {
     "T=1.2 min_p=0.05": SamplingParams(temperature=1.2, min_p=0.05),
     "penalties": SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
 }
+#: For an audit: the certification's configurations, and two that servers' users often set: a temperature with top-k and
+#: top-p together, and the repetition penalty alone (the one penalty whose law llama-server shares).
+AUDIT_CONFIGS = {**CONFIGS, "T=0.8 top_k=50 top_p=0.9": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+                 "repetition_penalty=1.3": SamplingParams(repetition_penalty=1.3)}
 MIN_TEST_TOKENS = 20  # the fewest PIT values a uniformity test is run on
 PREFIX_DEPTH = 6  # deepest prefix whose next-token counts are tested
 MIN_PREFIX_COUNT = 30  # a prefix seen fewer times is left to the PIT tests

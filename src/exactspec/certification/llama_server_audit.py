@@ -1,0 +1,85 @@
+"""``exactspec audit --llama-server``: every speculative mode of llama-server tested for losslessness, from outside.
+
+llama-server verifies a deterministic draft (its n-gram modes) by sample-and-match: the target samples each drafted
+position with its own sampler and keeps the drafted token when the two agree. That is exact whatever the draft, so
+each mode's output law must be its plain mode's. The audit starts llama-server plain (the baseline, kept running)
+and then each mode in turn on the same GGUF file, each on loopback, and for each sampling configuration tests
+
+- the mode's samples against the exact law, scored locally (:func:`exactspec.certification.audit.audit`: PIT and
+  goodness-of-fit tests, Holm over the mode's tests at ``alpha``), and
+- the mode's samples against the plain mode's (two-sample KS tests on the same PIT values), which stays valid where
+  the local scorer's numbers differ slightly from llama-server's.
+
+The plain mode is audited alone too: it is the audit's own control, since a plain mode that fails means the
+scorer and llama-server disagree on the law (settings or numbers), not that speculation lost anything.
+
+Each mode's report says how many of its tokens were accepted drafts: a mode that never drafted on these prompts
+passes without having been tested, and the table shows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from exactspec.bench.llama_server import AUDIT_MODES, LlamaServer, LlamaServerConfig, llama_server_version
+from exactspec.certification.audit import AuditConfig, audit
+from exactspec.loading import LoadedPair
+
+__all__ = ["LlamaServerAudit", "audit_llama_server", "audit_prompts", "format_llama_server_table"]
+
+
+@dataclass(frozen=True)
+class LlamaServerAudit:
+    server: LlamaServerConfig  # the plain server; each mode is this with its mode
+    audit: AuditConfig  # endpoint and baseline are filled in per mode
+    modes: tuple[str, ...] = AUDIT_MODES
+
+    def __post_init__(self) -> None:
+        if not self.modes:
+            raise ValueError("give at least one llama-server mode")
+        if self.audit.api != "llama-server":
+            raise ValueError("the audit's api must be llama-server")
+
+
+def audit_prompts(tokenizer) -> list[list[int]]:
+    """The bench's grounded chat prompts (repeat a given text with a change): an answer that copies its prompt is
+    where n-gram modes draft, so where their verification is exercised."""
+    from exactspec.bench.workloads import CHAT_WORKLOADS
+    from exactspec.chat import chat_messages
+
+    return [tokenizer.encode_chat(chat_messages(turn)) for turn in CHAT_WORKLOADS["grounded"]]
+
+
+def audit_llama_server(pair: LoadedPair, prompts: list[list[int]], config: LlamaServerAudit, progress: bool = True) -> dict:
+    """One audit report per mode (module docstring), with llama-server's version."""
+    rows, baseline_cache = [], {}
+    plain_config = replace(config.server, mode="plain")
+    with LlamaServer(plain_config) as plain:
+        for mode in config.modes:
+            if mode == "plain":
+                report = audit(pair, prompts, replace(config.audit, endpoint=plain.url, baseline=None), progress)
+            else:
+                with LlamaServer(replace(config.server, mode=mode)) as server:
+                    report = audit(pair, prompts, replace(config.audit, endpoint=server.url, baseline=plain.url), progress, baseline_cache)
+            rows.append({"mode": mode, **report})
+    return {"llama_server": llama_server_version(config.server.binary), "binary": str(config.server.binary),
+            "model": str(config.server.model), "passed": all(row["passed"] for row in rows), "modes": rows}
+
+
+def format_llama_server_table(report: dict) -> str:
+    """One line per mode: verdict, detectable TV, tokens that were accepted drafts, the smallest adjusted p-value."""
+    first = report["modes"][0]
+    lines = [f"llama-server {report['llama_server']} on {Path(report['model']).name}; scored in {first['precision']}; "
+             f"family-wise rate {first['config']['alpha']:g} per mode (Holm); configurations: {', '.join(first['config']['configs'])}",
+             f"{'mode':14s} {'verdict':8s} {'TV':>7s} {'drafted tokens':>20s} {'smallest p':>11s}  test"]
+    for row in report["modes"]:
+        counts = list((row.get("speculation") or {}).values())
+        tokens = sum(c["tokens"] for c in counts)
+        accepted = sum(c["accepted"] for c in counts)
+        smallest = min(row["tests"], key=lambda t: t["adjusted_p"])
+        lines.append(f"{row['mode']:14s} {'PASS' if row['passed'] else 'FAIL':8s} {row['detectable_tv']:7.4f} "
+                     f"{f'{accepted}/{tokens} accepted':>20s} {smallest['adjusted_p']:11.3g}  {smallest['name']}")
+    lines.append("TV: the per-token total-variation distance each mode's tests detect at that rate; "
+                 "drafted tokens: tokens that were accepted drafts, of all tokens tested")
+    return "\n".join(lines)

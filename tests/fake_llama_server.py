@@ -1,0 +1,57 @@
+"""A stand-in for llama-server in tests where the real one is not installed: the flags exactspec passes, /health and
+/completion. Its answers are a fixed function of the request (no model): token i of a completion is
+``(sum(prompt) + i) % 7``; with a --spec-type every other token counts as an accepted draft; the request's body
+and the server's command line come back in the answer, so a test sees what was sent.
+
+Environment: FAKE_LLAMA_SERVER_FAIL=1 exits at start with llama-server's message for a bad model file;
+FAKE_LLAMA_SERVER_NO_TOKENS=1 answers without token ids.
+"""
+
+import argparse
+import json
+import os
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+if "--version" in sys.argv:
+    print("version: 1 (fake)\nbuilt with a test for a test")
+    raise SystemExit(0)
+parser = argparse.ArgumentParser()
+parser.add_argument("--port", type=int, required=True)
+parser.add_argument("--host", required=True)
+parser.add_argument("--spec-type", default=None)
+known, _ = parser.parse_known_args()
+if os.environ.get("FAKE_LLAMA_SERVER_FAIL"):
+    print("llama_model_load: error loading model: failed to read the file", flush=True)
+    raise SystemExit(1)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _answer(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._answer(200, {"status": "ok"}) if self.path == "/health" else self._answer(404, {"error": "not found"})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = body["n_predict"]
+        tokens = [(sum(body["prompt"]) + i) % 7 for i in range(n)]
+        accepted = n // 2 if known.spec_type else 0
+        answer = {"content": "x" * n, "timings": {"predicted_n": n, **({"draft_n": n, "draft_n_accepted": accepted} if accepted else {})},
+                  "received": body, "argv": sys.argv[1:]}
+        if not os.environ.get("FAKE_LLAMA_SERVER_NO_TOKENS"):
+            answer["tokens"] = tokens
+        self._answer(200, answer)
+
+
+print("main: server is listening", flush=True)
+ThreadingHTTPServer((known.host, known.port), Handler).serve_forever()
