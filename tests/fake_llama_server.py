@@ -3,8 +3,10 @@
 ``(sum(prompt) + i) % 7``; with a --spec-type every other token counts as an accepted draft; the request's body
 and the server's command line come back in the answer, so a test sees what was sent.
 
-Environment: FAKE_LLAMA_SERVER_FAIL=1 exits at start with llama-server's message for a bad model file;
-FAKE_LLAMA_SERVER_NO_TOKENS=1 answers without token ids.
+Environment: FAKE_LLAMA_SERVER_FAIL=1 (or =MODE: only with --spec-type MODE) exits at start with llama-server's
+message for a bad model file;
+FAKE_LLAMA_SERVER_NO_TOKENS=1 answers without token ids; FAKE_LLAMA_SERVER_BODIES=FILE appends each request's body
+and the server's --spec-type to FILE, one JSON line each.
 """
 
 import argparse
@@ -21,7 +23,7 @@ parser.add_argument("--port", type=int, required=True)
 parser.add_argument("--host", required=True)
 parser.add_argument("--spec-type", default=None)
 known, _ = parser.parse_known_args()
-if os.environ.get("FAKE_LLAMA_SERVER_FAIL"):
+if os.environ.get("FAKE_LLAMA_SERVER_FAIL") in ("1", known.spec_type or "plain"):
     print("llama_model_load: error loading model: failed to read the file", flush=True)
     raise SystemExit(1)
 
@@ -43,6 +45,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if os.environ.get("FAKE_LLAMA_SERVER_BODIES"):
+            with open(os.environ["FAKE_LLAMA_SERVER_BODIES"], "a") as log:
+                log.write(json.dumps({"spec_type": known.spec_type, "body": body}) + "\n")
         n = body["n_predict"]
         tokens = [(sum(body["prompt"]) + i) % 7 for i in range(n)]
         accepted = n // 2 if known.spec_type else 0

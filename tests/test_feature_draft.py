@@ -38,13 +38,15 @@ def tiny_target(seed: int = 3) -> LlamaDecoder:
     return decoder.eval()
 
 
-def tiny_draft(target: LlamaDecoder, subset=SUBSET, seed: int = 1) -> FeatureDraft:
+def tiny_draft(target: LlamaDecoder, subset=SUBSET, seed: int = 1, layout: str = "exactspec") -> FeatureDraft:
     torch.manual_seed(seed)
-    draft = FeatureDraft(FeatureDraftConfig.for_target(target.cfg, len(subset)))
+    draft = FeatureDraft(FeatureDraftConfig.for_target(target.cfg, len(subset), layout))
     with torch.no_grad():
         for p in draft.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.4)
+            elif p.dim() == 1 and layout == "eagle3":  # its two input norms apart from 1 and each other: a swap shows
+                p.uniform_(0.5, 1.5)
         draft.vocab_ids.copy_(torch.tensor(subset))
     return draft.attach(target).eval()
 
@@ -54,6 +56,10 @@ def test_layers_are_spread_over_the_target():
                          num_key_value_heads=1)
     cfg = FeatureDraftConfig.for_target(target, 8)
     assert cfg.feature_layers == (6, 14, 29)
+    eagle3 = FeatureDraftConfig.for_target(target, 8, "eagle3")  # EAGLE-3's inputs of layers 2, 15 and 27
+    assert eagle3.feature_layers == (1, 14, 26) and eagle3.layout == "eagle3"
+    with pytest.raises(ValueError, match="layout is one of"):
+        FeatureDraftConfig.for_target(target, 8, "eagle2")
 
 
 def test_ttt_mask_is_the_decoding_cache():
@@ -64,12 +70,13 @@ def test_ttt_mask_is_the_decoding_cache():
     assert ttt_mask(4, 1).equal(torch.ones(4, 4, dtype=torch.bool).tril())
 
 
-def test_training_forward_equals_decoding_with_the_drafts_own_features():
+@pytest.mark.parametrize("layout", ["exactspec", "eagle3"])
+def test_training_forward_equals_decoding_with_the_drafts_own_features(layout):
     """forward_train's step k at slot j is what decoding computes when the target's features end at slot j - k + 1
     and the draft chains its own outputs for k - 1 slots; and the LeanModel's captured features equal the training
-    forward's."""
+    forward's. In both layouts."""
     target = tiny_target()
-    draft = tiny_draft(target)
+    draft = tiny_draft(target, layout=layout)
     tokens = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         _, features = target.forward_train(tokens, draft.cfg.feature_layers)  # (1, 12, F)
@@ -133,10 +140,10 @@ class RawProbsReported(FeatureDraftProposer):
 SLOTS = 48
 
 
-def counts_and_law(params: SamplingParams, n: int, proposer_class=FeatureDraftProposer, verify: str = "block"):
+def counts_and_law(params: SamplingParams, n: int, proposer_class=FeatureDraftProposer, verify: str = "block", layout: str = "exactspec"):
     """The feature draft batched over SLOTS slots beside the target's LeanRuntime, as serve runs it."""
     target = tiny_target()
-    proposer = proposer_class(FeatureDraftRuntime(tiny_draft(target), SLOTS, 32), VOCAB)
+    proposer = proposer_class(FeatureDraftRuntime(tiny_draft(target, layout=layout), SLOTS, 32), VOCAB)
     engine = BatchEngine(LeanRuntime.like(LeanModel(target), SLOTS, 32), proposer, EngineConfig(gamma=GAMMA))
     counts = engine_counts(engine, PROMPT, n, params, NEW_TOKENS, GAMMA, verify=verify)
     return counts, exact_law(LeanModel(tiny_target()), params), engine
@@ -147,6 +154,12 @@ def counts_and_law(params: SamplingParams, n: int, proposer_class=FeatureDraftPr
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=3)], ids=["T=1", "T=0.7,top_k=3"])
 def test_speculative_output_with_the_feature_draft_follows_the_target_law(params, verify, n):
     counts, law, decoder = counts_and_law(params, n, verify=verify)
+    assert g_test_p_value(counts, law) > ALPHA
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_the_eagle3_layout_drafts_under_the_same_law(n):
+    counts, law, _ = counts_and_law(SamplingParams(), n, layout="eagle3")
     assert g_test_p_value(counts, law) > ALPHA
 
 

@@ -22,10 +22,11 @@ def alone(runtime: FeatureDraftRuntime, u: torch.Tensor, tokens: list[int]) -> t
     return g[0], logits[0]
 
 
-def test_ragged_rows_with_rollbacks_equal_each_sequence_alone():
+@pytest.mark.parametrize("layout", ["exactspec", "eagle3"])
+def test_ragged_rows_with_rollbacks_equal_each_sequence_alone(layout):
     """Three sequences fed ragged rows (a prompt's worth, a block, single steps), with per-slot rollbacks between
-    calls, give each row what a one-slot runtime gives for the same history (float32, 1e-5)."""
-    draft = tiny_draft(tiny_target())
+    calls, give each row what a one-slot runtime gives for the same history (float32, 1e-5), in both layouts."""
+    draft = tiny_draft(tiny_target(), layout=layout)
     batched = FeatureDraftRuntime(draft, 3, 32)
     solo = [FeatureDraftRuntime(draft, 1, 32) for _ in range(3)]
     schedule = [  # per call: (slot, roll back to, slots fed)

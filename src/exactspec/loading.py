@@ -177,13 +177,12 @@ def _feature_draft(directory: str | Path, target: LanguageModel, dtype: torch.dt
         hidden, layers, vocab = target.cfg.hidden_size, target.cfg.num_hidden_layers, target.cfg.vocab_size
         embed, head = target.decoder.embed.weight.detach(), target.decoder.lm_head.weight.detach()  # (V, C) x 2
     elif isinstance(target, LlamaCppModel):
-        from exactspec.models.gguf import llama_config, read_gguf
+        from exactspec.models.gguf import embedding_and_head, llama_config, read_gguf
 
         gguf = read_gguf(target.runtime.weights.path)
         config = llama_config(gguf)
         hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-        embed = gguf.tensor("token_embd.weight").to(dtype)  # (V, C)
-        head = gguf.tensor("output.weight").to(dtype) if "output.weight" in gguf.tensors else embed  # (V, C); tied
+        embed, head = (t.to(dtype) for t in embedding_and_head(gguf))  # (V, C) x 2
         draft = draft.to(dtype)
     else:
         raise ValueError(f"{directory} is a feature-level draft: it reads the target's hidden states, which the lean and llamacpp backends provide")

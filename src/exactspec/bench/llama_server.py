@@ -35,7 +35,7 @@ from pathlib import Path
 
 from exactspec.decoding.sampling import SamplingParams
 
-__all__ = ["AUDIT_MODES", "MODES", "SPEC_TYPES", "LlamaServer", "LlamaServerConfig", "find_llama_server", "llama_server_version", "sampling_fields",
+__all__ = ["AUDIT_MODES", "DRAFT_FREE_MODES", "DRAFT_MODES", "MODES", "SPEC_TYPES", "LlamaServer", "LlamaServerConfig", "find_llama_server", "llama_server_version", "sampling_fields",
            "rounds_of"]
 
 ENVIRONMENT = "EXACTSPEC_LLAMA_SERVER"
@@ -50,8 +50,15 @@ SHORT_NGRAMS = {
     "ngram-map-k4v": ("--spec-ngram-map-k4v-size-n", "2", "--spec-ngram-map-k4v-size-m", "6"),
     "ngram-mod": ("--spec-ngram-mod-n-match", "4", "--spec-ngram-mod-n-min", "1", "--spec-ngram-mod-n-max", "6"),
 }
-#: Every mode a bench arm or an audit can name.
-MODES = (*SPEC_TYPES, *(f"{mode}:short" for mode in SHORT_NGRAMS))
+#: Every mode without a draft model that a bench arm or an audit can name.
+DRAFT_FREE_MODES = (*SPEC_TYPES, *(f"{mode}:short" for mode in SHORT_NGRAMS))
+#: And with one: draft-eagle3 takes an EAGLE-3 draft's GGUF file (``exactspec export-eagle3 --gguf``). llama-server
+#: drafts its argmax and keeps what the target's own sample matches; ":sampled" samples the draft and verifies by
+#: the ratio rule (``--spec-draft-sampling probabilistic``).
+DRAFT_MODES = ("draft-eagle3", "draft-eagle3:sampled")
+MODES = (*DRAFT_FREE_MODES, *DRAFT_MODES)
+#: The flags each variant adds to its --spec-type.
+VARIANTS = {"short": SHORT_NGRAMS, "sampled": {"draft-eagle3": ("--spec-draft-sampling", "probabilistic")}}
 #: The audit's modes: plain, and every draft-free mode as it drafts most in short answers. The tests can only see a
 #: fault in tokens that speculation made, so a mode is audited where it makes many (ngram-cache has no size to set).
 AUDIT_MODES = ("plain", *(f"{mode}:short" for mode in SHORT_NGRAMS), "ngram-cache")
@@ -126,6 +133,7 @@ class LlamaServerConfig:
     model: Path  # a .gguf file
     threads: int
     mode: str = "plain"  # one of MODES
+    draft_model: Path | None = None  # a GGUF draft for the draft-eagle3 mode
     parallel: int = 1  # slots: requests decoded together
     context: int = 4096  # positions, shared by the slots
     extra_args: tuple[str, ...] = ()
@@ -136,10 +144,14 @@ class LlamaServerConfig:
             raise ValueError(f"threads and parallel must be >= 1 and context >= 16, got {self.threads}, {self.parallel}, {self.context}")
         if self.mode not in MODES:
             raise ValueError(f"llama-server mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if (self.mode in DRAFT_MODES) != (self.draft_model is not None):
+            raise ValueError("llama-server's draft-eagle3 modes, and only they, take a draft model (an EAGLE-3 GGUF file from export-eagle3 --gguf)")
 
     def command(self, port: int) -> list[str]:
-        spec_type, short = self.mode.removesuffix(":short"), self.mode.endswith(":short")
-        speculation = [] if spec_type == "plain" else ["--spec-type", spec_type, *(SHORT_NGRAMS[spec_type] if short else ())]
+        spec_type, _, variant = self.mode.partition(":")
+        speculation = [] if spec_type == "plain" else ["--spec-type", spec_type, *(VARIANTS[variant][spec_type] if variant else ())]
+        if self.draft_model is not None:
+            speculation += ["--model-draft", str(self.draft_model)]
         return [str(self.binary), "--model", str(self.model), "--host", "127.0.0.1", "--port", str(port),
                 "--threads", str(self.threads), "--threads-batch", str(self.threads), "--ctx-size", str(self.context),
                 "--parallel", str(self.parallel), "--no-webui", *speculation, *self.extra_args]
@@ -235,6 +247,7 @@ def _timed_run(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--mode", default="plain", choices=MODES)
+    parser.add_argument("--draft-model", help="the draft-eagle3 mode's GGUF draft")
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else plain sampling at this temperature")
     parser.add_argument("--chat", action="store_true", help="the prompt is a user turn in the file's chat template")
@@ -248,7 +261,8 @@ def _timed_run(argv: list[str] | None = None) -> None:
     context = len(ids) + args.max_new_tokens
     body = {"prompt": ids, "n_predict": args.max_new_tokens, "ignore_eos": True, "return_tokens": True, "cache_prompt": False,
             "seed": 0, **sampling_fields(SamplingParams(temperature=args.temperature), context)}
-    config = LlamaServerConfig(find_llama_server(args.binary), Path(args.target), args.threads, args.mode, context=max(4096, context))
+    config = LlamaServerConfig(find_llama_server(args.binary), Path(args.target), args.threads, args.mode,
+                               args.draft_model and Path(args.draft_model), context=max(4096, context))
     with LlamaServer(config) as server:
         start = time.perf_counter()
         response = server.complete(body)

@@ -35,7 +35,7 @@ from pathlib import Path
 from exactspec.chat import chat_messages
 from exactspec.models.llamacpp import llama_cpp_available, llama_cpp_version
 from exactspec.tokenizer import TextTokenizer
-from exactspec.bench.llama_server import MODES as SERVER_MODES, llama_server_version
+from exactspec.bench.llama_server import DRAFT_FREE_MODES, DRAFT_MODES, llama_server_version
 from exactspec.bench.report import Column, add_ratios, format_rows, rate_row, write_report
 from exactspec.bench.workloads import CHAT_WORKLOADS
 
@@ -68,7 +68,8 @@ class PeerBenchConfig:
     workloads: tuple[str, ...] = ("chat",)  # keys of CHAT_WORKLOADS; num_prompts of each
     arm_groups: tuple[str, ...] = ARM_GROUPS  # which arms run
     llama_server: Path | None = None  # llama-server's binary: its arms run when given (and a .gguf target)
-    llama_server_modes: tuple[str, ...] = SERVER_MODES  # llama-server plain and its speculative modes
+    llama_server_modes: tuple[str, ...] = DRAFT_FREE_MODES  # plain and its speculative modes without a draft model
+    llama_server_draft: Path | None = None  # an EAGLE-3 GGUF draft: the draft-eagle3 arms run when given
 
     def __post_init__(self) -> None:
         for name in ("threads", "num_prompts", "max_new_tokens", "repeats", "lookup_tokens"):
@@ -80,8 +81,8 @@ class PeerBenchConfig:
             raise ValueError(f"--workloads: against llama.cpp the workloads are {', '.join(CHAT_WORKLOADS)}, got {', '.join(self.workloads)}")
         if not self.arm_groups or set(self.arm_groups) - set(ARM_GROUPS):
             raise ValueError(f"--arms must be among {', '.join(ARM_GROUPS)}, got {', '.join(self.arm_groups)}")
-        if not self.llama_server_modes or set(self.llama_server_modes) - set(SERVER_MODES):
-            raise ValueError(f"llama-server modes must be among {', '.join(SERVER_MODES)}, got {', '.join(self.llama_server_modes)}")
+        if not self.llama_server_modes or set(self.llama_server_modes) - set(DRAFT_FREE_MODES):
+            raise ValueError(f"llama-server modes must be among {', '.join(DRAFT_FREE_MODES)}, got {', '.join(self.llama_server_modes)}")
         fewest = min(len(CHAT_WORKLOADS[w]) for w in self.workloads)
         if self.num_prompts > fewest:
             raise ValueError(f"--prompts: these workloads have {fewest} prompts each at most, got {self.num_prompts}")
@@ -126,6 +127,10 @@ def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
                   "--threads", str(config.threads), "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature,
                   *(["--chat"] if chat else [])]
         arms += [PeerArm(f"llama-server {mode}", [*server, "--mode", mode, "--prompt"], "llama-server") for mode in config.llama_server_modes]
+        if config.llama_server_draft is not None:
+            arms += [PeerArm(f"llama-server {mode} ({config.llama_server_draft.name})",
+                             [*server, "--mode", mode, "--draft-model", str(config.llama_server_draft), "--prompt"], "llama-server")
+                     for mode in DRAFT_MODES]
     return [arm for arm in arms if arm.group in config.arm_groups]
 
 

@@ -81,7 +81,7 @@ def plot_rates(rows: list[dict], path: Path, plt) -> None:
     for axis, ((mode, workload), group) in zip(axes[0], grouped.items()):
         rates = [r["tokens_per_second"] for r in group]
         errors = [[rate - r["spread"][0] for rate, r in zip(rates, group)], [r["spread"][1] - rate for rate, r in zip(rates, group)]]
-        peer = ("hf ", "llama.cpp")
+        peer = ("hf ", "llama.cpp", "llama-server")
         axis.bar(range(len(group)), rates, yerr=errors, capsize=3,
                  color=["tab:orange" if r["arm"].startswith(peer) else "tab:blue" for r in group])
         axis.set_xticks(range(len(group)), [r["arm"].replace(" (", "\n(") for r in group], rotation=60, ha="right", fontsize=7)

@@ -22,8 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from exactspec.bench.llama_server import AUDIT_MODES, LlamaServer, LlamaServerConfig, llama_server_version
+from exactspec.bench.llama_server import AUDIT_MODES, DRAFT_MODES, LlamaServer, LlamaServerConfig, llama_server_version
 from exactspec.certification.audit import AuditConfig, audit
+from exactspec.certification.certify import precision_mode
 from exactspec.loading import LoadedPair
 
 __all__ = ["LlamaServerAudit", "audit_llama_server", "audit_prompts", "format_llama_server_table"]
@@ -34,10 +35,13 @@ class LlamaServerAudit:
     server: LlamaServerConfig  # the plain server; each mode is this with its mode
     audit: AuditConfig  # endpoint and baseline are filled in per mode
     modes: tuple[str, ...] = AUDIT_MODES
+    draft_model: Path | None = None  # an EAGLE-3 GGUF draft: the draft-eagle3 mode is audited too
 
     def __post_init__(self) -> None:
         if not self.modes:
             raise ValueError("give at least one llama-server mode")
+        if bool(set(self.modes) & set(DRAFT_MODES)) != (self.draft_model is not None):
+            raise ValueError("the draft-eagle3 modes, and only they, need a draft model (an EAGLE-3 GGUF file)")
         if self.audit.api != "llama-server":
             raise ValueError("the audit's api must be llama-server")
 
@@ -60,20 +64,27 @@ def audit_llama_server(pair: LoadedPair, prompts: list[list[int]], config: Llama
             if mode == "plain":
                 report = audit(pair, prompts, replace(config.audit, endpoint=plain.url, baseline=None), progress)
             else:
-                with LlamaServer(replace(config.server, mode=mode)) as server:
-                    report = audit(pair, prompts, replace(config.audit, endpoint=server.url, baseline=plain.url), progress, baseline_cache)
+                draft = config.draft_model if mode in DRAFT_MODES else None
+                try:
+                    with LlamaServer(replace(config.server, mode=mode, draft_model=draft)) as server:
+                        report = audit(pair, prompts, replace(config.audit, endpoint=server.url, baseline=plain.url), progress, baseline_cache)
+                except RuntimeError as error:  # one mode this build cannot run: the others are still audited
+                    report = {"passed": False, "error": str(error)}
             rows.append({"mode": mode, **report})
     return {"llama_server": llama_server_version(config.server.binary), "binary": str(config.server.binary),
-            "model": str(config.server.model), "passed": all(row["passed"] for row in rows), "modes": rows}
+            "model": str(config.server.model), "precision": precision_mode(pair), "alpha": config.audit.alpha,
+            "configs": list(config.audit.configs), "passed": all(row["passed"] for row in rows), "modes": rows}
 
 
 def format_llama_server_table(report: dict) -> str:
     """One line per mode: verdict, detectable TV, tokens that were accepted drafts, the smallest adjusted p-value."""
-    first = report["modes"][0]
-    lines = [f"llama-server {report['llama_server']} on {Path(report['model']).name}; scored in {first['precision']}; "
-             f"family-wise rate {first['config']['alpha']:g} per mode (Holm); configurations: {', '.join(first['config']['configs'])}",
+    lines = [f"llama-server {report['llama_server']} on {Path(report['model']).name}; scored in {report['precision']}; "
+             f"family-wise rate {report['alpha']:g} per mode (Holm); configurations: {', '.join(report['configs'])}",
              f"{'mode':14s} {'verdict':8s} {'TV':>7s} {'drafted tokens':>20s} {'smallest p':>11s}  test"]
     for row in report["modes"]:
+        if "error" in row:
+            lines.append(f"{row['mode']:14s} {'ERROR':8s} {row['error']}")
+            continue
         counts = list((row.get("speculation") or {}).values())
         tokens = sum(c["tokens"] for c in counts)
         accepted = sum(c["accepted"] for c in counts)

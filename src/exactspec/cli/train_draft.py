@@ -19,7 +19,8 @@ def run(args: argparse.Namespace) -> dict:
 
         target = check_local_checkpoint(resolve_checkpoint(args.target))
         config = TrainDraftArgs(target, Path(args.out), args.minutes, args.vocab_subset, args.ttt_steps,
-                                answers_per_prompt=args.answers_per_prompt, seed=args.seed, threads=args.threads, backend=args.backend)
+                                answers_per_prompt=args.answers_per_prompt, seed=args.seed, threads=args.threads, backend=args.backend,
+                                layout=args.layout)
         return train_draft(config)
     except (FileNotFoundError, ValueError, RuntimeError) as error:
         raise CliError(str(error)) from None
@@ -42,6 +43,8 @@ def add(add_command) -> None:
     train.add_argument("--ttt-steps", type=integer(1), default=3, help="training-time-test depth: steps trained on the draft's own features")
     train.add_argument("--threads", type=integer(1), help="CPU threads for torch and llama.cpp (default: torch's choice)")
     train.add_argument("--backend", choices=["auto", "lean", "llamacpp"], default="auto", help="the runtime of the answers and teacher phases: auto is llama.cpp for a .gguf target where llama-cpp-python is installed (the features the draft then reads are llama.cpp's), else lean (torch)")
+    train.add_argument("--layout", choices=["exactspec", "eagle3"], default="exactspec",
+                       help="the draft's layer: exactspec's (w_in, then a Llama layer), or EAGLE-3's (the layout llama.cpp, vLLM and SGLang load; `exactspec export-eagle3` writes it)")
     train.add_argument("--seed", type=integer(0), default=0, help="seed of the prompts, data order and initialisation")
     train.add_argument("--json", action="store_true", help="print the model card as JSON")
     train.set_defaults(run=run, show=show)

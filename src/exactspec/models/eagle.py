@@ -8,6 +8,11 @@ Slot j of the draft's sequence stands for target position j and predicts token x
     g_j = Block(h_j)              one Llama decoder layer over the slots so far (causal, own KV cache, rope at j)
     q(x_{j+2}) = softmax(H_S norm(g_j)) on S, zero elsewhere
 
+That is the ``exactspec`` layout. The ``eagle3`` layout is EAGLE-3's own decoder layer (:class:`Eagle3Block`), the
+one llama.cpp, vLLM and SGLang load: no w_in; u_j and E x_{j+1} are RMS-normed apart, q, k and v read both, and the
+residual stream starts at u_j. Only that layout exports to EAGLE-3's checkpoint format
+(:mod:`exactspec.training.eagle3_export`).
+
 H_S is the target's LM head restricted to S, a set of frequent tokens (frozen, only the ids are stored). The
 architecture follows EAGLE (Li et al. 2024, arXiv 2401.15077): features plus the next token's embedding, one
 decoder layer, the target's head; EAGLE-3 (arXiv 2503.01840): low, middle and high layer features fused by ``fc``
@@ -29,9 +34,32 @@ from torch import nn
 from .llama import Block, LlamaDecoder
 from .llama_config import LlamaConfig, rope_tables
 
-__all__ = ["FeatureDraftConfig", "FeatureDraft", "ttt_mask"]
+__all__ = ["FeatureDraftConfig", "FeatureDraft", "Eagle3Block", "LAYOUTS", "ttt_mask"]
 
 CONFIG_FILE, WEIGHTS_FILE = "feature_draft.json", "feature_draft.safetensors"
+LAYOUTS = ("exactspec", "eagle3")
+
+
+class Eagle3Block(Block):
+    """EAGLE-3's decoder layer (Li et al. 2025, arXiv 2503.01840, as llama.cpp's ``eagle3`` graph runs it). Its input
+    is ``x = [u ; e]``, the fused state and the next token's embedding (B, T, 2C):
+
+        y = u + W_o attn(W_qkv [norm_e(e) ; norm_u(u)])     g = y + mlp(norm(y))
+
+    ``attn_norm`` is norm_e (EAGLE-3's ``input_layernorm``), ``hidden_norm`` is norm_u; q, k and v are 2C wide."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__(cfg)
+        c = cfg.hidden_size
+        self.wqkv = nn.Linear(2 * c, (self.n_head + 2 * self.n_kv) * self.hd, bias=False)  # q | k | v, over [e ; u]
+        self.hidden_norm = nn.Parameter(torch.ones(c))
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # x: (B, T, 2C) = [u ; e]
+        u, e = x.chunk(2, dim=-1)
+        return self._project(torch.cat([self._norm(e, self.attn_norm), self._norm(u, self.hidden_norm)], dim=-1), cos, sin)
+
+    def finish(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # (B, T, 2C), (B, nh, T, hd) -> (B, T, C)
+        return super().finish(x.chunk(2, dim=-1)[0], y)
 
 
 @dataclass(frozen=True)
@@ -45,6 +73,11 @@ class FeatureDraftConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+    layout: str = "exactspec"  # one of LAYOUTS
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"a feature draft's layout is one of {', '.join(LAYOUTS)}, got {self.layout!r}")
 
     def layer_config(self) -> LlamaConfig:
         return LlamaConfig(vocab_size=self.vocab_subset_size, hidden_size=self.target_hidden_size,
@@ -54,13 +87,15 @@ class FeatureDraftConfig:
                            max_position_embeddings=self.max_position_embeddings)
 
     @classmethod
-    def for_target(cls, target: LlamaConfig, vocab_subset_size: int) -> "FeatureDraftConfig":
-        """Layers at a quarter, a half and the end of the target; the target's attention shape."""
+    def for_target(cls, target: LlamaConfig, vocab_subset_size: int, layout: str = "exactspec") -> "FeatureDraftConfig":
+        """The target's attention shape, and the outputs of three of its layers: at a quarter, a half and the end
+        (``exactspec``), or EAGLE-3's choice (``eagle3``: the inputs of layers 2, n/2 and n-3, which llama.cpp can
+        hand a draft; it has no hook after the last layer)."""
         n = target.num_hidden_layers
-        layers = tuple(sorted({max(0, n // 4 - 1), max(0, n // 2 - 1), n - 1}))
-        return cls(target.hidden_size, layers, vocab_subset_size, target.num_attention_heads,
+        picks = {max(0, n // 4 - 1), max(0, n // 2 - 1), n - 1} if layout == "exactspec" else {max(0, i - 1) for i in (2, n // 2, n - 3)}
+        return cls(target.hidden_size, tuple(sorted(picks)), vocab_subset_size, target.num_attention_heads,
                    target.num_key_value_heads, target.intermediate_size, target.rms_norm_eps, target.rope_theta,
-                   target.max_position_embeddings)
+                   target.max_position_embeddings, layout)
 
 
 class FeatureDraft(nn.Module):
@@ -71,8 +106,11 @@ class FeatureDraft(nn.Module):
         c = cfg.target_hidden_size
         self.cfg = cfg
         self.fc = nn.Linear(len(cfg.feature_layers) * c, c, bias=False)
-        self.w_in = nn.Linear(2 * c, c, bias=False)
-        self.block = Block(cfg.layer_config())
+        if cfg.layout == "eagle3":
+            self.block: Block = Eagle3Block(cfg.layer_config())
+        else:
+            self.w_in = nn.Linear(2 * c, c, bias=False)
+            self.block = Block(cfg.layer_config())
         self.norm = nn.Parameter(torch.ones(c))
         self.register_buffer("vocab_ids", torch.zeros(cfg.vocab_subset_size, dtype=torch.long))  # S, ascending
         cos, sin = rope_tables(cfg.layer_config(), cfg.max_position_embeddings)
@@ -96,8 +134,10 @@ class FeatureDraft(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return F.linear(self.norm * xf.to(g.dtype), self.head.to(g.dtype))
 
-    def inputs(self, u: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:  # (B, T, C), (B, T) -> (B, T, C)
-        return self.w_in(torch.cat([u, self.embed[next_tokens].to(u.dtype)], dim=-1))
+    def inputs(self, u: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:  # (B, T, C), (B, T) -> (B, T, C or 2C)
+        """The block's input: h = w_in([u ; E x]) (``exactspec``), or the pair [u ; E x] itself (``eagle3``)."""
+        pair = torch.cat([u, self.embed[next_tokens].to(u.dtype)], dim=-1)
+        return pair if self.cfg.layout == "eagle3" else self.w_in(pair)
 
     def forward_train(
         self,

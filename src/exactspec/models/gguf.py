@@ -313,3 +313,9 @@ def hf_state_dict(gguf: GGUFFile, config: LlamaConfig) -> dict[str, torch.Tensor
             tensor = unpermute_rotary(tensor, config.num_key_value_heads)
         state[_hf_name(name)] = tensor
     return state
+
+
+def embedding_and_head(gguf: GGUFFile) -> tuple[torch.Tensor, torch.Tensor]:  # (V, C) float32 x 2
+    """The token embedding and the LM head of a Llama GGUF file, dequantized; the head is the embedding when tied."""
+    embed = gguf.tensor("token_embd.weight")
+    return embed, gguf.tensor("output.weight") if "output.weight" in gguf.tensors else embed

@@ -63,8 +63,11 @@ class Block(nn.Module):
         return w * xf.to(x.dtype)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        b, t, _ = x.shape
-        qkv = self.wqkv(self._norm(x, self.attn_norm))  # (B, T, (nh + 2 nkv) hd)
+        return self._project(self._norm(x, self.attn_norm), cos, sin)
+
+    def _project(self, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # (B, T, in) -> q, k, v
+        b, t, _ = normed.shape
+        qkv = self.wqkv(normed)  # (B, T, (nh + 2 nkv) hd)
         qk, v = qkv.split([(self.n_head + self.n_kv) * self.hd, self.n_kv * self.hd], dim=-1)
         qk = qk.view(b, t, self.n_head + self.n_kv, self.hd)  # queries and keys rotate together: fewer small ops
         qk = qk * cos.unsqueeze(-2) + rotate_half(qk) * sin.unsqueeze(-2)  # cos (T, hd) or (B, T, hd)

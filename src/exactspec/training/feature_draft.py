@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig
+from exactspec.models.eagle import LAYOUTS, FeatureDraft, FeatureDraftConfig
 from exactspec.models.lean import LeanModel
 from exactspec.decoding.priors import write_shipped_prior
 from exactspec.tokenizer import TextTokenizer
@@ -59,6 +59,7 @@ class TrainDraftArgs:
     seed: int = 0
     threads: int | None = None
     backend: str = "auto"  # the answers' and teacher's runtime: lean, llamacpp, or auto (llamacpp for a .gguf where installed)
+    layout: str = "exactspec"  # the draft's layer: exactspec, or eagle3 (EAGLE-3's, exportable: exactspec.training.eagle3_export)
 
     def __post_init__(self) -> None:
         if not self.minutes > 0 or self.vocab_subset < 16 or self.steps < 1 or self.batch_size < 1:
@@ -67,6 +68,8 @@ class TrainDraftArgs:
             raise ValueError("--answers-per-prompt must be >= 1")
         if self.backend not in ("auto", "lean", "llamacpp"):
             raise ValueError(f"unknown backend {self.backend!r}; choose one of auto, lean, llamacpp")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
         from exactspec.models.base import is_gguf
 
         if self.backend == "llamacpp" and not is_gguf(self.target):
@@ -296,6 +299,19 @@ def train_steps(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict], voc
 
 # ---- the command ------------------------------------------------------------------------------------
 
+
+def _check_layout(record: Path, cfg: FeatureDraftConfig) -> None:
+    """A run directory holds teacher features of one set of layers and a checkpoint of one layout: a rerun with
+    another ``--layout`` would train on the wrong features, so it is refused (the first run writes ``record``)."""
+    mine = {"layout": cfg.layout, "feature_layers": list(cfg.feature_layers)}
+    if record.is_file():
+        saved = json.loads(record.read_text())
+        if saved != mine:
+            raise ValueError(f"{record.parent} was made for the {saved['layout']} layout (target layers {saved['feature_layers']}): "
+                             f"rerun it with --layout {saved['layout']}, or give a new --out")
+    else:
+        record.write_text(json.dumps(mine))
+
 def train_draft(args: TrainDraftArgs) -> dict:
     """Every phase in turn within ``args.minutes``; returns the model card (also written to ``args.out``)."""
     started = time.monotonic()
@@ -335,7 +351,8 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     train = [r for r in answers if r["prompt"] not in held_set]
 
     model = LeanModel.from_pretrained(args.target, dtype=torch.bfloat16)  # the weights it decodes with
-    cfg = FeatureDraftConfig.for_target(model.cfg, args.vocab_subset)
+    cfg = FeatureDraftConfig.for_target(model.cfg, args.vocab_subset, args.layout)
+    _check_layout(args.out / "layout.json", cfg)
     args = replace(args, max_sequence=min(args.max_sequence, model.cfg.max_position_embeddings),
                    window=min(args.window, model.cfg.max_position_embeddings))
     if backend == "llamacpp":
