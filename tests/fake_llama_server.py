@@ -1,6 +1,6 @@
 """A stand-in for llama-server in tests where the real one is not installed: the flags exactspec passes, /health and
 /completion. Its answers are a fixed function of the request (no model): token i of a completion is
-``(sum(prompt) + i) % 7``; with a --spec-type every other token counts as an accepted draft; the request's body
+``(sum(prompt) + i) % 7``, one more with a --spec-type, where every other token counts as an accepted draft; the request's body
 and the server's command line come back in the answer, so a test sees what was sent.
 
 Environment: FAKE_LLAMA_SERVER_FAIL=1 (or =MODE: only with --spec-type MODE) exits at start with llama-server's
@@ -49,7 +49,7 @@ class Handler(BaseHTTPRequestHandler):
             with open(os.environ["FAKE_LLAMA_SERVER_BODIES"], "a") as log:
                 log.write(json.dumps({"spec_type": known.spec_type, "body": body}) + "\n")
         n = body["n_predict"]
-        tokens = [(sum(body["prompt"]) + i) % 7 for i in range(n)]
+        tokens = [(sum(body["prompt"]) + i + bool(known.spec_type)) % 7 for i in range(n)]
         accepted = n // 2 if known.spec_type else 0
         answer = {"content": "x" * n, "timings": {"predicted_n": n, **({"draft_n": n, "draft_n_accepted": accepted} if accepted else {})},
                   "received": body, "argv": sys.argv[1:]}

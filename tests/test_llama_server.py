@@ -60,7 +60,7 @@ def test_a_server_runs_on_loopback_for_the_block_only(fake, tmp_path):
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--spec-type") + 1] == "ngram-mod"
     assert argv[argv.index("--spec-ngram-mod-n-match") + 1] == "4"  # the short n-grams
     assert argv[argv.index("--threads") + 1] == "2" and argv[argv.index("--parallel") + 1] == "3"
-    assert answer["tokens"] == [3, 4, 5, 6] and rounds_of(answer) == 2  # 4 tokens, 2 of them accepted drafts
+    assert answer["tokens"] == [4, 5, 6, 0] and rounds_of(answer) == 2  # 4 tokens, 2 of them accepted drafts
     with socket.socket() as probe:  # stopped: nothing listens on its port any more
         assert probe.connect_ex(("127.0.0.1", port)) != 0
     plain = LlamaServerConfig(fake, tmp_path / "model.gguf", threads=1).command(8080)

@@ -60,13 +60,31 @@ def test_every_mode_is_audited_and_a_lawless_server_is_rejected(fake, toy, tmp_p
     assert rows["ngram-mod:short"]["tokens"]["T=1"]["baseline"] == 40 * 24
     assert report["llama_server"].startswith("version: 1 (fake)")
     table = format_llama_server_table(report)
-    assert "ngram-cache    FAIL" in table and "480/960 accepted" in table and "ngram-map-k    ERROR" in table
+    assert "ngram-cache          FAIL" in table and "480/960 accepted" in table and "ngram-map-k          ERROR" in table
     sent = [json.loads(line) for line in bodies.read_text().splitlines()]
     plain = [s["body"] for s in sent if s["spec_type"] is None]
     assert len(plain) == 2 * 40  # audited itself, then sampled once as the baseline of both other modes
     assert len(sent) == 4 * 40 and {tuple(b["prompt"]) for b in plain} == {(1, 5, 9), (2, 6)}
     assert all(b["return_tokens"] and b["n_predict"] == 24 and b["samplers"][:2] == ["penalties", "temperature"] for b in plain)
     assert len({b["seed"] for b in plain}) == 40  # a seed of its own per request
+
+
+def test_where_plain_fails_a_configuration_modes_are_judged_against_plain_only():
+    """The control: a configuration plain fails against the exact law is a disagreement on the law, so a mode's
+    tests against the law there do not count, its two-sample tests against plain do; elsewhere all tests count."""
+    from exactspec.certification.llama_server_audit import judged
+
+    def test(name, rejected):
+        return {"name": name, "rejected": rejected, "adjusted_p": 1e-9 if rejected else 0.5}
+
+    rows = [{"mode": "plain", "passed": False, "tests": [test("A (endpoint): p order", True), test("B (endpoint): p order", False)]},
+            {"mode": "lawful", "passed": False, "tests": [test("A (endpoint): p order", True), test("A: server vs baseline, p order, two-sample KS", False),
+                                                         test("B (endpoint): p order", False)]},
+            {"mode": "unlike plain", "passed": False, "tests": [test("A: server vs baseline, p order, two-sample KS", True)]},
+            {"mode": "lawless elsewhere", "passed": False, "tests": [test("B (endpoint): p order", True)]}]
+    verdicts = {row["mode"]: row["passed"] for row in judged(rows)}
+    assert verdicts == {"plain": False, "lawful": True, "unlike plain": False, "lawless elsewhere": False}
+    assert rows[1]["two_sample_only"] == ["A"] and rows[1]["smallest_judged"]["name"].startswith("A: server vs baseline")
 
 
 def test_a_server_without_token_ids_is_a_clear_error(fake, toy, tmp_path, monkeypatch):
