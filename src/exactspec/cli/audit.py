@@ -84,7 +84,7 @@ def _audit_llama_server(args: argparse.Namespace, pair, prompts: list[list[int]]
     server = LlamaServerConfig(find_llama_server(args.llama_server or None), model, args.threads or torch.get_num_threads(),
                                parallel=args.concurrency)
     draft = Path(args.llama_server_draft) if args.llama_server_draft else None
-    modes = (*args.llama_server_modes, *(DRAFT_MODES if draft else ()))
+    modes = (*(args.llama_server_modes or AUDIT_MODES), *(DRAFT_MODES if draft else ()))
     return audit_llama_server(pair, prompts, LlamaServerAudit(server, config, modes, draft), progress=not args.json)
 
 
@@ -104,8 +104,8 @@ def add(add_command) -> None:
                        help="instead of --endpoint: start llama-server (this binary, or the one found as bench finds it) on loopback on the "
                             "--target-weights .gguf file, plain and in each of --llama-server-modes, and audit every mode")
     audit.add_argument("--llama-server-draft", help="with --llama-server: an EAGLE-3 draft's GGUF file (export-eagle3 --gguf); the draft-eagle3 modes (argmax drafts; sampled drafts verified by the ratio rule) are audited too")
-    audit.add_argument("--llama-server-modes", type=list_of(one_of(DRAFT_FREE_MODES), f"names from {', '.join(DRAFT_FREE_MODES)}"), default=",".join(AUDIT_MODES),
-                       help="with --llama-server: the modes audited (plain is also every other mode's baseline)")
+    audit.add_argument("--llama-server-modes", type=list_of(one_of(DRAFT_FREE_MODES), f"names from {', '.join(DRAFT_FREE_MODES)}"),
+                       help=f"with --llama-server: the modes audited, comma-separated (plain is also every other mode's baseline; unless given: {' '.join(AUDIT_MODES)})")
     audit.add_argument("--target-weights", required=True, help="the same target's weights here: a directory, a .gguf file or a packaged model's name")
     audit.add_argument("--baseline", help="a server of the same model with speculation off: its samples are compared with the endpoint's")
     audit.add_argument("--api-key", help="sent as Authorization: Bearer KEY (default: $EXACTSPEC_API_KEY)")

