@@ -5,8 +5,12 @@ from __future__ import annotations
 import collections
 
 import os
+import stat
+import sys
 import tempfile
+from pathlib import Path
 
+import pytest
 import torch
 
 # The adaptive policy's per-pair cache: never the user's own, for every test and the processes they start.
@@ -147,3 +151,22 @@ def sequence_law(next_probs, prompt, new_tokens: int) -> dict[tuple[int, ...], f
 
     walk(list(prompt), (), 1.0)
     return law
+
+
+@pytest.fixture
+def fake_llama_server(tmp_path) -> Path:
+    """An executable that runs the llama-server stand-in (fake_llama_server.py) as the real binary would be run."""
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).with_name('fake_llama_server.py')} \"$@\"\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    return binary
+
+
+def installed_llama_server() -> Path | None:
+    """The real llama-server where one is installed (exactspec.bench.llama_server.find_llama_server), else None."""
+    from exactspec.bench.llama_server import find_llama_server
+
+    try:
+        return find_llama_server()
+    except FileNotFoundError:
+        return None

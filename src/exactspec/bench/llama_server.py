@@ -35,8 +35,8 @@ from pathlib import Path
 
 from exactspec.decoding.sampling import SamplingParams
 
-__all__ = ["AUDIT_MODES", "DRAFT_FREE_MODES", "DRAFT_MODES", "MODES", "SPEC_TYPES", "LlamaServer", "LlamaServerConfig", "find_llama_server", "llama_server_version", "sampling_fields",
-           "rounds_of"]
+__all__ = ["AUDIT_MODES", "DRAFT_FREE_MODES", "DRAFT_MODES", "MODES", "SPEC_TYPES", "LlamaServer", "LlamaServerConfig",
+           "find_llama_server", "llama_server_version", "rounds_of", "sampling_fields"]
 
 ENVIRONMENT = "EXACTSPEC_LLAMA_SERVER"
 #: llama-server's modes that need no draft model; "plain" is no speculation at all.
