@@ -155,3 +155,16 @@ def test_the_architecture_ablation_trains_each_variant_for_its_steps_on_one_run(
         assert r["ceiling"]["speedup"] >= max(r["predicted_greedy"]["speedup"], r["predicted_sampled"]["speedup"])
     assert FeatureDraft.load(out / "ablation" / "last-layer" / "draft").cfg.feature_layers == (1,)
     assert "| last-layer | [1] |" in capsys.readouterr().out
+
+
+def test_a_run_directory_keeps_its_layout(tmp_path):
+    """A rerun with another --layout would train on features of other layers: refused, naming the run's layout."""
+    from exactspec.models.eagle import FeatureDraftConfig
+    from exactspec.training.feature_draft import _check_layout
+
+    record = tmp_path / "layout.json"
+    exactspec_layout = FeatureDraftConfig(64, (0, 1), 8, 4, 2, 96)
+    _check_layout(record, exactspec_layout)  # the first run writes it
+    _check_layout(record, exactspec_layout)  # the same layout resumes
+    with pytest.raises(ValueError, match="made for the exactspec layout .* rerun it with --layout exactspec"):
+        _check_layout(record, FeatureDraftConfig(64, (0, 1), 8, 4, 2, 96, layout="eagle3"))

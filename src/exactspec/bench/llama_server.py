@@ -136,7 +136,6 @@ class LlamaServerConfig:
     draft_model: Path | None = None  # a GGUF draft for the draft-eagle3 mode
     parallel: int = 1  # slots: requests decoded together
     context: int = 4096  # positions, shared by the slots
-    extra_args: tuple[str, ...] = ()
     startup_timeout: float = 120.0  # seconds until /health must answer
 
     def __post_init__(self) -> None:
@@ -154,7 +153,7 @@ class LlamaServerConfig:
             speculation += ["--model-draft", str(self.draft_model)]
         return [str(self.binary), "--model", str(self.model), "--host", "127.0.0.1", "--port", str(port),
                 "--threads", str(self.threads), "--threads-batch", str(self.threads), "--ctx-size", str(self.context),
-                "--parallel", str(self.parallel), "--no-webui", *speculation, *self.extra_args]
+                "--parallel", str(self.parallel), "--no-webui", *speculation]
 
 
 def _free_port() -> int:
@@ -206,14 +205,6 @@ class LlamaServer:
         self._log.flush()
         self._log.seek(0)
         return " | ".join(line.strip() for line in self._log.read().splitlines()[-lines:])
-
-    def log(self) -> str:
-        """The server's whole log so far (its build and CPU features are near the top)."""
-        if self._log is None:
-            return ""
-        self._log.flush()
-        self._log.seek(0)
-        return self._log.read()
 
     def __exit__(self, *exc) -> None:
         if self._process is not None and self._process.poll() is None:

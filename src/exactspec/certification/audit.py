@@ -112,13 +112,7 @@ def _sample(url: str, config: AuditConfig, prompts: list[list[int]], params: Sam
             if config.api == "llama-server":
                 return _llama_server_one(client, base, prompt, params, config.max_tokens, seed + i, extra, bar)
             sent = _prompt_text(tokenizer, prompt) if config.text_mode else prompt
-            try:
-                response = client.post(f"{base}/v1/completions", json=_body(config.model, sent, params, config.max_tokens, seed + i, extra))
-            except httpx.HTTPError as error:
-                raise RuntimeError(f"{base}: {error}") from None
-            if response.status_code != 200:
-                raise RuntimeError(f"{base} answered {response.status_code}: {response.text[:300]}")
-            choice = response.json()["choices"][0]
+            choice = _post(client, base, "/v1/completions", _body(config.model, sent, params, config.max_tokens, seed + i, extra))["choices"][0]
             bar.update(1)
             if config.text_mode:
                 return {"prompt": prompt, "tokens": tokenizer.encode(choice["text"])}
@@ -130,20 +124,25 @@ def _sample(url: str, config: AuditConfig, prompts: list[list[int]], params: Sam
             return list(pool.map(one, range(config.requests)))
 
 
-def _llama_server_one(client, base: str, prompt: list[int], params: SamplingParams, max_tokens: int, seed: int, extra: dict,
-                      bar: tqdm) -> dict:
-    """One request to llama-server's /completion: the tokens it sampled, and how many it drafted and accepted."""
+def _post(client, base: str, path: str, body: dict) -> dict:
+    """POST ``body`` to ``base + path``: the JSON answer, or a RuntimeError naming the server and what it said."""
     import httpx
 
-    body = {"prompt": prompt, "n_predict": max_tokens, "seed": seed, "return_tokens": True,
-            **sampling_fields(params, len(prompt) + max_tokens), **extra}
     try:
-        response = client.post(f"{base}/completion", json=body)
+        response = client.post(f"{base}{path}", json=body)
     except httpx.HTTPError as error:
         raise RuntimeError(f"{base}: {error}") from None
     if response.status_code != 200:
         raise RuntimeError(f"{base} answered {response.status_code}: {response.text[:300]}")
-    answer = response.json()
+    return response.json()
+
+
+def _llama_server_one(client, base: str, prompt: list[int], params: SamplingParams, max_tokens: int, seed: int, extra: dict,
+                      bar: tqdm) -> dict:
+    """One request to llama-server's /completion: the tokens it sampled, and how many it drafted and accepted."""
+    body = {"prompt": prompt, "n_predict": max_tokens, "seed": seed, "return_tokens": True,
+            **sampling_fields(params, len(prompt) + max_tokens), **extra}
+    answer = _post(client, base, "/completion", body)
     if "tokens" not in answer:
         raise RuntimeError(f"{base} returned no token ids: is it llama-server?")
     timings = answer.get("timings", {})

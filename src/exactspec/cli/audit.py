@@ -26,6 +26,8 @@ def run(args: argparse.Namespace) -> dict:
         raise CliError("give either --endpoint (with --model) or --llama-server")
     if args.llama_server_draft and args.llama_server is None:
         raise CliError("--llama-server-draft is a draft for llama-server: give --llama-server too")
+    if args.llama_server_draft and not Path(args.llama_server_draft).is_file():
+        raise CliError(f"--llama-server-draft: {args.llama_server_draft} is not a file (an EAGLE-3 GGUF from export-eagle3 --gguf)")
     if args.llama_server is not None and args.baseline is not None:
         raise CliError("--llama-server audits every mode against llama-server plain: leave out --baseline")
     if args.endpoint is not None and args.model is None:

@@ -105,6 +105,8 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
     if skipped is None and not peers.llama_cpp_available():
         skipped = "llama_cpp is not installed (pip install llama-cpp-python; see docs/smollm2.md for build flags)"
     groups = tuple(args.arms or peers.ARM_GROUPS)
+    if args.llama_server_draft and not Path(args.llama_server_draft).is_file():
+        raise CliError(f"--llama-server-draft: {args.llama_server_draft} is not a file (an EAGLE-3 GGUF from export-eagle3 --gguf)")
     server, server_skipped = _llama_server(args, groups, is_gguf(target))
     torch_backend = "lean" if args.backend == "auto" else args.backend  # the torch arms; the llama.cpp runtime's are their own
     flags = ["--backend", torch_backend, "--device", args.device, "--dtype", args.dtype, "--weights", args.weights,

