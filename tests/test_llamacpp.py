@@ -146,6 +146,25 @@ def test_rollback_and_a_copied_prefix_continue_as_a_fresh_call(files):
     assert runtime.lengths == [4, 5]
 
 
+def test_a_split_cache_gives_the_unified_caches_logits_in_any_slot_order(files):
+    """Rows of a split cache go to llama.cpp in slot order (llama.cpp computes consecutive slots together) and come
+    back in the caller's order; a copied prefix is the source's stream cut to its length."""
+    rows = [(2, [5, 6]), (0, PROMPT + [11, 12]), (3, [9])]  # slot 1 idle: not consecutive
+    unified = LlamaCppRuntime(files[0], slots=4, max_len=64, threads=1).forward(rows)
+    split = LlamaCppRuntime(files[0], slots=4, max_len=64, threads=1, split_cache=True)
+    got = split.forward(rows)
+    assert [len(g) for g in got] == [2, 5, 1] and split.lengths == [5, 0, 2, 1]
+    assert max((g - u).abs().max() for g, u in zip(got, unified)) < ATOL
+    assert (got[0] - unified[1][:2]).abs().max() > 10 * ATOL  # each row's own logits, not a neighbour's
+    split.copy_prefix(0, 1, 3)  # PROMPT only, though slot 0 holds 5 positions
+    copied = split.forward([(1, [11, 12])])[0]
+    assert (copied - unified[1][3:]).abs().max() < ATOL and split.lengths == [5, 5, 2, 1]
+    split.copy_prefix(1, 1, 4)  # a slot cut to a shorter prefix of itself
+    assert split.lengths[1] == 4 and (split.forward([(1, [12])])[0] - unified[1][4:]).abs().max() < ATOL
+    with pytest.raises(ValueError, match="unified cache"):
+        split.capture_features([0])
+
+
 def test_bad_calls_are_clear_errors(files):
     runtime = LlamaCppRuntime(files[0], slots=2, max_len=8, threads=1)
     with pytest.raises(ValueError, match="exceeds 8 positions"):

@@ -148,8 +148,12 @@ def generate_answers(
     if not todo:
         return len(done)
     longest = max(len(encoded[p]) for p, _ in todo)
-    runtime_class = LlamaCppRuntime if backend == "llamacpp" else LeanRuntime
-    engine = BatchEngine(runtime_class.like(model, min(slots, len(todo)), min(window, longest + max_new_tokens)))
+    slots, max_len = min(slots, len(todo)), min(window, longest + max_new_tokens)
+    if backend == "llamacpp":  # a stream per slot: every slot decodes every call (bench.cache_layout measures it)
+        runtime = LlamaCppRuntime.like(model, slots, max_len, split_cache=True)
+    else:
+        runtime = LeanRuntime.like(model, slots, max_len)
+    engine = BatchEngine(runtime)
     params = SamplingParams(temperature=temperature)
     out.parent.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
