@@ -367,12 +367,13 @@ def test_train_drafts_answers_run_on_llama_cpp(tmp_path):
     from exactspec.loading import PACKAGED_MODELS
     from exactspec.tokenizer import TextTokenizer
     from exactspec.training.draft_data import generate_answers, read_answers
+    from exactspec.training.prompts import Prompt
 
     try:
         smollm2 = PACKAGED_MODELS["smollm2"].path()
     except FileNotFoundError as error:
         pytest.skip(str(error))
-    prompts, out = ["Name a colour.", "What is 2 + 2?"], tmp_path / "answers.jsonl"
+    prompts, out = [Prompt.user("Name a colour."), Prompt.user("What is 2 + 2?")], tmp_path / "answers.jsonl"
     assert generate_answers(smollm2, prompts, out, time.monotonic() + 600, slots=2, max_new_tokens=4, backend="llamacpp") == 2
     tokenizer = TextTokenizer.from_path(smollm2)
     for row in read_answers(out):

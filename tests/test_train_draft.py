@@ -13,7 +13,8 @@ pytest.importorskip("transformers")
 from conftest import save_tiny_checkpoint, tiny_tokenizer_json
 from exactspec.cli import main
 from exactspec.models.eagle import FeatureDraft
-from exactspec.training.draft_data import chat_prompts, read_answers
+from exactspec.training.draft_data import read_answers
+from exactspec.training.prompts import SOURCES, Prompt, chat_prompts, follow_ups
 
 CHAT_TEMPLATE = "{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
 
@@ -26,9 +27,27 @@ def target(tmp_path_factory):
     return path
 
 
-def test_prompts_are_deterministic_and_held_out_apart():
+def test_prompts_are_deterministic_unique_and_held_out_apart_in_every_source():
+    from exactspec.bench.workloads import CHAT_WORKLOADS
+
     train, held = chat_prompts(0)
-    assert (train, held) == chat_prompts(0) and not set(train) & set(held) and len(held) * 15 < len(train)
+    assert (train, held) == chat_prompts(0) and not set(train) & set(held)
+    keys = [p.key for p in train + held]
+    assert len(keys) == len(set(keys)) and not set(keys) & {p for ps in CHAT_WORKLOADS.values() for p in ps}
+    for source in SOURCES[:-1]:  # the single-turn ones
+        n_train, n_held = sum(p.source == source for p in train), sum(p.source == source for p in held)
+        assert n_held >= 5 and 15 * n_held < n_train < 25 * n_held, source
+    assert len(train) > 3000  # a broad set: one answer each is about a million tokens
+
+
+def test_follow_ups_continue_the_conversation_and_are_chosen_by_the_prompt():
+    pairs = [(Prompt.user(f"Explain topic {i}."), f"Answer {i}.") for i in range(400)]
+    made = follow_ups(pairs, share=0.3)
+    assert 80 < len(made) < 160 and made == follow_ups(list(reversed(pairs)), share=0.3)[::-1]
+    first = made[0]
+    assert first.source == "multiturn" and [r for r, _ in first.turns] == ["user", "assistant", "user"]
+    assert first.turns[1][1] == "Answer " + first.turns[0][1].split()[-1]  # its own first turn's answer
+    assert first.key != first.turns[0][1] and len({p.key for p in made}) == len(made)
 
 
 def test_answers_are_drawn_per_prompt_and_sample_and_a_rerun_adds_only_the_missing_ones(target, tmp_path):
@@ -38,21 +57,21 @@ def test_answers_are_drawn_per_prompt_and_sample_and_a_rerun_adds_only_the_missi
     from exactspec.tokenizer import TextTokenizer
     from exactspec.training.draft_data import answer_key, generate_answers
 
-    prompts, out = [p for p in chat_prompts(0)[0] if len(p) < 60][:5], tmp_path / "answers.jsonl"
+    prompts, out = [p for p in chat_prompts(0)[0] if len(p.key) < 60][:5], tmp_path / "answers.jsonl"
     tokenizer = TextTokenizer.from_path(target)
     assert generate_answers(target, prompts, out, time.monotonic() + 600, samples=2, slots=3, max_new_tokens=6) == 10
     first = out.read_text()
-    rows = read_answers(out)
-    assert sorted(map(answer_key, rows)) == sorted((p, i) for p in prompts for i in range(2))
+    rows, sources = read_answers(out), {p.key: p.source for p in prompts}
+    assert sorted(map(answer_key, rows)) == sorted((p.key, i) for p in prompts for i in range(2))
     for row in rows:
         prompt_ids, answer = row["ids"][: row["answer_start"]], row["ids"][row["answer_start"] :]
-        assert prompt_ids == tokenizer.encode_chat(chat_messages(row["prompt"]))
+        assert prompt_ids == tokenizer.encode_chat(chat_messages(row["prompt"])) and row["source"] == sources[row["prompt"]]
         assert 1 <= len(answer) <= 6 and (len(answer) == 6 or answer[-1] in tokenizer.eos_token_ids)
         assert not set(answer[:-1]) & set(tokenizer.eos_token_ids)  # an answer ends at its first stop token
     assert generate_answers(target, prompts, out, time.monotonic() - 1, samples=3) == 10  # past the deadline: nothing
     assert generate_answers(target, prompts, out, time.monotonic() + 600, samples=3, slots=4, max_new_tokens=6) == 15
     assert out.read_text().startswith(first)  # earlier answers kept as they were
-    assert sorted(map(answer_key, read_answers(out))) == sorted((p, i) for p in prompts for i in range(3))
+    assert sorted(map(answer_key, read_answers(out))) == sorted((p.key, i) for p in prompts for i in range(3))
 
 
 def test_the_teacher_reads_sequences_in_padded_batches_as_it_reads_each_alone(target, tmp_path):

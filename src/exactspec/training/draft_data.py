@@ -1,11 +1,10 @@
-"""Training text for a draft of a real target, built offline: chat prompts the target answers itself
-(self-distillation), and CPython standard-library source.
+"""Training text for a draft of a real target, built offline: the target's own answers to chat prompts
+(self-distillation; the prompts are :mod:`exactspec.training.prompts`), and CPython standard-library source.
 
-Prompts are generated from templates (general questions over a list of topics, coding tasks, and questions about
-stdlib code excerpts); every 20th is held out for the model card's acceptance figures. None of them is a
-benchmark prompt (:data:`exactspec.bench.workloads.CHAT_WORKLOADS`). Answers are sampled from the target (temperature 0.7) by
-exactspec's continuous-batching engine on the target's dense bfloat16 weights, written one JSON line per answer as
-soon as it finishes, so an interrupted run continues where it stopped.
+Answers are sampled from the target (temperature 0.7) by exactspec's continuous-batching engine, on llama.cpp for a
+GGUF target (a KV stream per slot) or on the dense bfloat16 weights in torch, written one JSON line per answer as
+soon as it finishes, so an interrupted run continues where it stopped. The answers' token ids are the costly part of
+a draft's data and small (a few MB per million tokens); everything else is recomputed from them.
 """
 
 from __future__ import annotations
@@ -14,75 +13,12 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from exactspec.training.data import read_source, train_files
+from exactspec.training.prompts import Prompt
 
-__all__ = ["chat_prompts", "generate_answers", "read_answers", "corpus_chunks"]
-
-TOPICS = (
-    "photosynthesis", "the water cycle", "black holes", "the French Revolution", "vaccines", "climate change",
-    "machine learning", "the stock market", "compound interest", "the immune system", "volcanoes", "the Roman Empire",
-    "plate tectonics", "electric cars", "the internet", "DNA", "the solar system", "healthy sleep", "meditation",
-    "coffee", "bread baking", "time management", "public speaking", "learning a new language", "recycling",
-    "the printing press", "renewable energy", "inflation", "supply and demand", "the human heart", "bees",
-    "ocean tides", "earthquakes", "the moon landing", "democracy", "chess", "jazz music", "gardening", "marathons",
-    "budgeting", "job interviews", "email etiquette", "rainforests", "antibiotics", "3D printing", "quantum computers",
-    "blockchains", "recursion", "version control with git", "unit testing", "databases", "HTTP", "encryption",
-    "sorting algorithms", "object-oriented programming", "functional programming", "regular expressions",
-    "Python decorators", "Python generators", "Big-O notation", "linked lists", "binary search", "REST APIs",
-)
-TEMPLATES = (
-    "Explain {t} in simple terms.", "What are three interesting facts about {t}?", "Write a short paragraph about {t}.",
-    "Give me a beginner's guide to {t}.", "What are the pros and cons of {t}?", "Summarize the history of {t}.",
-    "Write a haiku about {t}.", "How would you teach {t} to a ten-year-old?", "What are common misconceptions about {t}?",
-    "Write a short quiz with three questions about {t}.", "Describe {t} in five bullet points.",
-    "Why does {t} matter today?",
-)
-CODE_TASKS = (
-    "checks whether a string is a palindrome", "counts the words in a text file", "merges two sorted lists",
-    "computes the n-th Fibonacci number iteratively", "removes duplicates from a list while keeping order",
-    "flattens a nested list", "parses a date string in ISO format", "finds the most common element in a list",
-    "converts Celsius to Fahrenheit", "validates an email address with a regular expression",
-    "reads a CSV file into a list of dictionaries", "implements binary search", "transposes a matrix",
-    "checks whether a number is prime", "computes the factorial of n recursively", "groups words by their first letter",
-    "returns the n largest numbers of a list", "capitalizes every word of a sentence", "sums the digits of an integer",
-    "implements a stack class with push and pop", "implements a simple LRU cache", "retries a function three times",
-    "measures how long a function takes", "chunks a list into pieces of size n", "finds all anagrams in a word list",
-)
-CODE_TEMPLATES = (
-    "Write a Python function that {t}.", "Write a Python function that {t}, with type hints and a docstring.",
-    "Show me how to write a function that {t} in Python, and explain it.",
-)
-EXCERPT_TEMPLATES = (
-    "Explain what this Python code does:\n\n```python\n{t}\n```",
-    "Add helpful comments to this code:\n\n```python\n{t}\n```",
-    "Is there a bug in this code? Explain.\n\n```python\n{t}\n```",
-)
-HELD_OUT_EVERY = 20
-
-
-def _excerpts(count: int, lines: int, rng: random.Random) -> list[str]:
-    files = train_files()
-    out = []
-    for path in rng.sample(files, min(count, len(files))):
-        text = read_source(path).splitlines()
-        if len(text) > lines:
-            start = rng.randrange(0, len(text) - lines)
-            out.append("\n".join(text[start : start + lines]).strip())
-    return [e for e in out if e]
-
-
-def chat_prompts(seed: int = 0, excerpts: int = 240) -> tuple[list[str], list[str]]:
-    """(training prompts, held-out prompts), shuffled deterministically."""
-    rng = random.Random(seed)
-    prompts = [t.format(t=topic) for t in TEMPLATES for topic in TOPICS]
-    prompts += [t.format(t=task) for t in CODE_TEMPLATES for task in CODE_TASKS]
-    prompts += [rng.choice(EXCERPT_TEMPLATES).format(t=e) for e in _excerpts(excerpts, 14, rng)]
-    rng.shuffle(prompts)
-    held = prompts[::HELD_OUT_EVERY]
-    return [p for i, p in enumerate(prompts) if i % HELD_OUT_EVERY], held
-
+__all__ = ["generate_answers", "read_answers", "answer_key", "answer_text", "corpus_chunks"]
 
 def read_answers(path: Path) -> list[dict]:
     if not path.is_file():
@@ -101,9 +37,15 @@ def answer_key(row: dict) -> tuple[str, int]:
     return row["prompt"], row.get("sample", 0)
 
 
+def answer_text(row: dict, tokenizer) -> str:
+    """The answer of a row as text, its stop token left out."""
+    answer = row["ids"][row["answer_start"] :]
+    return tokenizer.decode([t for t in answer if t not in tokenizer.eos_token_ids])
+
+
 def generate_answers(
     target: Path,  # a .gguf file or a Llama directory
-    prompts: list[str],
+    prompts: Sequence[Prompt],
     out: Path,
     deadline: float,  # time.monotonic() value
     samples: int = 1,  # answers per prompt, each from its own seed
@@ -124,14 +66,13 @@ def generate_answers(
 
     import torch
 
-    from exactspec.chat import chat_messages
     from exactspec.models.lean import LeanModel, LeanRuntime
     from exactspec.decoding.sampling import SamplingParams
     from exactspec.decoding.engine import BatchEngine, SequenceRequest
     from exactspec.tokenizer import TextTokenizer
 
     done = {answer_key(row) for row in read_answers(out)}
-    todo = [(p, i) for i in range(samples) for p in prompts if (p, i) not in done]  # every prompt once, then again
+    todo = [(p, i) for i in range(samples) for p in prompts if (p.key, i) not in done]  # every prompt once, then again
     if not todo or time.monotonic() > deadline:
         return len(done)
     tokenizer = TextTokenizer.from_path(target)
@@ -143,7 +84,7 @@ def generate_answers(
     else:
         model = LeanModel.from_pretrained(target, dtype=torch.bfloat16, weights="dense")
         window = model.cfg.max_position_embeddings
-    encoded = {p: tokenizer.encode_chat(chat_messages(p)) for p, _ in todo}
+    encoded = {p: tokenizer.encode_chat(p.messages) for p, _ in todo}
     todo = [(p, i) for p, i in todo if len(encoded[p]) + 32 <= window]  # room for an answer in the model's window
     if not todo:
         return len(done)
@@ -159,10 +100,10 @@ def generate_answers(
     failures: list[str] = []
     submitted = 0
     with out.open("a") as sink:
-        def submit(prompt: str, sample: int) -> None:
+        def submit(prompt: Prompt, sample: int) -> None:
             ids = encoded[prompt]
             answer: list[int] = []
-            digest = hashlib.sha256(f"{seed}:{sample}:{prompt}".encode()).digest()
+            digest = hashlib.sha256(f"{seed}:{sample}:{prompt.key}".encode()).digest()
             request = SequenceRequest(tuple(ids), params, min(max_new_tokens, window - len(ids)),
                                       frozenset(tokenizer.eos_token_ids), int.from_bytes(digest[:7], "big"), "off")
 
@@ -170,9 +111,10 @@ def generate_answers(
                 if handle.finish_reason == "error":
                     failures.append(handle.error)
                     return
-                sink.write(json.dumps({"prompt": prompt, "sample": sample, "ids": ids + answer, "answer_start": len(ids)}) + "\n")
+                sink.write(json.dumps({"prompt": prompt.key, "source": prompt.source, "sample": sample, "ids": ids + answer,
+                                       "answer_start": len(ids)}) + "\n")
                 sink.flush()
-                done.add((prompt, sample))
+                done.add((prompt.key, sample))
                 if progress:
                     progress(len(done), len(todo) - submitted + engine.batch_size + engine.queue_depth)
 

@@ -33,7 +33,8 @@ from exactspec.models.eagle import LAYOUTS, FeatureDraft, FeatureDraftConfig
 from exactspec.models.lean import LeanModel
 from exactspec.decoding.priors import write_shipped_prior
 from exactspec.tokenizer import TextTokenizer
-from exactspec.training.draft_data import chat_prompts, corpus_chunks, generate_answers, read_answers
+from exactspec.training.draft_data import answer_text, corpus_chunks, generate_answers, read_answers
+from exactspec.training.prompts import Prompt, chat_prompts, follow_ups
 
 __all__ = ["TrainDraftArgs", "train_draft", "held_out_acceptance"]
 
@@ -41,6 +42,7 @@ TOP_K = 16  # target probabilities kept per position
 PHASE_SHARES = {"answers": 0.35, "teacher": 0.2, "train": 0.45}
 SHARD_SEQUENCES = 64
 TEACHER_BATCH = 8  # sequences per teacher forward
+FOLLOW_UP_MAX_ANSWER = 160  # tokens: longer first answers get no follow-up (the conversation would pass max_sequence)
 
 
 @dataclass(frozen=True)
@@ -329,6 +331,31 @@ def train_draft(args: TrainDraftArgs) -> dict:
         _bar = None
 
 
+def _answer_phase(args: TrainDraftArgs, tokenizer: TextTokenizer, answers_file: Path, deadline: float, backend: str) -> set[str]:
+    """The target answers every single-turn prompt once, then the follow-ups to its own training and held-out
+    answers (:func:`exactspec.training.prompts.follow_ups`), then every prompt again up to ``answers_per_prompt``
+    times, as time allows. Returns the keys of the held-out prompts."""
+    train_prompts, held_prompts = chat_prompts(args.seed)
+    singles = held_prompts + train_prompts
+    _log(f"answers: {len(held_prompts)} held-out and {len(train_prompts)} training prompts on {backend}, then follow-ups, "
+         f"then up to {args.answers_per_prompt} answers each")
+    def run(prompts: list[Prompt], samples: int) -> None:
+        generate_answers(args.target, prompts, answers_file, deadline, samples, seed=args.seed, backend=backend,
+                         progress=lambda done, left: None if done % 64 else _log(f"answers: {done} done, {left} left"))
+
+    run(singles, 1)
+    first = {row["prompt"]: row for row in read_answers(answers_file) if row.get("sample", 0) == 0}
+    answered = [(p, answer_text(first[p.key], tokenizer)) for p in singles if p.key in first
+                and len(first[p.key]["ids"]) - first[p.key]["answer_start"] <= FOLLOW_UP_MAX_ANSWER]
+    held_keys = {p.key for p in held_prompts}
+    multi = follow_ups(answered, seed=args.seed)
+    held_keys |= {p.key for p in multi if p.turns[0][1] in held_keys}  # a follow-up is held out with its first turn
+    run(multi, 1)
+    if args.answers_per_prompt > 1:
+        run(singles + multi, args.answers_per_prompt)
+    return held_keys
+
+
 def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     deadline = lambda phase: started + budget * sum(  # noqa: E731
         share for name, share in PHASE_SHARES.items() if list(PHASE_SHARES).index(name) <= list(PHASE_SHARES).index(phase))
@@ -336,19 +363,12 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tokenizer = TextTokenizer.from_path(args.target)
-    train_prompts, held_prompts = chat_prompts(args.seed)
     answers_file = args.out / "answers.jsonl"
-    _log(f"answers: the target answers {len(held_prompts)} held-out and {len(train_prompts)} training prompts, "
-         f"up to {args.answers_per_prompt} times each")
     backend = args.data_backend
-    _log(f"data runtime: {backend}")
-    generate_answers(args.target, held_prompts + train_prompts, answers_file, deadline("answers"), args.answers_per_prompt,
-                     seed=args.seed, progress=lambda done, left: None if done % 64 else _log(f"answers: {done} done, {left} left"),
-                     backend=backend)
+    held_keys = _answer_phase(args, tokenizer, answers_file, deadline("answers"), backend)
     answers = read_answers(answers_file)
-    held_set = set(held_prompts)
-    held = [r for r in answers if r["prompt"] in held_set]
-    train = [r for r in answers if r["prompt"] not in held_set]
+    held = [r for r in answers if r["prompt"] in held_keys]
+    train = [r for r in answers if r["prompt"] not in held_keys]
 
     model = LeanModel.from_pretrained(args.target, dtype=torch.bfloat16)  # the weights it decodes with
     cfg = FeatureDraftConfig.for_target(model.cfg, args.vocab_subset, args.layout)
