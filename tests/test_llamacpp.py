@@ -345,7 +345,7 @@ def test_certify_runs_on_llama_cpp_and_its_self_check_rejects_the_residual_from_
 def test_train_drafts_teacher_on_llama_cpp_reads_what_the_torch_teacher_reads(files):
     """train-draft's teacher phase on llama.cpp (runtime_teacher: each sequence in its own slot, emptied after each
     batch) gives the torch teacher's features and next-token logits, for sequences of mixed lengths."""
-    from exactspec.training.feature_draft import lean_teacher, runtime_teacher
+    from exactspec.training.teacher import lean_teacher, runtime_teacher
 
     generator = torch.Generator().manual_seed(1)
     batch = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (30, 4, 17)]

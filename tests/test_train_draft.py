@@ -74,30 +74,6 @@ def test_answers_are_drawn_per_prompt_and_sample_and_a_rerun_adds_only_the_missi
     assert sorted(map(answer_key, read_answers(out))) == sorted((p.key, i) for p in prompts for i in range(3))
 
 
-def test_the_teacher_reads_sequences_in_padded_batches_as_it_reads_each_alone(target, tmp_path):
-    import torch
-
-    from exactspec.models.lean import LeanModel
-    from exactspec.training.feature_draft import TEACHER_BATCH, TOP_K, lean_teacher, load_shards, teacher_pass
-
-    model = LeanModel.from_pretrained(target, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    lengths = [5, 40, 17, 3, 29, 40, 11, 23, 8, 35, 2, 19]  # more than one batch, lengths mixed across batches
-    assert len(lengths) > TEACHER_BATCH
-    sequences = [(torch.randint(1, 300, (n,), generator=generator).tolist(), n // 3) for n in lengths]
-    assert teacher_pass(lean_teacher(model, (0, 1)), sequences, tmp_path / "shards", float("inf")) == 1
-    rows = load_shards(tmp_path / "shards")
-    assert [r["ids"].tolist() for r in rows] == [ids for ids, _ in sequences]  # the shard keeps the input order
-    for row, (ids, loss_from) in zip(rows, sequences):
-        with torch.inference_mode():
-            logits, features = model.decoder.forward_train(torch.tensor([ids]), (0, 1))
-        top = logits[0].softmax(-1).topk(TOP_K)
-        assert row["loss_from"] == loss_from and row["features"].shape == (len(ids), 2 * model.cfg.hidden_size)
-        torch.testing.assert_close(row["features"].float(), features[0].to(torch.bfloat16).float(), atol=0.02, rtol=0.01)
-        torch.testing.assert_close(row["top_probs"].float(), top.values.half().float(), atol=1e-3, rtol=1e-3)
-        assert (row["top_ids"][:, 0] == top.indices[:, 0]).all()  # the most likely token, position by position
-
-
 def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.5", "--threads", "1",
@@ -119,6 +95,14 @@ def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
     again = json.loads(capsys.readouterr().out)
     assert code == 0 and again["training"]["steps"] > card["training"]["steps"]  # resumed, not restarted
     assert len(read_answers(out / "answers.jsonl")) >= answers
+    assert [r["steps"] for r in again["runs"]] == [card["training"]["steps"], again["training"]["steps"]]  # both runs
+    assert all("finished" in r and r["minutes"] == 0.5 for r in again["runs"])
+    curve = again["acceptance_curve"]
+    assert len(curve) >= 2 and curve == sorted(curve, key=lambda p: p["tokens_seen"]) and curve[-1]["tokens_seen"] == again["training"]["tokens_seen"]
+    by_source = again["held_out_acceptance_by_source"]
+    assert by_source["all"]["sampled"] == again["held_out_acceptance_by_position"]["sampled"]
+    assert sum(v["sequences"] for k, v in by_source.items() if k != "all") == by_source["all"]["sequences"] > 0
+    assert (out / "acceptance_curve.png").stat().st_size > 1000
 
     runs = []
     for flags in (["--draft", str(out / "draft")], ["--no-speculation"]):

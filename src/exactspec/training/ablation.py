@@ -41,7 +41,8 @@ from exactspec.models.lean import LeanModel
 from exactspec.proposers.feature_draft import FeatureDraftProposer
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.tokenizer import TextTokenizer
-from exactspec.training.feature_draft import TrainDraftArgs, train_steps, held_out_acceptance, load_shards, vocabulary_subset
+from exactspec.training.feature_draft import TrainDraftArgs, train_steps, held_out_acceptance, vocabulary_subset
+from exactspec.training.teacher import load_shards
 
 # name -> (which of the stored feature layers: "all" or "last"), vocabulary subset (0 = whole vocabulary), TTT depth
 VARIANTS = {
@@ -68,7 +69,7 @@ def run_variant(name: str, run: Path, target: LeanModel, tokenizer: TextTokenize
         cfg = replace(cfg, feature_layers=cfg.feature_layers[-1:])
     rows, held = _features(rows, layers, cfg.target_hidden_size), _features(held, layers, cfg.target_hidden_size)
     if vocab:
-        subset, coverage = vocabulary_subset(rows, vocab, set(tokenizer.eos_token_ids))
+        subset, coverage = vocabulary_subset([r["ids"] for r in rows], vocab, set(tokenizer.eos_token_ids))
     else:
         subset, coverage = torch.arange(target.cfg.vocab_size), 1.0
     cfg = replace(cfg, vocab_subset_size=len(subset))

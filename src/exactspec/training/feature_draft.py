@@ -23,6 +23,8 @@ import math
 import random
 import sys
 import time
+from collections import Counter
+from datetime import datetime, timezone
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -35,13 +37,14 @@ from exactspec.decoding.priors import write_shipped_prior
 from exactspec.tokenizer import TextTokenizer
 from exactspec.training.draft_data import answer_text, corpus_chunks, generate_answers, read_answers
 from exactspec.training.prompts import Prompt, chat_prompts, follow_ups
+from exactspec.training.teacher import (TEACHER_BATCH, ShardPool, TeacherSequence, lean_teacher, load_shards, runtime_teacher,
+                                        stored_keys, teacher_pass)
 
 __all__ = ["TrainDraftArgs", "train_draft", "held_out_acceptance"]
 
-TOP_K = 16  # target probabilities kept per position
 PHASE_SHARES = {"answers": 0.35, "teacher": 0.2, "train": 0.45}
-SHARD_SEQUENCES = 64
-TEACHER_BATCH = 8  # sequences per teacher forward
+POOL_BYTES = 3e9  # teacher shards held in memory while training (exactspec.training.teacher.ShardPool)
+CURVE_MINUTES = 15.0  # training time between two held-out acceptance measurements (the model card's curve)
 FOLLOW_UP_MAX_ANSWER = 160  # tokens: longer first answers get no follow-up (the conversation would pass max_sequence)
 
 
@@ -107,80 +110,27 @@ def _log(message: str) -> None:
 
 # ---- phase 2: the teacher ----------------------------------------------------------------------
 
-def _sequences(args: TrainDraftArgs, tokenizer: TextTokenizer, answers: list[dict]) -> list[tuple[list[int], int]]:
-    """(token ids, first position whose next token the loss counts) for every training sequence."""
-    chat = [(row["ids"][: args.max_sequence], max(0, row["answer_start"] - 1)) for row in answers]
-    chat_tokens = sum(len(ids) for ids, _ in chat)
+def answer_sequences(args: TrainDraftArgs, answers: list[dict]) -> list[TeacherSequence]:
+    return [TeacherSequence(f"{row['prompt']}#{row.get('sample', 0)}", row["ids"][: args.max_sequence],
+                            max(0, row["answer_start"] - 1), row.get("source", "chat")) for row in answers]
+
+
+def _sequences(args: TrainDraftArgs, tokenizer: TextTokenizer, answers: list[dict]) -> list[TeacherSequence]:
+    """Every training sequence: the answers, and standard-library chunks making ``corpus_share`` of the tokens."""
+    chat = answer_sequences(args, answers)
+    chat_tokens = sum(len(s.ids) for s in chat)
     corpus_tokens = int(chat_tokens * args.corpus_share / max(1e-9, 1 - args.corpus_share))
-    corpus = [(ids, 0) for ids in corpus_chunks(tokenizer, corpus_tokens, args.window, args.seed)]
+    corpus = [TeacherSequence(f"corpus:{i}", ids, 0, "corpus")
+              for i, ids in enumerate(corpus_chunks(tokenizer, corpus_tokens, args.window, args.seed))]
     sequences = chat + corpus
     random.Random(args.seed).shuffle(sequences)
     return sequences
 
 
-#: What the teacher reads a batch of sequences with: each sequence's logits ``(t, V)`` and features ``(t, F)``.
-Teacher = Callable[[list[list[int]]], list[tuple[torch.Tensor, torch.Tensor]]]
-
-
-def lean_teacher(model: LeanModel, layers: tuple[int, ...]) -> Teacher:
-    """The torch decoder's cache-free forward over a right-padded batch (causal: a position never reads the padding
-    after it)."""
-    def run(batch: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        width = max(map(len, batch))
-        ids = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in batch])  # (B, T)
-        with torch.inference_mode():
-            logits, features = model.decoder.forward_train(ids, layers)  # (B, T, V), (B, T, F)
-        return [(logits[row, : len(tokens)], features[row, : len(tokens)]) for row, tokens in enumerate(batch)]
-    return run
-
-
-def runtime_teacher(runtime, layers: tuple[int, ...]) -> Teacher:
-    """A runtime's own call (llama.cpp's: the numbers and features the draft will read when it drafts there), each
-    sequence in its own slot, the slots emptied after each batch."""
-    runtime.capture_features(layers)
-
-    def run(batch: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        logits = runtime.forward(list(enumerate(batch)))
-        out = list(zip(logits, runtime.last_features))
-        for slot in range(len(batch)):
-            runtime.rollback(slot, 0)
-        return out
-    return run
-
-
-def teacher_pass(teacher: Teacher, sequences: list[tuple[list[int], int]], shards: Path, deadline: float) -> int:
-    """Store features and top-k next-token probabilities of ``sequences`` in shards; returns shards written."""
-    shards.mkdir(parents=True, exist_ok=True)
-    done = len(list(shards.glob("shard_*.pt")))
-    for index in range(done, math.ceil(len(sequences) / SHARD_SEQUENCES)):
-        if time.monotonic() > deadline:
-            break
-        shard = sequences[index * SHARD_SEQUENCES : (index + 1) * SHARD_SEQUENCES]
-        rows = [None] * len(shard)
-        by_length = sorted(range(len(shard)), key=lambda i: len(shard[i][0]))
-        for start in range(0, len(shard), TEACHER_BATCH):  # similar lengths together: little padding
-            batch = by_length[start : start + TEACHER_BATCH]
-            for i, (logits, features) in zip(batch, teacher([shard[i][0] for i in batch])):
-                tokens, loss_from = shard[i]
-                top = logits.float().softmax(-1).topk(TOP_K)
-                rows[i] = {"ids": torch.tensor(tokens, dtype=torch.int32), "loss_from": loss_from,
-                           "features": features.to(torch.bfloat16), "top_probs": top.values.half(), "top_ids": top.indices.int()}
-        torch.save(rows, shards / f"shard_{index:04d}.pt")
-        done = index + 1
-        _log(f"teacher: shard {done} ({SHARD_SEQUENCES * done} sequences)")
-    return done
-
-
-def load_shards(shards: Path) -> list[dict]:
-    rows = []
-    for path in sorted(shards.glob("shard_*.pt")):
-        rows += torch.load(path)
-    return rows
-
-
-def vocabulary_subset(rows: list[dict], size: int, always: set[int]) -> tuple[torch.Tensor, float]:
-    """The ``size`` most frequent tokens of the data (plus ``always``), ascending, and the share of tokens they cover."""
-    counts = torch.bincount(torch.cat([r["ids"].long() for r in rows]))
+def vocabulary_subset(sequences: list, size: int, always: set[int]) -> tuple[torch.Tensor, float]:
+    """The ``size`` most frequent tokens of ``sequences`` (token ids each; plus ``always``), ascending, and the share
+    of tokens they cover."""
+    counts = torch.bincount(torch.cat([torch.as_tensor(ids).long() for ids in sequences]))
     order = counts.argsort(descending=True).tolist()
     chosen = set(always)
     for token in order:
@@ -256,10 +206,22 @@ def held_out_acceptance(draft: FeatureDraft, rows: list[dict], steps: int, vocab
     return {"sampled": [s / max(1, c) for s, c in zip(sampled, counts)], "greedy": [g / max(1, c) for g, c in zip(greedy, counts)]}
 
 
-def train_steps(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict], vocab_size: int, deadline: float,
-           max_steps: int | None = None) -> dict:
-    """Train until ``deadline`` (or ``max_steps``, whichever comes first); the learning rate's cosine follows the
-    larger share of either budget spent. Checkpoints every two minutes and resumes from the last checkpoint."""
+def acceptance_by_source(draft: FeatureDraft, rows: list[dict], steps: int, vocab_size: int) -> dict[str, dict]:
+    """:func:`held_out_acceptance` over all ``rows`` (``"all"``) and over each prompt source's, with each group's
+    number of sequences."""
+    groups: dict[str, list[dict]] = {"all": rows}
+    for row in rows:
+        groups.setdefault(row.get("source", "chat"), []).append(row)
+    return {name: {**held_out_acceptance(draft, group, steps, vocab_size), "sequences": len(group)} for name, group in groups.items()}
+
+
+def train_steps(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict] | ShardPool, vocab_size: int, deadline: float,
+                max_steps: int | None = None, measure: Callable[[dict], None] | None = None) -> dict:
+    """Train on ``rows`` (in memory, or drawn from a pool of shards) until ``deadline`` (or ``max_steps``, whichever
+    comes first); the learning rate's cosine follows the larger share of either budget spent (a resumed run's cosine
+    spans its time and the time already trained). Checkpoints every two minutes and resumes from the last
+    checkpoint; ``measure(state)`` is called every ``CURVE_MINUTES`` of training and at the end."""
+    rows_for = rows.rows_for if isinstance(rows, ShardPool) else lambda step: rows
     checkpoint = args.out / "train_checkpoint.pt"
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -276,11 +238,12 @@ def train_steps(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict], voc
     rng = random.Random(args.seed + state["step"])
     last_save = start = time.monotonic()
     seconds0 = state["seconds"]
+    measured_at = state["seconds"]
     while state["seconds"] < state["budget"] and state["step"] < (max_steps or math.inf):
         progress = max(state["seconds"] / state["budget"], state["step"] / (max_steps or math.inf))
         for group in optimizer.param_groups:
             group["lr"] = args.lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-        feats, ids, probs, top, counted = _batch(rows, args.batch_size, args.window, rng)
+        feats, ids, probs, top, counted = _batch(rows_for(state["step"]), args.batch_size, args.window, rng)
         losses = step_losses(draft, subset_index, feats, ids, probs, top, counted, args.steps)
         total = sum(w * loss for w, loss in zip((1.0, 0.8, 0.6, 0.5, 0.4), losses))
         optimizer.zero_grad()
@@ -296,10 +259,85 @@ def train_steps(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict], voc
         if time.monotonic() - last_save > 120 or state["seconds"] >= state["budget"] or state["step"] == max_steps:
             torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "state": state}, checkpoint)
             last_save = time.monotonic()
+        if measure and state["seconds"] - measured_at > CURVE_MINUTES * 60:
+            measure(state)
+            measured_at = state["seconds"]
+    if measure:
+        measure(state)
     return state
 
 
 # ---- the command ------------------------------------------------------------------------------------
+
+
+class _RunLog:
+    """Every invocation on a run directory, in ``runs.json``: when it started, its budget, and what the directory
+    held when it finished (an entry without ``finished`` is a run that was interrupted)."""
+
+    def __init__(self, path: Path, args: TrainDraftArgs) -> None:
+        from exactspec import __version__
+
+        self.path = path
+        self.entries = json.loads(path.read_text()) if path.is_file() else []
+        self.entries.append({"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "minutes": args.minutes,
+                             "exactspec": __version__, "layout": args.layout})
+        self._write()
+
+    def _write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.entries, indent=1))
+
+    def finish(self, **held: int) -> list[dict]:
+        self.entries[-1].update(held, finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        self._write()
+        return self.entries
+
+
+class _Curve:
+    """First-position held-out acceptance (T=1 and greedy) against teacher tokens seen, kept in ``path`` across runs."""
+
+    def __init__(self, path: Path, draft: FeatureDraft, held_rows: list[dict], vocab_size: int) -> None:
+        self.path, self.draft, self.held_rows, self.vocab_size = path, draft, held_rows, vocab_size
+        self.points = json.loads(path.read_text()) if path.is_file() else []
+
+    def measure(self, state: dict) -> None:
+        acceptance = held_out_acceptance(self.draft.eval(), self.held_rows, 1, self.vocab_size)
+        self.draft.train()
+        self.points = [p for p in self.points if p["tokens_seen"] < state["tokens"]]  # a resumed run replaces what it redoes
+        self.points.append({"tokens_seen": state["tokens"], "steps": state["step"], "minutes": round(state["seconds"] / 60, 1),
+                            "sampled": round(acceptance["sampled"][0], 4), "greedy": round(acceptance["greedy"][0], 4)})
+        self.path.write_text(json.dumps(self.points, indent=1))
+        _log(f"train: held-out first-position acceptance {self.points[-1]['sampled']:.3f} (T=1), "
+             f"{self.points[-1]['greedy']:.3f} (greedy) after {state['tokens']:,} tokens")
+
+    def plot(self, path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, axes = plt.subplots(figsize=(6, 3.5))
+        tokens = [p["tokens_seen"] / 1e6 for p in self.points]
+        for key, label in (("sampled", "T=1"), ("greedy", "greedy")):
+            axes.plot(tokens, [p[key] for p in self.points], marker="o", label=label)
+        axes.set(xlabel="teacher tokens seen in training (millions)", ylabel="first-position acceptance", ylim=(0, 1),
+                 title="held-out acceptance while training")
+        axes.legend()
+        figure.tight_layout()
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+
+
+def _vocabulary(args: TrainDraftArgs, sequences: list[list[int]], always: set[int]) -> tuple[torch.Tensor, float]:
+    """The draft's vocabulary subset, chosen from the first run's data and kept (``vocabulary.pt``): a resumed run's
+    checkpoint has head rows for exactly these tokens."""
+    path = args.out / "vocabulary.pt"
+    if path.is_file():
+        saved = torch.load(path)
+        return saved["ids"], saved["coverage"]
+    ids, coverage = vocabulary_subset(sequences, args.vocab_subset, always)
+    torch.save({"ids": ids, "coverage": coverage}, path)
+    return ids, coverage
 
 
 def _check_layout(record: Path, cfg: FeatureDraftConfig) -> None:
@@ -363,6 +401,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tokenizer = TextTokenizer.from_path(args.target)
+    runs = _RunLog(args.out / "runs.json", args)
     answers_file = args.out / "answers.jsonl"
     backend = args.data_backend
     held_keys = _answer_phase(args, tokenizer, answers_file, deadline("answers"), backend)
@@ -381,34 +420,44 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
         teacher = runtime_teacher(LlamaCppRuntime(args.target, TEACHER_BATCH, args.max_sequence, args.threads), cfg.feature_layers)
     else:
         teacher = lean_teacher(model, cfg.feature_layers)
-    teacher_pass(teacher, [(r["ids"][: args.max_sequence], max(0, r["answer_start"] - 1)) for r in held],
-                 args.out / "held_out", float("inf"))
-    teacher_pass(teacher, _sequences(args, tokenizer, train), args.out / "teacher", deadline("teacher"))
-    rows, held_rows = load_shards(args.out / "teacher"), load_shards(args.out / "held_out")
-    if not rows:
+    teacher_pass(teacher, answer_sequences(args, held), args.out / "held_out", float("inf"), _log)
+    sequences = _sequences(args, tokenizer, train)
+    teacher_pass(teacher, sequences, args.out / "teacher", deadline("teacher"), _log)
+    stored = stored_keys(args.out / "teacher")
+    sequences = [s for s in sequences if s.key in stored]
+    if not sequences:
         raise RuntimeError("no teacher data: give train-draft more --minutes")
+    held_rows = load_shards(args.out / "held_out")
 
-    subset, coverage = vocabulary_subset(rows, args.vocab_subset, set(tokenizer.eos_token_ids))
+    subset, coverage = _vocabulary(args, [s.ids for s in sequences], set(tokenizer.eos_token_ids))
     cfg = replace(cfg, vocab_subset_size=len(subset))
     draft = FeatureDraft(cfg)
     draft.vocab_ids.copy_(subset)
     draft.attach(model.decoder)
     draft.embed, draft.head = draft.embed.float(), draft.head.float()
-    state = train_steps(args, draft, rows, model.cfg.vocab_size, deadline("train"))
-    acceptance = held_out_acceptance(draft.eval(), held_rows, max(args.steps, 4), model.cfg.vocab_size)
+    curve = _Curve(args.out / "curve.json", draft, held_rows, model.cfg.vocab_size)
+    pool = ShardPool.within(args.out / "teacher", POOL_BYTES, args.seed)
+    state = train_steps(args, draft, pool, model.cfg.vocab_size, deadline("train"), measure=curve.measure)
+    by_source = acceptance_by_source(draft.eval(), held_rows, max(args.steps, 4), model.cfg.vocab_size)
+    acceptance = {k: by_source["all"][k] for k in ("sampled", "greedy")}
+    sources = Counter(row.get("source", "chat") for row in train)
     card = {
         "target": str(args.target), "out": str(args.out / "draft"), "architecture": asdict(cfg),
-        "data": {"runtime": backend, "chat_answers": len(train), "held_out_answers": len(held), "teacher_sequences": len(rows),
-                 "teacher_tokens": int(sum(len(r["ids"]) for r in rows)), "corpus_share": args.corpus_share,
-                 "vocabulary_subset_coverage": coverage},
+        "data": {"runtime": backend, "chat_answers": len(train), "held_out_answers": len(held), "answers_by_source": dict(sources),
+                 "teacher_sequences": len(sequences), "teacher_tokens": sum(len(s.ids) for s in sequences),
+                 "corpus_share": args.corpus_share, "vocabulary_subset_coverage": coverage},
         "training": {"steps": state["step"], "tokens_seen": state["tokens"], "seconds": state["seconds"],
                      "ttt_steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr},
         "held_out_acceptance_by_position": acceptance,
+        "held_out_acceptance_by_source": by_source,
+        "acceptance_curve": curve.points,
+        "runs": runs.finish(answers=len(answers), teacher_sequences=len(sequences), steps=state["step"], tokens_seen=state["tokens"]),
         "total_minutes": (time.monotonic() - started) / 60,
     }
     draft.save(args.out / "draft", card)
     write_shipped_prior(args.out / "draft", args.target, acceptance, "held-out chat answers, training-time-test forward")
     (args.out / "MODEL_CARD.json").write_text(json.dumps(card, indent=2))
+    curve.plot(args.out / "acceptance_curve.png")
     _log(f"done: held-out acceptance by position, T=1 {[round(a, 3) for a in acceptance['sampled']]}, "
          f"greedy {[round(a, 3) for a in acceptance['greedy']]}")
     return card
