@@ -104,6 +104,18 @@ def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
     assert sum(v["sequences"] for k, v in by_source.items() if k != "all") == by_source["all"]["sequences"] > 0
     assert (out / "acceptance_curve.png").stat().st_size > 1000
 
+    from exactspec.training.evaluate import main as evaluate  # the engine's acceptance at gamma 1 on held-out prompts
+
+    evaluate([str(out), "--prompts", "2", "--max-new-tokens", "6", "--threads", "1"])
+    measured = json.loads((out / "engine_acceptance.json").read_text())
+    assert "greedy  all" in capsys.readouterr().out  # a line per source and rule
+    for name in ("sampled", "greedy"):
+        rows = measured[name]
+        sources = {s: min(2, v["sequences"]) for s, v in by_source.items() if s != "all"}
+        assert {s: r["prompts"] for s, r in rows.items() if s != "all"} == sources
+        assert rows["all"]["drafted"] == sum(r["drafted"] for s, r in rows.items() if s != "all") > 0
+        assert all(0 <= r["accepted"] <= r["drafted"] <= 6 * r["prompts"] for r in rows.values())
+
     runs = []
     for flags in (["--draft", str(out / "draft")], ["--no-speculation"]):
         code = main(["generate", "def f(", "--target", str(target), *flags, "--temperature", "0", "--max-new-tokens", "24",
