@@ -74,6 +74,37 @@ def test_answers_are_drawn_per_prompt_and_sample_and_a_rerun_adds_only_the_missi
     assert sorted(map(answer_key, read_answers(out))) == sorted((p.key, i) for p in prompts for i in range(3))
 
 
+def test_answers_of_an_earlier_run_are_taken_once_and_another_targets_are_refused(target, tmp_path, capsys):
+    import gzip
+    import time
+
+    from exactspec.tokenizer import TextTokenizer
+    from exactspec.training.draft_data import generate_answers, import_answers
+
+    tokenizer = TextTokenizer.from_path(target)
+    earlier, out = tmp_path / "earlier.jsonl", tmp_path / "run" / "answers.jsonl"
+    turns = (("user", "Hi."), ("assistant", "Hello."), ("user", "Why?"))
+    prompts = [Prompt.user("Explain bees."), Prompt("multiturn", turns)]
+    assert generate_answers(target, prompts, earlier, time.monotonic() + 600, samples=2, slots=2, max_new_tokens=4) == 4
+    packed = tmp_path / "earlier.jsonl.gz"
+    packed.write_bytes(gzip.compress(earlier.read_bytes()))
+    assert import_answers(packed, out, tokenizer) == 4 and read_answers(out) == read_answers(earlier)
+    assert import_answers(earlier, out, tokenizer) == 0  # nothing twice
+    rows = read_answers(earlier)
+    rows[1]["ids"][0] += 1  # as another tokenizer would have encoded the prompt
+    tampered = tmp_path / "tampered.jsonl"
+    tampered.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = out.read_text()
+    with pytest.raises(ValueError, match="row 2 is not an answer of this target"):
+        import_answers(tampered, out, tokenizer)
+    assert out.read_text() == before  # nothing written
+    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new"), "--answers", str(tampered), "--minutes", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "row 2 is not an answer" in err and err.count("\n") == 1
+    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new2"), "--answers", str(tmp_path / "none.jsonl")])
+    assert code == 2 and "no such file" in capsys.readouterr().err and not (tmp_path / "new2").exists()
+
+
 def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.5", "--threads", "1",

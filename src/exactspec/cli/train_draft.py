@@ -13,6 +13,8 @@ from exactspec.loading import resolve_checkpoint
 def run(args: argparse.Namespace) -> dict:
     from exactspec.training.feature_draft import TrainDraftArgs, train_draft
 
+    if args.answers and not Path(args.answers).is_file():
+        raise CliError(f"--answers {args.answers}: no such file")
     prepare_output_dir(Path(args.out), "--out")
     try:
         from exactspec.models.base import check_local_checkpoint
@@ -20,7 +22,7 @@ def run(args: argparse.Namespace) -> dict:
         target = check_local_checkpoint(resolve_checkpoint(args.target))
         config = TrainDraftArgs(target, Path(args.out), args.minutes, args.vocab_subset, args.ttt_steps,
                                 answers_per_prompt=args.answers_per_prompt, seed=args.seed, threads=args.threads, backend=args.backend,
-                                layout=args.layout)
+                                layout=args.layout, answers=args.answers and Path(args.answers))
         return train_draft(config)
     except (FileNotFoundError, ValueError, RuntimeError) as error:
         raise CliError(str(error)) from None
@@ -45,6 +47,8 @@ def add(add_command) -> None:
     train.add_argument("--backend", choices=["auto", "lean", "llamacpp"], default="auto", help="the runtime of the answers and teacher phases: auto is llama.cpp for a .gguf target where llama-cpp-python is installed (the features the draft then reads are llama.cpp's), else lean (torch)")
     train.add_argument("--layout", choices=["exactspec", "eagle3"], default="exactspec",
                        help="the draft's layer: exactspec's (w_in, then a Llama layer), or EAGLE-3's (the layout llama.cpp, vLLM and SGLang load; `exactspec export-eagle3` writes it)")
+    train.add_argument("--answers", help="start from these answers of the target (an earlier run's answers.jsonl, or gzipped: "
+                       "the costly part of the data); rows whose prompt this target's chat template encodes differently are refused")
     train.add_argument("--seed", type=integer(0), default=0, help="seed of the prompts, data order and initialisation")
     train.add_argument("--json", action="store_true", help="print the model card as JSON")
     train.set_defaults(run=run, show=show)

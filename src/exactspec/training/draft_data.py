@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 from exactspec.training.data import read_source, train_files
 from exactspec.training.prompts import Prompt
 
-__all__ = ["generate_answers", "read_answers", "answer_key", "answer_text", "corpus_chunks"]
+__all__ = ["generate_answers", "read_answers", "import_answers", "answer_key", "answer_text", "corpus_chunks"]
 
 def read_answers(path: Path) -> list[dict]:
     if not path.is_file():
@@ -30,6 +30,39 @@ def read_answers(path: Path) -> list[dict]:
         except json.JSONDecodeError:  # a line cut by an interruption
             break
     return rows
+
+
+def import_answers(source: Path, out: Path, tokenizer) -> int:
+    """Append to ``out`` the answers of ``source`` (an earlier run's ``answers.jsonl``, or a gzipped copy) that ``out``
+    lacks; returns how many. Every row must be this target's: its prompt part the ids this tokenizer's chat template
+    gives its prompt; otherwise ValueError, naming the row, and nothing is written."""
+    import gzip
+
+    opener = gzip.open if source.suffix == ".gz" else open
+    try:
+        with opener(source, "rt") as lines:
+            rows = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, ValueError, EOFError) as error:
+        raise ValueError(f"--answers {source}: not a readable JSONL file of answers ({error})") from None
+    have = {answer_key(row) for row in read_answers(out)}
+    new = []
+    for number, row in enumerate(rows, start=1):
+        try:
+            prompt = Prompt.from_key(row["prompt"], row.get("source", "chat"))
+            ids, start = row["ids"], row["answer_start"]
+            valid = isinstance(start, int) and 0 < start <= len(ids) and ids[:start] == tokenizer.encode_chat(prompt.messages)
+        except (KeyError, TypeError, AttributeError):
+            valid = False
+        if not valid:
+            raise ValueError(f"--answers {source}: row {number} is not an answer of this target (its prompt's ids differ "
+                             "from this tokenizer's, or a field is missing)")
+        if answer_key(row) not in have:
+            have.add(answer_key(row))
+            new.append(row)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as sink:
+        sink.writelines(json.dumps(row) + "\n" for row in new)
+    return len(new)
 
 
 def answer_key(row: dict) -> tuple[str, int]:

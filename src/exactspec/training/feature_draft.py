@@ -35,7 +35,7 @@ from exactspec.models.eagle import LAYOUTS, FeatureDraft, FeatureDraftConfig
 from exactspec.models.lean import LeanModel
 from exactspec.decoding.priors import write_shipped_prior
 from exactspec.tokenizer import TextTokenizer
-from exactspec.training.draft_data import answer_text, corpus_chunks, generate_answers, read_answers
+from exactspec.training.draft_data import answer_text, corpus_chunks, generate_answers, import_answers, read_answers
 from exactspec.training.prompts import Prompt, chat_prompts, follow_ups
 from exactspec.training.teacher import (TEACHER_BATCH, ShardPool, TeacherSequence, lean_teacher, load_shards, runtime_teacher,
                                         stored_keys, teacher_pass)
@@ -65,6 +65,7 @@ class TrainDraftArgs:
     threads: int | None = None
     backend: str = "auto"  # the answers' and teacher's runtime: lean, llamacpp, or auto (llamacpp for a .gguf where installed)
     layout: str = "exactspec"  # the draft's layer: exactspec, or eagle3 (EAGLE-3's, exportable: exactspec.training.eagle3_export)
+    answers: Path | None = None  # an earlier run's answers (answers.jsonl, or gzipped) to start from
 
     def __post_init__(self) -> None:
         if not self.minutes > 0 or self.vocab_subset < 16 or self.steps < 1 or self.batch_size < 1:
@@ -401,8 +402,10 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tokenizer = TextTokenizer.from_path(args.target)
-    runs = _RunLog(args.out / "runs.json", args)
     answers_file = args.out / "answers.jsonl"
+    if args.answers is not None:
+        _log(f"answers: {import_answers(args.answers, answers_file, tokenizer)} taken from {args.answers}")
+    runs = _RunLog(args.out / "runs.json", args)
     backend = args.data_backend
     held_keys = _answer_phase(args, tokenizer, answers_file, deadline("answers"), backend)
     answers = read_answers(answers_file)

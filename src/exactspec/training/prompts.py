@@ -46,6 +46,16 @@ class Prompt:
     def user(cls, text: str, source: str = "topics") -> "Prompt":
         return cls(source, (("user", text),))
 
+    @classmethod
+    def from_key(cls, key: str, source: str) -> "Prompt":
+        """The prompt an answer row names (the inverse of :attr:`key`)."""
+        if key.startswith("[["):
+            try:
+                return cls(source, tuple((role, content) for role, content in json.loads(key)))
+            except (ValueError, TypeError):
+                pass  # a single user turn that merely starts like JSON
+        return cls.user(key, source)
+
     @property
     def key(self) -> str:
         """What an answer row names its prompt by: the user's text for one turn, the turns as JSON for more."""
