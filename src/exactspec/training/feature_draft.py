@@ -2,18 +2,22 @@
 
 Phases, each resumable inside ``--out``:
 
-1. answers: the target answers the training chat prompts (:mod:`exactspec.training.draft_data`), sampled;
-2. teacher: the target (as it decodes: the same weights and dtype) reads every answer and some standard-library
+1. answers: the target answers the chat prompts (:mod:`exactspec.training.prompts`, by source) and then follow-ups
+   to its own answers, sampled (:mod:`exactspec.training.draft_data`); ``--answers`` starts from an earlier run's;
+2. teacher: the target (as it decodes: the same weights and runtime) reads every answer and some standard-library
    source once; its features at the draft's layers and its ``TOP_K`` most likely next tokens per position are
-   stored in shards;
+   stored in shards (:mod:`exactspec.training.teacher`);
 3. train: the draft learns the target's next-token distributions (cross-entropy against the stored top-k
    probabilities, restricted to the vocabulary subset S) from its training-time-test forward: step k > 1 runs on
-   its own step-(k-1) outputs, as decoding will;
-4. export: the draft's files, a model card (data, tokens seen, held-out acceptance by draft position, time).
+   its own step-(k-1) outputs, as decoding will; batches come from a bounded pool of shards, and the held-out
+   first-position acceptance is measured every ``CURVE_MINUTES``;
+4. export: the draft's files and a model card (data by source, every run on the directory, tokens seen, held-out
+   acceptance by draft position and by prompt source, the acceptance curve).
 
-The wall-clock budget (``minutes``) is split between phases (``PHASE_SHARES``); the learning rate follows a cosine
-over the training phase's time. Run again with the same ``--out`` to resume: finished phases are skipped, missing
-answers and teacher shards are added, and training continues from its checkpoint for the new run's training time.
+The wall-clock budget (``minutes``) is split between phases (``PHASE_SHARES``; time a phase leaves unused passes to
+the next); the learning rate follows a cosine over the training phase's time. Run again with the same ``--out`` to
+resume: missing answers and teacher sequences are added, and training continues from its checkpoint for the new
+run's training time (its cosine spanning the time already trained and the new).
 """
 
 from __future__ import annotations
