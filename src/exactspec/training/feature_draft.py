@@ -365,7 +365,7 @@ def train_draft(args: TrainDraftArgs) -> dict:
     from tqdm import tqdm
 
     bar = tqdm(total=round(budget), desc="train-draft", unit="s", disable=None, leave=False,
-               bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of the budget")
+               bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of the budget, {remaining} left")
     _bar = None if bar.disable else bar
     try:
         return _run_phases(args, started, budget)
