@@ -105,6 +105,23 @@ def test_answers_of_an_earlier_run_are_taken_once_and_another_targets_are_refuse
     assert code == 2 and "no such file" in capsys.readouterr().err and not (tmp_path / "new2").exists()
 
 
+def test_the_answers_kept_in_the_repository_are_smollm2s(tmp_path):
+    """data/smollm2/answers.jsonl.gz (the costly part of the SmolLM2 draft's data) loads as SmolLM2's answers."""
+    from pathlib import Path
+
+    from exactspec.loading import PACKAGED_MODELS
+    from exactspec.tokenizer import TextTokenizer
+    from exactspec.training.draft_data import import_answers
+
+    try:
+        smollm2 = PACKAGED_MODELS["smollm2"].path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    stored = Path(__file__).resolve().parents[1] / "data" / "smollm2" / "answers.jsonl.gz"
+    out = tmp_path / "answers.jsonl"
+    assert import_answers(stored, out, TextTokenizer.from_path(smollm2)) == len(read_answers(out)) > 4000
+
+
 def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.5", "--threads", "1",
