@@ -20,6 +20,7 @@ from exactspec.training.prompts import Prompt
 
 __all__ = ["generate_answers", "read_answers", "import_answers", "answer_key", "answer_text", "corpus_chunks"]
 
+
 def read_answers(path: Path) -> list[dict]:
     if not path.is_file():
         return []

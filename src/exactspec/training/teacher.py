@@ -147,10 +147,10 @@ class ShardPool:
 
     def rows_for(self, batch: int) -> list[dict]:
         """The rows batch number ``batch`` draws from."""
-        period = 0 if self.capacity >= len(self.paths) else batch // self.swap_every
+        everything = self.capacity >= len(self.paths)
+        period = 0 if everything else batch // self.swap_every
         if period != self._period:
-            chosen = self.paths if period == 0 and self.capacity >= len(self.paths) else \
-                random.Random(f"{self.seed}:{period}").sample(self.paths, self.capacity)
+            chosen = self.paths if everything else random.Random(f"{self.seed}:{period}").sample(self.paths, self.capacity)
             self.rows, self._period = [], None  # the old set freed before the new one loads
             self.rows, self._period = load_shards(sorted(chosen)), period
         return self.rows
