@@ -200,24 +200,25 @@ def test_the_architecture_ablation_trains_each_variant_for_its_steps_on_one_run(
     assert main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.3", "--threads", "1",
                  "--vocab-subset", "128"]) == 0
     monkeypatch.setattr(sys, "argv", ["ablation", str(out), "--target", str(target), "--variants",
-                                      "shipped,last-layer,vocab-full,ttt-1", "--steps", "3", "--threads", "1", "--repeats", "2",
+                                      "exactspec,eagle3,last-layer,vocab-full,ttt-1", "--steps", "3", "--threads", "1", "--repeats", "2",
                                       "--compare", str(out / "draft")])
     runpy.run_module("exactspec.training.ablation", run_name="__main__")
     report = json.loads((out / "ablation" / "ablation.json").read_text())
     by_name = {r["variant"]: r for r in report["variants"]}
     given = by_name.pop("given: draft")  # the run's own draft, evaluated untrained beside the variants
     assert given["steps"] == json.loads((out / "MODEL_CARD.json").read_text())["training"]["steps"] > 3
-    assert set(by_name) == {"shipped", "last-layer", "vocab-full", "ttt-1"}
+    assert set(by_name) == {"exactspec", "eagle3", "last-layer", "vocab-full", "ttt-1"}
     assert all(r["steps"] == 3 and r["draft_step_ms"] > 0 for r in by_name.values())
-    assert by_name["shipped"]["feature_layers"] == [0, 1] and by_name["last-layer"]["feature_layers"] == [1]
+    assert by_name["exactspec"]["feature_layers"] == [0, 1] and by_name["last-layer"]["feature_layers"] == [1]
+    assert FeatureDraft.load(out / "ablation" / "eagle3" / "draft").cfg.layout == "eagle3"
     assert by_name["vocab-full"]["vocab_subset"] == 300 and by_name["vocab-full"]["subset_coverage"] == 1.0
-    assert by_name["ttt-1"]["ttt_steps"] == 1 and by_name["shipped"]["ttt_steps"] == 3
+    assert by_name["ttt-1"]["ttt_steps"] == 1 and by_name["exactspec"]["ttt_steps"] == 3
     for r in by_name.values():
         assert all(len(v) == 4 and all(0 <= a <= 1 for a in v) for v in r["acceptance"].values())
         assert 0 <= r["predicted_greedy"]["gamma"] <= 4 and r["predicted_greedy"]["speedup"] >= 1.0
         assert r["ceiling"]["speedup"] >= max(r["predicted_greedy"]["speedup"], r["predicted_sampled"]["speedup"])
     assert FeatureDraft.load(out / "ablation" / "last-layer" / "draft").cfg.feature_layers == (1,)
-    assert "| last-layer | [1] |" in capsys.readouterr().out
+    assert "| last-layer | exactspec | [1] |" in capsys.readouterr().out
 
 
 def test_a_run_directory_keeps_its_layout(tmp_path):

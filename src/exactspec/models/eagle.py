@@ -34,7 +34,7 @@ from torch import nn
 from .llama import Block, LlamaDecoder
 from .llama_config import LlamaConfig, rope_tables
 
-__all__ = ["FeatureDraftConfig", "FeatureDraft", "Eagle3Block", "LAYOUTS", "ttt_mask"]
+__all__ = ["FeatureDraftConfig", "FeatureDraft", "Eagle3Block", "LAYOUTS", "layers_of_every_layout", "ttt_mask"]
 
 CONFIG_FILE, WEIGHTS_FILE = "feature_draft.json", "feature_draft.safetensors"
 LAYOUTS = ("exactspec", "eagle3")
@@ -96,6 +96,12 @@ class FeatureDraftConfig:
         return cls(target.hidden_size, tuple(sorted(picks)), vocab_subset_size, target.num_attention_heads,
                    target.num_key_value_heads, target.intermediate_size, target.rms_norm_eps, target.rope_theta,
                    target.max_position_embeddings, layout)
+
+
+def layers_of_every_layout(target: LlamaConfig) -> tuple[int, ...]:
+    """The target layers any layout's draft reads, ascending: a teacher pass that stores these serves every layout
+    (``train-draft``'s, so that layouts are compared on the same data)."""
+    return tuple(sorted({i for layout in LAYOUTS for i in FeatureDraftConfig.for_target(target, 1, layout).feature_layers}))
 
 
 class FeatureDraft(nn.Module):

@@ -1,8 +1,9 @@
 """Which feature-draft architecture to ship: variants trained on the same teacher data, compared by predicted speed.
 
 Reads a finished (or interrupted) `exactspec train-draft` run directory: its teacher shards (the target's
-features at three layers and top-16 next-token probabilities) and its held-out answers. Each variant is trained
-for the same number of steps from the same seed, then measured two ways:
+features at the layers of every layout and top-16 next-token probabilities) and its held-out answers. Each variant
+is trained for the same number of steps from the same seed, on its own layers of the same shards, drawn as
+train-draft draws them, then measured two ways:
 
 * held-out acceptance by draft position (T=1: sum_v min(p, q); greedy: argmax agreement), teacher-forced chains
   as `train-draft`'s model card reports them;
@@ -10,12 +11,13 @@ for the same number of steps from the same seed, then measured two ways:
   cost by call size, both measured here after training, with nothing else running.
 
 The predicted speedup over plain decoding combines them (`costmodel.chain_speedup`: acceptance by position,
-best chain length up to 4), beside the ceiling that the call costs allow (every draft token accepted). The variants are the candidates issue 9 names: the fused low/middle/high features
-of EAGLE-3 against the last layer only (EAGLE), the head's vocabulary subset (FR-Spec) at 4k, 8k, 16k and the
-whole vocabulary, and the training-time test's depth.
+best chain length up to 4), beside the ceiling that the call costs allow (every draft token accepted). The
+variants: the two layouts (exactspec's layer on layers at a quarter, a half and the end; EAGLE-3's layer and
+layers, which llama.cpp, vLLM and SGLang load), and, on train-draft's default layout, the last layer only (EAGLE),
+the head's vocabulary subset (FR-Spec) at 4k, 16k and the whole vocabulary, and no training-time test.
 
     python -m exactspec.training.ablation runs/smollm2_draft --steps 300 --threads 2
-    python -m exactspec.training.ablation runs/smollm2_draft --variants shipped,ttt-1 --steps 50   # a quick look
+    python -m exactspec.training.ablation runs/smollm2_draft --variants exactspec,eagle3 --steps 50   # a quick look
     python -m exactspec.training.ablation runs/smollm2_draft --variants "" --compare packaged     # the shipped draft alone
 
 Writes OUT/ablation.json and prints a table. States threads, dtype and weights.
@@ -41,35 +43,34 @@ from exactspec.models.lean import LeanModel
 from exactspec.proposers.feature_draft import FeatureDraftProposer
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.tokenizer import TextTokenizer
-from exactspec.training.feature_draft import TrainDraftArgs, train_steps, held_out_acceptance, vocabulary_subset
-from exactspec.training.teacher import load_shards
+from exactspec.training.feature_draft import POOL_BYTES, TrainDraftArgs, held_out_acceptance, train_steps, vocabulary_subset
+from exactspec.training.teacher import ShardPool, load_shards, shard_paths, stored_layers
 
-# name -> (which of the stored feature layers: "all" or "last"), vocabulary subset (0 = whole vocabulary), TTT depth
+# name -> (layout, its feature layers: "all" or "last" only, vocabulary subset (0 = whole vocabulary), TTT depth); the
+# variants other than the two layouts change one thing of train-draft's default layout
 VARIANTS = {
-    "shipped": ("all", 8192, 3),
-    "last-layer": ("last", 8192, 3),
-    "vocab-4k": ("all", 4096, 3),
-    "vocab-16k": ("all", 16384, 3),
-    "vocab-full": ("all", 0, 3),
-    "ttt-1": ("all", 8192, 1),
+    "exactspec": ("exactspec", "all", 8192, 3),
+    "eagle3": ("eagle3", "all", 8192, 3),
+    "last-layer": (TrainDraftArgs.layout, "last", 8192, 3),
+    "vocab-4k": (TrainDraftArgs.layout, "all", 4096, 3),
+    "vocab-16k": (TrainDraftArgs.layout, "all", 16384, 3),
+    "vocab-full": (TrainDraftArgs.layout, "all", 0, 3),
+    "ttt-1": (TrainDraftArgs.layout, "all", 8192, 1),
 }
 POSITIONS = 4
 
 
-def _features(rows: list[dict], layers: str, width: int) -> list[dict]:
-    """``rows`` with only the last stored layer's features when ``layers == "last"``."""
-    return rows if layers == "all" else [{**r, "features": r["features"][:, -width:].contiguous()} for r in rows]
-
-
-def run_variant(name: str, run: Path, target: LeanModel, tokenizer: TextTokenizer, rows: list[dict],
-                held: list[dict], args: argparse.Namespace) -> dict:
-    layers, vocab, ttt = VARIANTS[name]
-    cfg = FeatureDraftConfig.for_target(target.cfg, vocab or target.cfg.vocab_size)
+def run_variant(name: str, run: Path, target: LeanModel, tokenizer: TextTokenizer, args: argparse.Namespace) -> dict:
+    """One variant trained for ``args.steps`` on the run's teacher shards (its own layers of them, drawn as
+    train-draft draws), scored on the run's held-out answers."""
+    layout, layers, vocab, ttt = VARIANTS[name]
+    cfg = FeatureDraftConfig.for_target(target.cfg, vocab or target.cfg.vocab_size, layout)
     if layers == "last":
         cfg = replace(cfg, feature_layers=cfg.feature_layers[-1:])
-    rows, held = _features(rows, layers, cfg.target_hidden_size), _features(held, layers, cfg.target_hidden_size)
+    pool = ShardPool.within(run / "teacher", POOL_BYTES, args.seed, layers=cfg.feature_layers)
+    held = load_shards(run / "held_out", cfg.feature_layers)
     if vocab:
-        subset, coverage = vocabulary_subset([r["ids"] for r in rows], vocab, set(tokenizer.eos_token_ids))
+        subset, coverage = vocabulary_subset([r["ids"] for r in pool.rows_for(0)], vocab, set(tokenizer.eos_token_ids))
     else:
         subset, coverage = torch.arange(target.cfg.vocab_size), 1.0
     cfg = replace(cfg, vocab_subset_size=len(subset))
@@ -80,28 +81,26 @@ def run_variant(name: str, run: Path, target: LeanModel, tokenizer: TextTokenize
     draft.embed, draft.head = draft.embed.float(), draft.head.float()
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
-    train_args = TrainDraftArgs(target=run, out=out, steps=ttt, seed=args.seed)
+    train_args = TrainDraftArgs(target=run, out=out, steps=ttt, seed=args.seed, layout=layout)
     began = time.monotonic()
-    state = train_steps(train_args, draft, rows, target.cfg.vocab_size, deadline=math.inf, max_steps=args.steps)
+    state = train_steps(train_args, draft, pool, target.cfg.vocab_size, deadline=math.inf, max_steps=args.steps)
     acceptance = held_out_acceptance(draft.eval(), held, POSITIONS, target.cfg.vocab_size)
     draft.save(out / "draft")
-    return {"variant": name, "draft_dir": str(out / "draft"), "feature_layers": list(cfg.feature_layers), "vocab_subset": len(subset),
-            "subset_coverage": coverage, "ttt_steps": ttt, "steps": state["step"],
-            "train_seconds": time.monotonic() - began, "acceptance": acceptance}
+    return {"variant": name, "layout": layout, "draft_dir": str(out / "draft"), "feature_layers": list(cfg.feature_layers),
+            "vocab_subset": len(subset), "subset_coverage": coverage, "ttt_steps": ttt, "steps": state["step"],
+            "tokens_seen": state["tokens"], "train_seconds": time.monotonic() - began, "acceptance": acceptance}
 
 
-def evaluate_given(directory: Path, target: LeanModel, held: list[dict]) -> dict:
+def evaluate_given(directory: Path, target: LeanModel, run: Path) -> dict:
     """A draft trained elsewhere (the packaged one, a longer run), evaluated on this run's held-out answers."""
     try:
         draft = FeatureDraft.load(directory).attach(target.decoder)
+        held = load_shards(run / "held_out", draft.cfg.feature_layers)
     except ValueError as error:
-        raise SystemExit(str(error)) from None
-    stored = FeatureDraftConfig.for_target(target.cfg, 1).feature_layers
-    if draft.cfg.feature_layers != stored:
-        raise SystemExit(f"{directory} reads layers {draft.cfg.feature_layers}; the run stored {stored}")
+        raise SystemExit(f"{directory}: {error}") from None
     draft.embed, draft.head = draft.embed.float(), draft.head.float()
     card = json.loads((directory / "feature_draft.json").read_text()).get("card", {})
-    return {"variant": f"given: {directory.name}", "draft_dir": str(directory),
+    return {"variant": f"given: {directory.name}", "layout": draft.cfg.layout, "draft_dir": str(directory),
             "feature_layers": list(draft.cfg.feature_layers), "vocab_subset": draft.cfg.vocab_subset_size,
             "subset_coverage": card.get("data", {}).get("vocabulary_subset_coverage", math.nan),
             "ttt_steps": card.get("training", {}).get("ttt_steps", 0), "steps": card.get("training", {}).get("steps", 0),
@@ -141,28 +140,30 @@ def main() -> None:
     unknown = sorted(set(filter(None, args.variants.split(","))) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
-    missing = [part for part in ("teacher", "held_out") if not any((args.run / part).glob("shard_*.pt"))]
+    missing = [part for part in ("teacher", "held_out") if not shard_paths(args.run / part)]
     if missing:
         raise SystemExit(f"{args.run} has no {' or '.join(missing)} shards: give the directory of an `exactspec train-draft` run")
+    if stored_layers(args.run / "teacher") is None:
+        raise SystemExit(f"{args.run}'s teacher shards do not record their target layers (an older train-draft): run train-draft "
+                         "again with a new --out")
     args.out = args.out or args.run / "ablation"
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     path = resolve_checkpoint(args.target)
     tokenizer = TextTokenizer.from_path(path)
     teacher = LeanModel.from_pretrained(path, dtype=torch.bfloat16)  # the weights train-draft reads
-    rows, held = load_shards(args.run / "teacher"), load_shards(args.run / "held_out")
     results = []
     for directory in args.compare:
         packaged = PACKAGED_MODELS[args.target].shipped_draft() if str(directory) == "packaged" else directory
-        results.append(evaluate_given(packaged, teacher, held))
+        results.append(evaluate_given(packaged, teacher, args.run))
         print(json.dumps(results[-1]), flush=True)
     for name in filter(None, args.variants.split(",")):
-        result = run_variant(name, args.run, teacher, tokenizer, rows, held, args)
+        result = run_variant(name, args.run, teacher, tokenizer, args)
         print(json.dumps(result), flush=True)
         results.append(result)
-    del teacher, rows
+    del teacher
     target = LeanModel.from_pretrained(path, dtype=torch.bfloat16, weights="auto")  # what generate decodes with
-    context = held[0]["ids"][:160].tolist()
+    context = load_shards(shard_paths(args.run / "held_out")[:1])[0]["ids"][:160].tolist()
     target_ms = measure_costs(results, target, context, args.repeats)
     for result in results:
         for mode in ("sampled", "greedy"):
@@ -175,12 +176,12 @@ def main() -> None:
     (args.out / "ablation.json").write_text(json.dumps(report, indent=2))
     print(f"\n{args.steps} steps per variant trained here; target {', '.join(f'{n} tok {ms:.1f} ms' for n, ms in target_ms.items())}; "
           f"bfloat16, {args.threads} threads")
-    print("| variant | layers | |S| (coverage) | TTT | train s | T=1 acceptance by position | greedy | draft step ms "
+    print("| variant | layout | layers | |S| (coverage) | TTT | train s | T=1 acceptance by position | greedy | draft step ms "
           "| predicted T=1 (gamma) | predicted greedy (gamma) | all accepted (gamma) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         acc = {m: " / ".join(f"{a:.2f}" for a in r["acceptance"][m]) for m in ("sampled", "greedy")}
-        print(f"| {r['variant']} | {r['feature_layers']} | {r['vocab_subset']} ({r['subset_coverage']:.3f}) | "
+        print(f"| {r['variant']} | {r['layout']} | {r['feature_layers']} | {r['vocab_subset']} ({r['subset_coverage']:.3f}) | "
               f"{r['ttt_steps']} | {r['train_seconds']:.0f} | {acc['sampled']} | {acc['greedy']} | {r['draft_step_ms']:.2f} | "
               f"{r['predicted_sampled']['speedup']:.2f}x ({r['predicted_sampled']['gamma']}) | "
               f"{r['predicted_greedy']['speedup']:.2f}x ({r['predicted_greedy']['gamma']}) | "

@@ -5,8 +5,8 @@ Phases, each resumable inside ``--out``:
 1. answers: the target answers the chat prompts (:mod:`exactspec.training.prompts`, by source) and then follow-ups
    to its own answers, sampled (:mod:`exactspec.training.draft_data`); ``--answers`` starts from an earlier run's;
 2. teacher: the target (as it decodes: the same weights and runtime) reads every answer and some standard-library
-   source once; its features at the draft's layers and its ``TOP_K`` most likely next tokens per position are
-   stored in shards (:mod:`exactspec.training.teacher`);
+   source once; its features at the layers of every layout (so layouts can be compared on the same data) and its
+   ``TOP_K`` most likely next tokens per position are stored in shards (:mod:`exactspec.training.teacher`);
 3. train: the draft learns the target's next-token distributions (cross-entropy against the stored top-k
    probabilities, restricted to the vocabulary subset S) from its training-time-test forward: step k > 1 runs on
    its own step-(k-1) outputs, as decoding will; batches come from a bounded pool of shards, and the held-out
@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from exactspec.models.eagle import LAYOUTS, FeatureDraft, FeatureDraftConfig
+from exactspec.models.eagle import LAYOUTS, FeatureDraft, FeatureDraftConfig, layers_of_every_layout
 from exactspec.models.lean import LeanModel
 from exactspec.decoding.priors import write_shipped_prior
 from exactspec.tokenizer import TextTokenizer
@@ -346,8 +346,8 @@ def _vocabulary(args: TrainDraftArgs, sequences: list[list[int]], always: set[in
 
 
 def _check_layout(record: Path, cfg: FeatureDraftConfig) -> None:
-    """A run directory holds teacher features of one set of layers and a checkpoint of one layout: a rerun with
-    another ``--layout`` would train on the wrong features, so it is refused (the first run writes ``record``)."""
+    """A run directory holds a checkpoint of one layout: a rerun with another ``--layout`` would resume it as the
+    wrong model, so it is refused (the first run writes ``record``). Its teacher shards serve every layout."""
     mine = {"layout": cfg.layout, "feature_layers": list(cfg.feature_layers)}
     if record.is_file():
         saved = json.loads(record.read_text())
@@ -421,20 +421,21 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     _check_layout(args.out / "layout.json", cfg)
     args = replace(args, max_sequence=min(args.max_sequence, model.cfg.max_position_embeddings),
                    window=min(args.window, model.cfg.max_position_embeddings))
+    layers = layers_of_every_layout(model.cfg)
     if backend == "llamacpp":
         from exactspec.models.llamacpp import LlamaCppRuntime
 
-        teacher = runtime_teacher(LlamaCppRuntime(args.target, TEACHER_BATCH, args.max_sequence, args.threads), cfg.feature_layers)
+        teacher = runtime_teacher(LlamaCppRuntime(args.target, TEACHER_BATCH, args.max_sequence, args.threads), layers)
     else:
-        teacher = lean_teacher(model, cfg.feature_layers)
-    teacher_pass(teacher, answer_sequences(args, held), args.out / "held_out", float("inf"), _log)
+        teacher = lean_teacher(model, layers)
+    teacher_pass(teacher, layers, answer_sequences(args, held), args.out / "held_out", float("inf"), _log)
     sequences = _sequences(args, tokenizer, train)
-    teacher_pass(teacher, sequences, args.out / "teacher", deadline("teacher"), _log)
+    teacher_pass(teacher, layers, sequences, args.out / "teacher", deadline("teacher"), _log)
     stored = stored_keys(args.out / "teacher")
     sequences = [s for s in sequences if s.key in stored]
     if not sequences:
         raise RuntimeError("no teacher data: give train-draft more --minutes")
-    held_rows = load_shards(args.out / "held_out")
+    held_rows = load_shards(args.out / "held_out", cfg.feature_layers)
 
     subset, coverage = _vocabulary(args, [s.ids for s in sequences], set(tokenizer.eos_token_ids))
     cfg = replace(cfg, vocab_subset_size=len(subset))
@@ -443,7 +444,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     draft.attach(model.decoder)
     draft.embed, draft.head = draft.embed.float(), draft.head.float()
     curve = _Curve(args.out / "curve.json", draft, held_rows, model.cfg.vocab_size)
-    pool = ShardPool.within(args.out / "teacher", POOL_BYTES, args.seed)
+    pool = ShardPool.within(args.out / "teacher", POOL_BYTES, args.seed, layers=cfg.feature_layers)
     state = train_steps(args, draft, pool, model.cfg.vocab_size, deadline("train"), measure=curve.measure)
     by_source = acceptance_by_source(draft.eval(), held_rows, max(args.steps, 4), model.cfg.vocab_size)
     acceptance = {k: by_source["all"][k] for k in ("sampled", "greedy")}

@@ -10,6 +10,10 @@ Features are the bulk (about 3.5 KB per token for three 576-wide layers in bfloa
 recomputable from the answers' token ids, so training does not hold them all: :class:`ShardPool` keeps a bounded
 set of shards in memory and draws a new set every ``swap_every`` batches, as a pure function of the seed and the
 batch number (a resumed run draws what an uninterrupted one would).
+
+A directory's features may cover more target layers than one draft reads (``layers.json`` names them, in the
+order they are concatenated: ascending): drafts of different layouts then train on the same pass, and a reader
+asks for its own layers (:func:`select_layers`).
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ from typing import Callable, Sequence
 import torch
 
 __all__ = ["TOP_K", "SHARD_SEQUENCES", "TEACHER_BATCH", "TeacherSequence", "Teacher", "lean_teacher", "runtime_teacher",
-           "teacher_pass", "shard_paths", "stored_keys", "load_shards", "ShardPool"]
+           "teacher_pass", "shard_paths", "stored_keys", "stored_layers", "select_layers", "load_shards", "ShardPool"]
 
 TOP_K = 16  # target probabilities kept per position
 SHARD_SEQUENCES = 64
 TEACHER_BATCH = 8  # sequences per teacher forward
+LAYERS_FILE = "layers.json"
 
 
 @dataclass(frozen=True)
@@ -81,17 +86,49 @@ def stored_keys(shards: Path) -> set[str]:
     return {key for path in shard_paths(shards) for key in json.loads(path.with_suffix(".keys.json").read_text())}
 
 
+def stored_layers(shards: Path) -> tuple[int, ...] | None:
+    """The target layers whose outputs a directory's features hold, ascending (None for a directory written before
+    this was recorded: its features are the layers of the run's own layout)."""
+    path = shards / LAYERS_FILE
+    return tuple(json.loads(path.read_text())) if path.is_file() else None
+
+
+def _record_layers(shards: Path, layers: tuple[int, ...]) -> None:
+    stored = stored_layers(shards)
+    if stored is None and shard_paths(shards):
+        raise ValueError(f"{shards} holds features of unrecorded layers: give the run a new --out")
+    if stored is not None and stored != layers:
+        raise ValueError(f"{shards} holds features of target layers {list(stored)}, not {list(layers)}: give the run a new --out")
+    shards.mkdir(parents=True, exist_ok=True)
+    (shards / LAYERS_FILE).write_text(json.dumps(list(layers)))
+
+
+def select_layers(rows: list[dict], stored: Sequence[int] | None, wanted: Sequence[int]) -> list[dict]:
+    """``rows`` with the features of the ``wanted`` layers only (ascending), cut from features of the ``stored``
+    layers (concatenated in ascending order, equal widths); ``stored=None`` means the rows hold ``wanted``."""
+    stored, wanted = (tuple(wanted) if stored is None else tuple(stored)), tuple(sorted(wanted))
+    if stored == wanted or not rows:
+        return rows
+    missing = [layer for layer in wanted if layer not in stored]
+    if missing:
+        raise ValueError(f"the teacher's features hold target layers {list(stored)}, not {missing}")
+    width = rows[0]["features"].shape[-1] // len(stored)
+    index = torch.cat([torch.arange(stored.index(layer) * width, (stored.index(layer) + 1) * width) for layer in wanted])
+    return [{**row, "features": row["features"][:, index]} for row in rows]
+
+
 def _save_atomically(path: Path, write: Callable[[Path], None]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
     os.replace(tmp, path)
 
 
-def teacher_pass(teacher: Teacher, sequences: Sequence[TeacherSequence], shards: Path, deadline: float,
+def teacher_pass(teacher: Teacher, layers: Sequence[int], sequences: Sequence[TeacherSequence], shards: Path, deadline: float,
                  log: Callable[[str], None] = lambda message: None) -> int:
-    """Store features and top-k next-token probabilities of the ``sequences`` not yet in ``shards``, in their order,
-    until done or ``deadline`` (a ``time.monotonic()`` value); returns how many sequences the shards hold."""
-    shards.mkdir(parents=True, exist_ok=True)
+    """Store features (of the target ``layers`` the ``teacher`` reads) and top-k next-token probabilities of the
+    ``sequences`` not yet in ``shards``, in their order, until done or ``deadline`` (a ``time.monotonic()``
+    value); returns how many sequences the shards hold."""
+    _record_layers(shards, tuple(sorted(layers)))
     done = stored_keys(shards)
     pending = [s for s in sequences if s.key not in done]
     index = max((int(p.stem.split("_")[1]) + 1 for p in shard_paths(shards)), default=0)
@@ -117,13 +154,14 @@ def teacher_pass(teacher: Teacher, sequences: Sequence[TeacherSequence], shards:
     return len(done)
 
 
-def load_shards(shards: Path | Sequence[Path]) -> list[dict]:
-    """Every row of a directory's complete shards (or of the given shard files), in order."""
-    paths = shard_paths(shards) if isinstance(shards, Path) else shards
+def load_shards(shards: Path | Sequence[Path], layers: Sequence[int] | None = None) -> list[dict]:
+    """Every row of a directory's complete shards (or of the given shard files of one directory), in order; with
+    ``layers``, the features of those target layers only (:func:`select_layers`)."""
+    paths = shard_paths(shards) if isinstance(shards, Path) else list(shards)
     rows: list[dict] = []
     for path in paths:
         rows += torch.load(path)
-    return rows
+    return rows if layers is None or not paths else select_layers(rows, stored_layers(paths[0].parent), layers)
 
 
 class ShardPool:
@@ -131,19 +169,22 @@ class ShardPool:
     shards ``random.Random(seed, b // swap_every).sample(paths, capacity)`` (every shard, loaded once, when they
     all fit), so a resumed run sees what an uninterrupted one would."""
 
-    def __init__(self, paths: Sequence[Path], capacity: int, seed: int = 0, swap_every: int = 200) -> None:
+    def __init__(self, paths: Sequence[Path], capacity: int, seed: int = 0, swap_every: int = 200,
+                 layers: Sequence[int] | None = None) -> None:
         if not paths:
             raise ValueError("no teacher shards to train on")
         self.paths, self.capacity, self.seed, self.swap_every = list(paths), max(1, capacity), seed, swap_every
+        self.layers = layers
         self._period: int | None = None
         self.rows: list[dict] = []
 
     @classmethod
-    def within(cls, shards: Path, memory_bytes: float, seed: int = 0, swap_every: int = 200) -> "ShardPool":
-        """A pool over a directory's shards holding about ``memory_bytes`` of them."""
+    def within(cls, shards: Path, memory_bytes: float, seed: int = 0, swap_every: int = 200,
+               layers: Sequence[int] | None = None) -> "ShardPool":
+        """A pool over a directory's shards holding about ``memory_bytes`` of them (as stored on disk)."""
         paths = shard_paths(shards)
         mean = sum(p.stat().st_size for p in paths) / max(1, len(paths))
-        return cls(paths, math.floor(memory_bytes / max(mean, 1.0)), seed, swap_every)
+        return cls(paths, math.floor(memory_bytes / max(mean, 1.0)), seed, swap_every, layers)
 
     def rows_for(self, batch: int) -> list[dict]:
         """The rows batch number ``batch`` draws from."""
@@ -152,5 +193,5 @@ class ShardPool:
         if period != self._period:
             chosen = self.paths if everything else random.Random(f"{self.seed}:{period}").sample(self.paths, self.capacity)
             self.rows, self._period = [], None  # the old set freed before the new one loads
-            self.rows, self._period = load_shards(sorted(chosen)), period
+            self.rows, self._period = load_shards(sorted(chosen), self.layers), period
         return self.rows
