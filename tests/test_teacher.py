@@ -96,6 +96,8 @@ def test_a_reader_takes_its_own_layers_of_the_stored_ones_and_a_pass_of_other_la
             assert torch.equal(row["features"], full["features"][:, columns]) and row["key"] == full["key"]
     pool = ShardPool.within(shards, memory_bytes=1e12, layers=(1,))
     assert all(torch.equal(r["features"], f["features"][:, width:]) for r, f in zip(pool.rows_for(0), whole))
+    size = shard_paths(shards)[0].stat().st_size  # one shard: half of its features is about half of it in memory
+    assert ShardPool.within(shards, 1.1 * size).capacity == 1 and ShardPool.within(shards, 1.1 * size, layers=(1,)).capacity == 2
     with pytest.raises(ValueError, match=r"hold target layers \[0, 1\], not \[2\]"):
         load_shards(shards, (2,))
     with pytest.raises(ValueError, match=r"holds features of target layers \[0, 1\], not \[0\]"):

@@ -181,9 +181,12 @@ class ShardPool:
     @classmethod
     def within(cls, shards: Path, memory_bytes: float, seed: int = 0, swap_every: int = 200,
                layers: Sequence[int] | None = None) -> "ShardPool":
-        """A pool over a directory's shards holding about ``memory_bytes`` of them (as stored on disk)."""
+        """A pool over a directory's shards holding about ``memory_bytes`` of them once cut to ``layers`` (the
+        features are nearly all of a shard)."""
         paths = shard_paths(shards)
-        mean = sum(p.stat().st_size for p in paths) / max(1, len(paths))
+        stored = stored_layers(shards)
+        kept = len(layers) / len(stored) if layers is not None and stored else 1.0
+        mean = kept * sum(p.stat().st_size for p in paths) / max(1, len(paths))
         return cls(paths, math.floor(memory_bytes / max(mean, 1.0)), seed, swap_every, layers)
 
     def rows_for(self, batch: int) -> list[dict]:
