@@ -218,7 +218,7 @@ def test_the_architecture_ablation_trains_each_variant_for_its_steps_on_one_run(
         assert 0 <= r["predicted_greedy"]["gamma"] <= 4 and r["predicted_greedy"]["speedup"] >= 1.0
         assert r["ceiling"]["speedup"] >= max(r["predicted_greedy"]["speedup"], r["predicted_sampled"]["speedup"])
     assert FeatureDraft.load(out / "ablation" / "last-layer" / "draft").cfg.feature_layers == (1,)
-    assert "| last-layer | exactspec | [1] |" in capsys.readouterr().out
+    assert "| last-layer | eagle3 | [1] |" in capsys.readouterr().out  # the default layout
 
 
 def test_a_run_directory_keeps_its_layout(tmp_path):

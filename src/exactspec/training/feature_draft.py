@@ -68,7 +68,7 @@ class TrainDraftArgs:
     seed: int = 0
     threads: int | None = None
     backend: str = "auto"  # the answers' and teacher's runtime: lean, llamacpp, or auto (llamacpp for a .gguf where installed)
-    layout: str = "exactspec"  # the draft's layer: exactspec, or eagle3 (EAGLE-3's, exportable: exactspec.training.eagle3_export)
+    layout: str = "eagle3"  # the draft's layer: EAGLE-3's (exportable: exactspec.training.eagle3_export), or exactspec's first
     answers: Path | None = None  # an earlier run's answers (answers.jsonl, or gzipped) to start from
 
     def __post_init__(self) -> None:
