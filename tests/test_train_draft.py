@@ -222,7 +222,7 @@ def test_the_architecture_ablation_trains_each_variant_for_its_steps_on_one_run(
 
 
 def test_a_run_directory_keeps_its_layout(tmp_path):
-    """A rerun with another --layout would train on features of other layers: refused, naming the run's layout."""
+    """A rerun with another --layout would resume the checkpoint as another model: refused, naming the run's layout."""
     from exactspec.models.eagle import FeatureDraftConfig
     from exactspec.training.feature_draft import _check_layout
 
