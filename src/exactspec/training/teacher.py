@@ -6,10 +6,10 @@ sequences. Each shard has a small index beside it (``shard_NNNN.keys.json``: the
 after the shard, so a rerun skips exactly the sequences already read, however the list of sequences has grown
 since (new answers, more corpus), and a shard cut by an interruption is written again.
 
-Features are the bulk (about 3.5 KB per token for three 576-wide layers in bfloat16: 7 GB for 2M tokens), and
-recomputable from the answers' token ids, so training does not hold them all: :class:`ShardPool` keeps a bounded
-set of shards in memory and draws a new set every ``swap_every`` batches, as a pure function of the seed and the
-batch number (a resumed run draws what an uninterrupted one would).
+Features are the bulk (5.8 KB per token for the five 576-wide layers SmolLM2's layouts read, in bfloat16: 11.5 GB
+for 2M tokens), and recomputable from the answers' token ids, so training does not hold them all: :class:`ShardPool`
+keeps a bounded set of shards in memory and draws a new set every ``swap_every`` batches, as a pure function of the
+seed and the batch number (a resumed run draws what an uninterrupted one would).
 
 A directory's features may cover more target layers than one draft reads (``layers.json`` names them, in the
 order they are concatenated: ascending): drafts of different layouts then train on the same pass, and a reader
