@@ -104,7 +104,7 @@ def test_the_exactspec_layout_and_a_detached_draft_are_refused():
         eagle3_state(draft, TARGET_VOCAB)
 
 
-def test_export_eagle3_command_refuses_the_shipped_layout_in_one_line(tmp_path, capsys):
+def test_export_eagle3_command_refuses_the_exactspec_layout_in_one_line(tmp_path, capsys):
     from exactspec.cli import main
     from exactspec.loading import PACKAGED_MODELS
 
@@ -112,7 +112,8 @@ def test_export_eagle3_command_refuses_the_shipped_layout_in_one_line(tmp_path, 
         PACKAGED_MODELS["smollm2"].path()
     except FileNotFoundError as error:
         pytest.skip(str(error))
-    code = main(["export-eagle3", "--draft", str(PACKAGED_MODELS["smollm2"].shipped_draft()), "--target", "smollm2", "--out", str(tmp_path / "x")])
+    random_draft("exactspec").save(tmp_path / "draft")
+    code = main(["export-eagle3", "--draft", str(tmp_path / "draft"), "--target", "smollm2", "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "only an eagle3-layout draft" in err
     code = main(["export-eagle3", "--draft", "x", "--target", "smollm2", "--out", str(tmp_path / "y"), "--gguf", "d.gguf"])

@@ -134,13 +134,15 @@ class LlamaServerConfig:
     threads: int
     mode: str = "plain"  # one of MODES
     draft_model: Path | None = None  # a GGUF draft for the draft-eagle3 mode
+    draft_tokens: int = 3  # draft-eagle3: tokens drafted every round (llama-server's default), fewer only at the budget's end
     parallel: int = 1  # slots: requests decoded together
     context: int = 4096  # positions, shared by the slots
     startup_timeout: float = 120.0  # seconds until /health must answer
 
     def __post_init__(self) -> None:
-        if self.threads < 1 or self.parallel < 1 or self.context < 16:
-            raise ValueError(f"threads and parallel must be >= 1 and context >= 16, got {self.threads}, {self.parallel}, {self.context}")
+        if self.threads < 1 or self.parallel < 1 or self.context < 16 or self.draft_tokens < 1:
+            raise ValueError(f"threads, parallel and draft_tokens must be >= 1 and context >= 16, got {self.threads}, {self.parallel}, "
+                             f"{self.draft_tokens}, {self.context}")
         if self.mode not in MODES:
             raise ValueError(f"llama-server mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         if (self.mode in DRAFT_MODES) != (self.draft_model is not None):
@@ -149,8 +151,8 @@ class LlamaServerConfig:
     def command(self, port: int) -> list[str]:
         spec_type, _, variant = self.mode.partition(":")
         speculation = [] if spec_type == "plain" else ["--spec-type", spec_type, *(VARIANTS[variant][spec_type] if variant else ())]
-        if self.draft_model is not None:
-            speculation += ["--model-draft", str(self.draft_model)]
+        if self.draft_model is not None:  # a fixed draft length, as exactspec's --gamma K: no early stop on the draft's confidence
+            speculation += ["--model-draft", str(self.draft_model), "--spec-draft-n-max", str(self.draft_tokens), "--spec-draft-p-min", "0"]
         return [str(self.binary), "--model", str(self.model), "--host", "127.0.0.1", "--port", str(port),
                 "--threads", str(self.threads), "--threads-batch", str(self.threads), "--ctx-size", str(self.context),
                 "--parallel", str(self.parallel), "--no-webui", *speculation]
@@ -239,6 +241,7 @@ def _timed_run(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--mode", default="plain", choices=MODES)
     parser.add_argument("--draft-model", help="the draft-eagle3 mode's GGUF draft")
+    parser.add_argument("--draft-tokens", type=int, default=3, help="draft-eagle3: tokens drafted every round")
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else plain sampling at this temperature")
     parser.add_argument("--chat", action="store_true", help="the prompt is a user turn in the file's chat template")
@@ -253,7 +256,7 @@ def _timed_run(argv: list[str] | None = None) -> None:
     body = {"prompt": ids, "n_predict": args.max_new_tokens, "ignore_eos": True, "return_tokens": True, "cache_prompt": False,
             "seed": 0, **sampling_fields(SamplingParams(temperature=args.temperature), context)}
     config = LlamaServerConfig(find_llama_server(args.binary), Path(args.target), args.threads, args.mode,
-                               args.draft_model and Path(args.draft_model), context=max(4096, context))
+                               args.draft_model and Path(args.draft_model), context=max(4096, context), draft_tokens=args.draft_tokens)
     with LlamaServer(config) as server:
         start = time.perf_counter()
         response = server.complete(body)

@@ -36,7 +36,7 @@ from exactspec.chat import chat_messages
 from exactspec.models.llamacpp import llama_cpp_available, llama_cpp_version
 from exactspec.tokenizer import TextTokenizer
 from exactspec.bench.llama_server import DRAFT_FREE_MODES, DRAFT_MODES, llama_server_version
-from exactspec.bench.report import Column, add_ratios, format_rows, rate_row, write_report
+from exactspec.bench.report import Column, add_ratios, format_rows, groups, rate_row, write_report
 from exactspec.bench.workloads import CHAT_WORKLOADS
 
 __all__ = ["PeerBenchConfig", "run_peer_bench", "format_peer_table", "llama_cpp_available", "write_peer_outputs"]
@@ -51,6 +51,10 @@ MODES = {"greedy": 0.0, "sample": 1.0}  # temperature
 #: exactspec on its llama.cpp runtime (plain, lookup, the draft), llama.cpp itself (plain, lookup), llama-server
 #: (plain and its speculative modes).
 ARM_GROUPS = ("torch", "default", "llamacpp-runtime", "llama.cpp", "llama-server")
+#: With an exported draft (--llama-server-draft) and the same draft as exactspec's (--draft), both tools draft this many
+#: tokens a round from it (llama-server's default length), and the report sets their tokens per target call side by side.
+CROSS_CHECK_GAMMA = 3
+CROSS_CHECK_ARM = f"exactspec trained draft (llama.cpp runtime, gamma {CROSS_CHECK_GAMMA}, no lookup)"
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,9 @@ def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
         if config.draft is not None:
             arms.append(PeerArm("exactspec trained draft + lookup (llama.cpp runtime, auto gamma)",
                                 [*on_llama, "--draft", str(config.draft), *prompt_flag], "llamacpp-runtime"))
+        if config.draft is not None and config.llama_server_draft is not None:  # the cross-check's partner of draft-eagle3
+            arms.append(PeerArm(CROSS_CHECK_ARM, [*on_llama, "--draft", str(config.draft), "--gamma", str(CROSS_CHECK_GAMMA),
+                                                  "--no-lookup-routing", *prompt_flag], "llamacpp-runtime"))
     if config.llama_cpp:
         child = [sys.executable, "-m", "exactspec.bench.peers", "--target", str(config.target), "--threads", str(config.threads),
                  "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature, *(["--chat"] if chat else [])]
@@ -128,8 +135,9 @@ def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
                   *(["--chat"] if chat else [])]
         arms += [PeerArm(f"llama-server {mode}", [*server, "--mode", mode, "--prompt"], "llama-server") for mode in config.llama_server_modes]
         if config.llama_server_draft is not None:
-            arms += [PeerArm(f"llama-server {mode} ({config.llama_server_draft.name})",
-                             [*server, "--mode", mode, "--draft-model", str(config.llama_server_draft), "--prompt"], "llama-server")
+            arms += [PeerArm(f"llama-server {mode} ({config.llama_server_draft.name}, {CROSS_CHECK_GAMMA} drafted)",
+                             [*server, "--mode", mode, "--draft-model", str(config.llama_server_draft), "--draft-tokens",
+                              str(CROSS_CHECK_GAMMA), "--prompt"], "llama-server")
                      for mode in DRAFT_MODES]
     return [arm for arm in arms if arm.group in config.arm_groups]
 
@@ -186,7 +194,8 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
     server = llama_server_version(config.llama_server) if config.llama_server is not None else None
     return {"config": {**asdict(config), "target": str(config.target), "draft": config.draft and str(config.draft),
                        "llama_server": server and str(config.llama_server)},
-            "llama_cpp": build, "llama_server": server, "hf_assisted": HF_ASSISTED_SKIPPED, "results": results}
+            "llama_cpp": build, "llama_server": server, "hf_assisted": HF_ASSISTED_SKIPPED, "results": results,
+            "cross_check": cross_check(results)}
 
 
 COLUMNS = (Column("arm", "arm", "s", 46), Column("tokens/s", "tokens_per_second", ".1f", 9), Column("spread", "spread", "spread", 11),
@@ -204,7 +213,27 @@ def format_peer_table(report: dict) -> str:
     if report.get("llama_server"):
         header.append(f"llama-server ({report['config']['llama_server']}): {report['llama_server']}; its own defaults for each mode")
     header.append(f"HF assisted generation: not run ({report.get('hf_assisted', HF_ASSISTED_SKIPPED)})")
-    return format_rows(header, report["results"], COLUMNS)
+    notes = {(row["mode"], row["workload"]): (f"\ncross-check, {CROSS_CHECK_GAMMA} drafted a round from the same draft: tokens per target call, "
+                                              f"exactspec {row['exactspec']:.3f}, llama-server draft-eagle3 {row['llama_server']:.3f} "
+                                              f"(ratio {row['ratio']:.3f}; {row['expect']})")
+             for row in cross_check(report["results"])}
+    return format_rows(header, report["results"], COLUMNS, notes)
+
+
+def cross_check(rows: list[dict]) -> list[dict]:
+    """Per (mode, workload) where both ran: tokens per target call of exactspec's trained draft at fixed gamma
+    (:data:`CROSS_CHECK_ARM`) and of llama-server's draft-eagle3 with the same draft exported (its argmax drafted,
+    kept where the target's own sample matches). At greedy the two keep a drafted token on the same condition (the
+    target's argmax equals the draft's), so equal figures check the export and both tools' accounting; at T > 0
+    exactspec samples its proposals from the draft's law and verifies the block jointly, which is what it gains."""
+    checks = []
+    for (mode, workload), group in groups(rows).items():
+        ours = next((r["tokens_per_call"] for r in group if r["arm"] == CROSS_CHECK_ARM), None)
+        theirs = next((r["tokens_per_call"] for r in group if r["arm"].startswith(f"llama-server {DRAFT_MODES[0]} (")), None)
+        if ours and theirs:
+            expect = "equal when the export is right" if mode == "greedy" else "exactspec samples proposals and verifies the block"
+            checks.append({"mode": mode, "workload": workload, "exactspec": ours, "llama_server": theirs, "ratio": ours / theirs, "expect": expect})
+    return checks
 
 
 def write_peer_outputs(report: dict, directory: str | Path) -> list[Path]:
