@@ -214,8 +214,9 @@ class MachineCache(CacheDirectory):
         return self.directory / f"{key}-{pair}.json"
 
 
-def measure(spec: PairSpec, candidate: Candidate, max_gamma: int, params: SamplingParams) -> Measurement:
-    """The target's call costs and one draft step of ``spec``'s pair run as ``candidate`` (its own load)."""
+def measure(spec: PairSpec, candidate: Candidate, max_gamma: int, params: SamplingParams, repeats: int = 2) -> Measurement:
+    """The target's call costs and one draft step of ``spec``'s pair run as ``candidate`` (its own load), each the
+    median of ``repeats`` timed calls."""
     pair = replace(spec, backend=candidate.backend, dtype=candidate.dtype, weights=candidate.weights,
                    threads=candidate.threads).load()
     drafting = None
@@ -224,7 +225,7 @@ def measure(spec: PairSpec, candidate: Candidate, max_gamma: int, params: Sampli
         drafting = drafting.draft if isinstance(drafting, LookupOrDraft) else drafting
     vocab = pair.target.vocab_size
     context = [(100 + i) % vocab for i in range(CONTEXT_TOKENS)]
-    calibration = calibrate(pair.target, drafting, context, max_gamma, params=params)
+    calibration = calibrate(pair.target, drafting, context, max_gamma, repeats, params)
     return Measurement(candidate, calibration.target_ms, calibration.draft_step_ms)
 
 

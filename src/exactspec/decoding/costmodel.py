@@ -87,10 +87,12 @@ def chain_speedup(
     acceptance: Sequence[float],  # a_k: P(draft position k accepted | positions 1..k-1 accepted), k = 1..K
     draft_ms: float,  # one draft step
     target_ms: Mapping[int, float],  # call size n in tokens -> ms, for n = 1..K+1
+    plain_ms: float | None = None,  # plain decoding's ms per token; None: target_ms[1]
 ) -> BestGamma:
     """The best chain length gamma in ``0..K`` and its expected speedup over plain decoding, with acceptance that
     varies by draft position (eq. 1 generalised): ``E[tokens] = 1 + sum_{k<=gamma} prod_{i<=k} a_i`` per round of
-    cost ``gamma * draft_ms + target_ms[gamma + 1]``, against ``target_ms[1]`` per token without drafting."""
+    cost ``gamma * draft_ms + target_ms[gamma + 1]``, against ``plain_ms`` per token without drafting (a target that
+    computes more for its draft, a feature draft's capture, is slower per call than plain decoding's)."""
     if not all(math.isfinite(a) and 0 <= a <= 1 for a in acceptance):
         raise ValueError(f"acceptance by position must be probabilities in [0, 1], got {list(acceptance)!r}")
     if not (math.isfinite(draft_ms) and draft_ms >= 0):
@@ -98,9 +100,10 @@ def chain_speedup(
     missing = [n for n in range(1, len(acceptance) + 2) if not (n in target_ms and target_ms[n] > 0)]
     if missing:
         raise ValueError(f"target call times are missing or not positive for call sizes {missing}")
+    plain_ms = target_ms[1] if plain_ms is None else plain_ms
     best = BestGamma(0, 1.0)
     for gamma, tokens in enumerate(expected_tokens_by_gamma(acceptance)[1:], start=1):
-        value = tokens * target_ms[1] / (gamma * draft_ms + target_ms[gamma + 1])
+        value = tokens * plain_ms / (gamma * draft_ms + target_ms[gamma + 1])
         if value > best.speedup:
             best = BestGamma(gamma, value)
     return best
