@@ -110,14 +110,18 @@ def test_bench_arms_run_each_mode_as_its_own_server(fake, tmp_path, monkeypatch)
     pytest.importorskip("transformers")
     target = save_tiny_checkpoint(tmp_path / "target", vocab_rows=300, layers=1, seed=0, tokenizer_json=tiny_tokenizer_json())
     config = peers.PeerBenchConfig(target, threads=1, num_prompts=1, repeats=2, max_new_tokens=6, llama_cpp=False,
-                                   arm_groups=("llama-server",), llama_server=fake, llama_server_modes=("plain", "ngram-mod"))
+                                   arm_groups=("llama-server",), llama_server=fake, llama_server_modes=("plain", "ngram-mod"),
+                                   llama_server_draft=tmp_path / "d.gguf")
     report = peers.run_peer_bench(config, progress=False)
     rows = {row["arm"]: row for row in report["results"]}
-    assert list(rows) == ["llama-server plain", "llama-server ngram-mod"]
+    drafted = [f"llama-server {mode} (d.gguf, {peers.CROSS_CHECK_GAMMA} drafted)" for mode in llama_server.DRAFT_MODES]
+    assert list(rows) == ["llama-server plain", "llama-server ngram-mod", *drafted]
     assert rows["llama-server plain"]["tokens_per_call"] == 1.0 and rows["llama-server ngram-mod"]["tokens_per_call"] == 2.0
     assert all(len(row["per_prompt"][0]) == 2 and row["tokens_per_second"] > 0 for row in rows.values())
     assert report["llama_server"].startswith("version: 1 (fake)")
     assert "llama-server (" in peers.format_peer_table(report)
+    written = peers.write_peer_outputs(report, tmp_path / "out")  # the report, its paths included, is written whole
+    assert json.loads(written[0].read_text())["config"]["llama_server_draft"] == str(tmp_path / "d.gguf")
 
 
 def test_the_cross_check_sets_both_tools_tokens_per_call_side_by_side_where_both_ran():

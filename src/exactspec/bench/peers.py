@@ -193,7 +193,8 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
     build = llama_cpp_version() if config.llama_cpp else None
     server = llama_server_version(config.llama_server) if config.llama_server is not None else None
     return {"config": {**asdict(config), "target": str(config.target), "draft": config.draft and str(config.draft),
-                       "llama_server": server and str(config.llama_server)},
+                       "llama_server": server and str(config.llama_server),
+                       "llama_server_draft": config.llama_server_draft and str(config.llama_server_draft)},
             "llama_cpp": build, "llama_server": server, "hf_assisted": HF_ASSISTED_SKIPPED, "results": results,
             "cross_check": cross_check(results)}
 
