@@ -135,6 +135,26 @@ def test_outputs_give_the_last_positions_logits_and_features_stay_whole(files):
     assert captured.last_features[0].shape[0] == 5  # the last layer's output at every position, not only the asked ones
 
 
+def test_logits_are_computed_at_every_position_only_while_the_last_layer_is_captured(files, monkeypatch):
+    """A feature of the last layer needs that layer at every position, and llama.cpp computes it only where logits
+    are asked for; an earlier layer (EAGLE-3's) has every position anyway, so only the asked logits are computed."""
+    import llama_cpp
+
+    asked, decode = [], llama_cpp.llama_decode
+    monkeypatch.setattr(llama_cpp, "llama_decode", lambda ctx, batch: asked.append(sum(batch.logits[i] for i in range(batch.n_tokens)))
+                        or decode(ctx, batch))
+    full = LlamaCppRuntime(files[0], slots=1, max_len=64, threads=1).forward([(0, PROMPT + [11, 12])])[0]
+    features = {}
+    for layers in ([0], [0, 1]):
+        runtime = LlamaCppRuntime(files[0], slots=1, max_len=64, threads=1)
+        runtime.capture_features(layers)
+        last = runtime.forward([(0, PROMPT + [11, 12])], [1])[0]
+        assert (last - full[-1:]).abs().max() < ATOL
+        features[len(layers)] = runtime.last_features[0]
+    assert asked == [5, 1, 5]  # all for the plain call; one with layer 0 alone; every position with the last layer
+    assert features[1].shape == (5, features[2].shape[1] // 2) and (features[1] - features[2][:, : features[1].shape[1]]).abs().max() < ATOL
+
+
 def test_rollback_and_a_copied_prefix_continue_as_a_fresh_call(files):
     runtime = LlamaCppRuntime(files[0], slots=2, max_len=64, threads=1)
     fresh = runtime.forward([(0, [1, 20, 21, 22, 23])])[0]

@@ -197,6 +197,7 @@ class LlamaCppRuntime:
         self.max_len = min(max_len or self.weights.context_length, self.weights.context_length)
         self.threads = threads or torch.get_num_threads()
         self._capture: _FeatureCapture | None = None
+        self._every_row = False  # the last layer is captured: llama.cpp must compute it (and logits) at every position
         self._free_context: weakref.finalize | None = None
         self.last_features: list[torch.Tensor] = []  # per row of the last call, (t_i, F), when capture_features asked
         self._lengths = [0] * slots
@@ -269,14 +270,15 @@ class LlamaCppRuntime:
         if bad:
             raise ValueError(f"feature layers {bad} do not exist in a {n_layers}-layer target")
         self._capture = _FeatureCapture(layers) if layers else None
+        self._every_row = n_layers - 1 in layers
         self._make_context()
 
     def forward(self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None) -> list[torch.Tensor]:
         """``rows``: (slot, tokens to append) per sequence, slots distinct. Returns the logits of each row's last
         ``outputs[i]`` positions (every position without ``outputs``), float32 on the CPU, and advances each slot's
         length by ``t_i``. llama.cpp computes logits only where asked, and the last layer only for those positions;
-        while features are captured every position is computed (the last layer's output is a feature), and the
-        logits are cut to ``outputs`` afterwards."""
+        while the last layer's output is a captured feature every position is computed, and the logits are cut to
+        ``outputs`` afterwards (EAGLE-3's layers end before the last, so its drafts do not pay for this)."""
         llama = _llama()
         slots = [slot for slot, _ in rows]
         if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
@@ -286,7 +288,7 @@ class LlamaCppRuntime:
         for slot, tokens in zip(slots, ids):
             if self._lengths[slot] + len(tokens) > self.max_len:
                 raise ValueError(f"slot {slot}: {self._lengths[slot]} cached + {len(tokens)} new tokens exceeds {self.max_len} positions")
-        computed = [len(t) for t in ids] if self._capture is not None else counts  # logits llama.cpp computes per row
+        computed = [len(t) for t in ids] if self._every_row else counts  # logits llama.cpp computes per row
         total = sum(len(t) for t in ids)
         # a split cache computes consecutive slots together only when the batch holds them in slot order
         order = sorted(range(len(rows)), key=slots.__getitem__) if self.split_cache else range(len(rows))
