@@ -151,3 +151,47 @@ def test_llama_server_drafts_with_the_converted_checkpoint(tmp_path):
     with LlamaServer(config) as server:
         answer = server.complete({"prompt": [1, 2, 3], "n_predict": 16, "return_tokens": True, **sampling_fields(GREEDY, 19)})
     assert len(answer["tokens"]) == 16 and answer["timings"].get("draft_n", 0) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_llama_cpp_tools() is None, reason="needs llama.cpp's source ($EXACTSPEC_LLAMA_CPP_SOURCE) and llama-server")
+def test_the_shipped_draft_exported_keeps_at_greedy_what_exactspec_keeps(tmp_path):
+    """The cross-check of the export and of both tools' accounting: at greedy a drafted token is kept where the
+    target's argmax equals the draft's, in exactspec (min(1, p/q) with one-hot p and q) and in llama-server's
+    sample-and-match alike. The shipped draft on exactspec's llama.cpp runtime and its EAGLE-3 export on
+    llama-server, 3 drafted a round, the same prompts: the accepted drafts must agree to within what two llama.cpp
+    builds' numerics move (an argmax near a tie), and far from a wrong export, which keeps next to none."""
+    from exactspec.bench.llama_server import LlamaServer, LlamaServerConfig, sampling_fields
+    from exactspec.bench.workloads import CHAT_WORKLOADS
+    from exactspec.chat import chat_messages
+    from exactspec.decoding.sampling import GREEDY
+    from exactspec.loading import PACKAGED_MODELS
+    from exactspec.speculator import Speculator
+
+    pytest.importorskip("llama_cpp")
+    try:
+        gguf = PACKAGED_MODELS["smollm2"].path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    source, binary = _llama_cpp_tools()
+    shipped = PACKAGED_MODELS["smollm2"].shipped_draft()
+    if FeatureDraft.load(shipped).cfg.layout != "eagle3":
+        pytest.skip("the shipped SmolLM2 draft is not in the eagle3 layout")
+    from exactspec.cli import main
+
+    assert main(["export-eagle3", "--draft", str(shipped), "--target", "smollm2", "--out", str(tmp_path),
+                 "--gguf", str(tmp_path / "draft.gguf"), "--llama-cpp-source", source]) == 0
+    speculator = Speculator.load("smollm2", str(shipped), backend="llamacpp", threads=2, lookup_routing=False, policy_cache=False)
+    prompts = [speculator.tokenizer.encode_chat(chat_messages(text)) for text in CHAT_WORKLOADS["chat"][:3]]
+    ours = theirs = 0
+    config = LlamaServerConfig(binary, gguf, threads=2, mode="draft-eagle3", draft_model=tmp_path / "draft.gguf", draft_tokens=3)
+    with LlamaServer(config) as server:
+        for ids in prompts:
+            stats = speculator.generate(ids, 48, GREEDY, gamma=3, seed=0, stop_at_eos=False).generation.stats
+            ours += stats.by_source()["draft"]["accepted"]
+            answer = server.complete({"prompt": ids, "n_predict": 48, "ignore_eos": True, "return_tokens": True, "cache_prompt": False,
+                                      **sampling_fields(GREEDY, len(ids) + 48)})
+            theirs += int(answer["timings"].get("draft_n_accepted", 0))
+    assert ours >= 10, f"the shipped draft kept only {ours} of 144 tokens' drafts: too few to compare"
+    assert abs(ours - theirs) <= 0.1 * max(ours, theirs), (ours, theirs)
+
