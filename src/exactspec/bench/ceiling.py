@@ -9,9 +9,11 @@ plain decoding's ``c(1)`` (Leviathan et al. 2023, Thm 3.8, with acceptance by dr
   position k (the draft's acceptance prior: its model card's held-out estimate, or the policy cache's).
 
 For each runtime it measures ``c``, ``c'`` and ``d`` (:func:`exactspec.machine.measure`) and sets the predicted speedup
-at the best gamma beside four ceilings, each with one cost taken away: every draft token accepted (acceptance), a
-free draft step (draft cost), no capture (``c' = c``), a flat verification (``c'(n) = c'(1)``); and the acceptance,
-the same at every position, at which speculation breaks even. The ceiling that rises most names what stops it.
+at the best gamma beside the ceilings with one cost taken away: every draft token accepted (acceptance), a free
+draft step (draft cost), no capture (``c' = c``), a flat verification (``c'(n) = c'(1)``); and with both the draft's
+and the verification's costs taken away (acceptance alone limits it); and the acceptance, the same at every
+position, at which speculation breaks even. The ceiling that rises most names what stops it; where none of the
+one-cost ceilings rises and the last does, two costs stop it at once.
 
     python -m exactspec.bench.ceiling --target smollm2 --threads 2
 
@@ -34,7 +36,8 @@ __all__ = ["profile", "break_even_acceptance", "measure_profiles", "format_profi
 
 MODES = {"sampled": SamplingParams(), "greedy": GREEDY}
 #: The ceilings, each the prediction with one cost taken away.
-CEILINGS = ("every draft token accepted", "free draft step", "no capture (c' = c)", "flat verification (c'(n) = c'(1))")
+CEILINGS = ("every draft token accepted", "free draft step", "no capture (c' = c)", "flat verification (c'(n) = c'(1))",
+            "free draft step and flat verification")
 
 
 def _best(acceptance: Sequence[float], draft_ms: float, capture_ms: Mapping[int, float], plain_ms: float) -> dict:
@@ -68,7 +71,8 @@ def profile(plain_ms: Mapping[int, float], capture_ms: Mapping[int, float], draf
         "ceilings": dict(zip(CEILINGS, (_best([1.0] * len(acceptance), draft_ms, capture_ms, base),
                                         _best(acceptance, 0.0, capture_ms, base),
                                         _best(acceptance, draft_ms, plain_ms, base),
-                                        _best(acceptance, draft_ms, flat, base)))),
+                                        _best(acceptance, draft_ms, flat, base),
+                                        _best(acceptance, 0.0, flat, base)))),
         "break_even_acceptance": break_even_acceptance(len(acceptance), draft_ms, capture_ms, base),
         "capture_ms": capture_ms[1] - base,
         "verify_ratio": capture_ms[len(acceptance) + 1] / capture_ms[1],  # c'(K + 1) / c'(1)
