@@ -86,7 +86,8 @@ def _bench_rules(args: argparse.Namespace, chat: bool) -> dict:
         raise CliError(str(error)) from None
     spec = resolved_spec(args)
     if not spec.speculate or spec.lookup:
-        raise CliError("--rules compares the rules on a draft's sampled drafts: give a pair with a draft model or a trained draft")
+        raise CliError("--rules compares the rules on a draft's sampled drafts: give a pair with a draft model or a trained draft "
+                       "(name it with --draft: --backend auto drafts by prompt lookup where a shipped draft does not pay)")
     pair = load(args, True, spec)
     speculators = {name: Speculator(spec, pair, None) for name in ("block", "token", "plain")}
     report = run_rules(speculators, config, progress=not args.json)
