@@ -35,7 +35,7 @@ from exactspec.decoding.sampling import GREEDY, SamplingParams
 __all__ = ["profile", "break_even_acceptance", "measure_profiles", "format_profiles", "main"]
 
 MODES = {"sampled": SamplingParams(), "greedy": GREEDY}
-#: The ceilings, each the prediction with one cost taken away.
+#: The ceilings: the prediction with one cost taken away, then with both the draft's and the verification's.
 CEILINGS = ("every draft token accepted", "free draft step", "no capture (c' = c)", "flat verification (c'(n) = c'(1))",
             "free draft step and flat verification")
 
@@ -93,7 +93,7 @@ def measure_profiles(target: str, draft: str | None, backend: str, threads: int 
     priors = {mode: acceptance_prior(target_dir, draft_dir, params, None, "block" if not params.greedy else "token")[0]
               for mode, params in MODES.items()}
     if not all(priors.values()):
-        raise ValueError(f"{draft_dir} has no acceptance prior (acceptance_prior.json, written by train-draft): give --acceptance")
+        raise ValueError(f"{draft_dir} has no acceptance prior for this target (acceptance_prior.json, which train-draft writes)")
     positions = max(len(rates) for rates in priors.values())
     runtimes = []
     for candidate in [c for c in machine.candidates(spec) if backend in ("auto", c.backend)]:
