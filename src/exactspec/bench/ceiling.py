@@ -48,8 +48,8 @@ def _best(acceptance: Sequence[float], draft_ms: float, capture_ms: Mapping[int,
 def break_even_acceptance(positions: int, draft_ms: float, capture_ms: Mapping[int, float], plain_ms: float) -> float | None:
     """The smallest acceptance ``a``, the same at every draft position, at which the best chain length's speedup
     reaches 1 (None: not even ``a = 1`` pays). The speedup at any gamma rises with ``a``, so bisection finds it."""
-    def pays(a: float) -> bool:
-        return any(costmodel.chain_speedup([a] * gamma, draft_ms, capture_ms, plain_ms).gamma > 0 for gamma in range(1, positions + 1))
+    def pays(a: float) -> bool:  # the best of gamma 0..positions drafts
+        return costmodel.chain_speedup([a] * positions, draft_ms, capture_ms, plain_ms).gamma > 0
 
     if not pays(1.0):
         return None
@@ -85,9 +85,11 @@ def measure_profiles(target: str, draft: str | None, backend: str, threads: int 
     from exactspec import machine
     from exactspec.decoding.priors import acceptance_prior
     from exactspec.loading import PairSpec
+    from exactspec.models.base import check_local_checkpoint
 
     spec = PairSpec(target, draft, backend="auto", dtype="auto", weights="auto", threads=threads).resolved()
     target_dir, draft_dir = spec.dirs()
+    check_local_checkpoint(target_dir)
     if draft_dir is None:
         raise ValueError(f"{target} has no trained draft to profile: give --draft")
     priors = {mode: acceptance_prior(target_dir, draft_dir, params, None, "block" if not params.greedy else "token")[0]
