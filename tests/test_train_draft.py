@@ -232,3 +232,45 @@ def test_a_run_directory_keeps_its_layout(tmp_path):
     _check_layout(record, exactspec_layout)  # the same layout resumes
     with pytest.raises(ValueError, match="made for the exactspec layout .* rerun it with --layout exactspec"):
         _check_layout(record, FeatureDraftConfig(64, (0, 1), 8, 4, 2, 96, layout="eagle3"))
+
+
+def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
+    """--init-from: the run starts from the given draft's weights and vocabulary subset (its curve's first point is
+    that draft's own held-out acceptance), counts tokens seen on from its card, and records where it started; a
+    draft of another shape is refused in one line."""
+    import torch
+
+    from exactspec.models.eagle import FeatureDraftConfig
+    from exactspec.models.lean import LeanModel
+    from exactspec.training.feature_draft import held_out_acceptance
+    from exactspec.training.teacher import load_shards
+
+    target_cfg = LeanModel.from_pretrained(target, dtype=torch.float32).cfg
+    start = FeatureDraft(FeatureDraftConfig.for_target(target_cfg, 64, "eagle3"))
+    torch.manual_seed(5)
+    for parameter in start.parameters():
+        parameter.data.normal_(0, 0.05)
+    start.vocab_ids.copy_(torch.arange(0, 128, 2))
+    start.save(tmp_path / "start", {"training": {"tokens_seen": 12345}})
+
+    out = tmp_path / "run"
+    code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.3", "--threads", "1",
+                 "--init-from", str(tmp_path / "start"), "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    card = json.loads(captured.out)
+    assert card["training"]["initialised_from"] == str(tmp_path / "start") and card["training"]["tokens_seen_before"] == 12345
+    assert card["training"]["tokens_seen"] > 12345 and card["runs"][-1]["init_from"] == str(tmp_path / "start")
+    assert torch.equal(FeatureDraft.load(out / "draft").vocab_ids, start.vocab_ids)
+    first = card["acceptance_curve"][0]
+    assert first["tokens_seen"] == 12345 and first["steps"] == 0
+    start.attach(LeanModel.from_pretrained(target, dtype=torch.bfloat16).decoder)
+    start.embed, start.head = start.embed.float(), start.head.float()
+    held = load_shards(out / "held_out", start.cfg.feature_layers)
+    assert first["sampled"] == round(held_out_acceptance(start.eval(), held, 1, target_cfg.vocab_size)["sampled"][0], 4)
+
+    FeatureDraft(FeatureDraftConfig.for_target(target_cfg, 64, "exactspec")).save(tmp_path / "other")
+    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "run2"), "--minutes", "0.3",
+                 "--init-from", str(tmp_path / "other")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--init-from" in err and "another shape" in err and "layout exactspec" in err and err.count("\n") == 1

@@ -15,6 +15,8 @@ def run(args: argparse.Namespace) -> dict:
 
     if args.answers and not Path(args.answers).is_file():
         raise CliError(f"--answers {args.answers}: no such file")
+    if args.init_from and not Path(args.init_from).is_dir():
+        raise CliError(f"--init-from {args.init_from}: no such directory")
     prepare_output_dir(Path(args.out), "--out")
     try:
         from exactspec.models.base import check_local_checkpoint
@@ -22,7 +24,8 @@ def run(args: argparse.Namespace) -> dict:
         target = check_local_checkpoint(resolve_checkpoint(args.target))
         config = TrainDraftArgs(target, Path(args.out), args.minutes, args.vocab_subset, args.ttt_steps,
                                 answers_per_prompt=args.answers_per_prompt, seed=args.seed, threads=args.threads, backend=args.backend,
-                                layout=args.layout, answers=args.answers and Path(args.answers))
+                                layout=args.layout, answers=args.answers and Path(args.answers),
+                                init_from=args.init_from and Path(args.init_from))
         return train_draft(config)
     except (FileNotFoundError, ValueError, RuntimeError) as error:
         raise CliError(str(error)) from None
@@ -49,6 +52,8 @@ def add(add_command) -> None:
                        help="the draft's layer: EAGLE-3's (the default: the layout llama.cpp, vLLM and SGLang load; `exactspec export-eagle3` writes it), or exactspec's first (w_in, then a Llama layer)")
     train.add_argument("--answers", help="start from these answers of the target (an earlier run's answers.jsonl, or gzipped: "
                        "the costly part of the data); rows whose prompt this target's chat template encodes differently are refused")
+    train.add_argument("--init-from", metavar="DRAFT", help="start training from this draft's weights and vocabulary subset (one of the same layout for this target, such as the "
+                       "shipped one) instead of from scratch; a rerun of the same --out resumes its own checkpoint")
     train.add_argument("--seed", type=integer(0), default=0, help="seed of the prompts, data order and initialisation")
     train.add_argument("--json", action="store_true", help="print the model card as JSON")
     train.set_defaults(run=run, show=show)

@@ -70,6 +70,7 @@ class TrainDraftArgs:
     backend: str = "auto"  # the answers' and teacher's runtime: lean, llamacpp, or auto (llamacpp for a .gguf where installed)
     layout: str = "eagle3"  # the draft's layer: EAGLE-3's (exportable: exactspec.training.eagle3_export), or exactspec's first
     answers: Path | None = None  # an earlier run's answers (answers.jsonl, or gzipped) to start from
+    init_from: Path | None = None  # a trained draft of the same layout for this target, whose weights training starts from
 
     def __post_init__(self) -> None:
         if not self.minutes > 0 or self.vocab_subset < 16 or self.steps < 1 or self.batch_size < 1:
@@ -221,16 +222,17 @@ def acceptance_by_source(draft: FeatureDraft, rows: list[dict], steps: int, voca
 
 
 def train_steps(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict] | ShardPool, vocab_size: int, deadline: float,
-                max_steps: int | None = None, measure: Callable[[dict], None] | None = None) -> dict:
+                max_steps: int | None = None, measure: Callable[[dict], None] | None = None, tokens_before: int = 0) -> dict:
     """Train on ``rows`` (in memory, or drawn from a pool of shards) until ``deadline`` (or ``max_steps``, whichever
     comes first); the learning rate's cosine follows the larger share of either budget spent (a resumed run's cosine
     spans its time and the time already trained). Checkpoints every two minutes and resumes from the last
-    checkpoint; ``measure(state)`` is called every ``CURVE_MINUTES`` of training and at the end."""
+    checkpoint; ``measure(state)`` is called every ``CURVE_MINUTES`` of training and at the end. A fresh run counts
+    its tokens seen from ``tokens_before`` (what the draft it starts from was trained on)."""
     rows_for = rows.rows_for if isinstance(rows, ShardPool) else lambda step: rows
     checkpoint = args.out / "train_checkpoint.pt"
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    state = {"step": 0, "seconds": 0.0, "tokens": 0, "budget": max(1.0, deadline - time.monotonic())}
+    state = {"step": 0, "seconds": 0.0, "tokens": tokens_before, "budget": max(1.0, deadline - time.monotonic())}
     if checkpoint.is_file():
         saved = torch.load(checkpoint)
         draft.load_state_dict(saved["draft"])
@@ -285,7 +287,8 @@ class _RunLog:
         self.path = path
         self.entries = json.loads(path.read_text()) if path.is_file() else []
         self.entries.append({"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "minutes": args.minutes,
-                             "exactspec": __version__, "layout": args.layout})
+                             "exactspec": __version__, "layout": args.layout,
+                             **({"init_from": str(args.init_from)} if args.init_from else {})})
         self._write()
 
     def _write(self) -> None:
@@ -333,16 +336,35 @@ class _Curve:
         plt.close(figure)
 
 
-def _vocabulary(args: TrainDraftArgs, sequences: list[list[int]], always: set[int]) -> tuple[torch.Tensor, float]:
-    """The draft's vocabulary subset, chosen from the first run's data and kept (``vocabulary.pt``): a resumed run's
-    checkpoint has head rows for exactly these tokens."""
+def _vocabulary(args: TrainDraftArgs, sequences: list[list[int]], always: set[int],
+                given: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """The draft's vocabulary subset, chosen from the first run's data (or ``given``: the subset of the draft it
+    starts from) and kept (``vocabulary.pt``): a resumed run's checkpoint has head rows for exactly these tokens."""
     path = args.out / "vocabulary.pt"
     if path.is_file():
         saved = torch.load(path)
         return saved["ids"], saved["coverage"]
-    ids, coverage = vocabulary_subset(sequences, args.vocab_subset, always)
+    if given is not None:  # its own tokens, however often this data has them
+        ids, coverage = vocabulary_subset(sequences, len(given), set(given.tolist()))
+    else:
+        ids, coverage = vocabulary_subset(sequences, args.vocab_subset, always)
     torch.save({"ids": ids, "coverage": coverage}, path)
     return ids, coverage
+
+
+def _starting_draft(args: TrainDraftArgs, cfg: FeatureDraftConfig) -> tuple[FeatureDraft | None, int]:
+    """The draft ``--init-from`` names, checked against the one this run trains (same layout, target layers and
+    shapes), and the teacher tokens it was trained on (from its card); ``(None, 0)`` without ``--init-from``, or
+    where this run's own checkpoint already carries on from it."""
+    if args.init_from is None or (args.out / "train_checkpoint.pt").is_file():
+        return None, 0
+    start = FeatureDraft.load(args.init_from)
+    mine = replace(cfg, vocab_subset_size=start.cfg.vocab_subset_size)
+    if start.cfg != mine:
+        differs = [f"{k} {getattr(start.cfg, k)} (this run: {getattr(mine, k)})" for k in asdict(mine) if getattr(start.cfg, k) != getattr(mine, k)]
+        raise ValueError(f"--init-from {args.init_from} is a draft of another shape: {'; '.join(differs)}")
+    card = json.loads((Path(args.init_from) / "feature_draft.json").read_text()).get("card", {})
+    return start, int(card.get("training", {}).get("tokens_seen", 0))
 
 
 def _check_layout(record: Path, cfg: FeatureDraftConfig) -> None:
@@ -407,6 +429,10 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     torch.manual_seed(args.seed)
     tokenizer = TextTokenizer.from_path(args.target)
     answers_file = args.out / "answers.jsonl"
+    model = LeanModel.from_pretrained(args.target, dtype=torch.bfloat16)  # the weights it decodes with
+    cfg = FeatureDraftConfig.for_target(model.cfg, args.vocab_subset, args.layout)
+    _check_layout(args.out / "layout.json", cfg)  # both refusals before any work
+    start, tokens_before = _starting_draft(args, cfg)
     if args.answers is not None:
         _log(f"answers: {import_answers(args.answers, answers_file, tokenizer)} taken from {args.answers}")
     runs = _RunLog(args.out / "runs.json", args)
@@ -416,9 +442,6 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     held = [r for r in answers if r["prompt"] in held_keys]
     train = [r for r in answers if r["prompt"] not in held_keys]
 
-    model = LeanModel.from_pretrained(args.target, dtype=torch.bfloat16)  # the weights it decodes with
-    cfg = FeatureDraftConfig.for_target(model.cfg, args.vocab_subset, args.layout)
-    _check_layout(args.out / "layout.json", cfg)
     args = replace(args, max_sequence=min(args.max_sequence, model.cfg.max_position_embeddings),
                    window=min(args.window, model.cfg.max_position_embeddings))
     layers = layers_of_every_layout(model.cfg)
@@ -437,15 +460,19 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
         raise RuntimeError("no teacher data: give train-draft more --minutes")
     held_rows = load_shards(args.out / "held_out", cfg.feature_layers)
 
-    subset, coverage = _vocabulary(args, [s.ids for s in sequences], set(tokenizer.eos_token_ids))
+    subset, coverage = _vocabulary(args, [s.ids for s in sequences], set(tokenizer.eos_token_ids), start and start.vocab_ids)
     cfg = replace(cfg, vocab_subset_size=len(subset))
     draft = FeatureDraft(cfg)
+    if start is not None:
+        draft.load_state_dict(start.state_dict())
     draft.vocab_ids.copy_(subset)
     draft.attach(model.decoder)
     draft.embed, draft.head = draft.embed.float(), draft.head.float()
     curve = _Curve(args.out / "curve.json", draft, held_rows, model.cfg.vocab_size)
+    if start is not None:
+        curve.measure({"tokens": tokens_before, "step": 0, "seconds": 0.0})  # where the curve starts
     pool = ShardPool.within(args.out / "teacher", POOL_BYTES, args.seed, layers=cfg.feature_layers)
-    state = train_steps(args, draft, pool, model.cfg.vocab_size, deadline("train"), measure=curve.measure)
+    state = train_steps(args, draft, pool, model.cfg.vocab_size, deadline("train"), measure=curve.measure, tokens_before=tokens_before)
     by_source = acceptance_by_source(draft.eval(), held_rows, max(args.steps, 4), model.cfg.vocab_size)
     acceptance = {k: by_source["all"][k] for k in ("sampled", "greedy")}
     sources = Counter(row.get("source", "chat") for row in train)
@@ -455,7 +482,8 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
                  "teacher_sequences": len(sequences), "teacher_tokens": sum(len(s.ids) for s in sequences),
                  "corpus_share": args.corpus_share, "vocabulary_subset_coverage": coverage},
         "training": {"steps": state["step"], "tokens_seen": state["tokens"], "seconds": state["seconds"],
-                     "ttt_steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr},
+                     "ttt_steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr,
+                     **({"initialised_from": str(args.init_from), "tokens_seen_before": tokens_before} if start is not None else {})},
         "held_out_acceptance_by_position": acceptance,
         "held_out_acceptance_by_source": by_source,
         "acceptance_curve": curve.points,
