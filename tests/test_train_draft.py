@@ -274,3 +274,32 @@ def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
                  "--init-from", str(tmp_path / "other")])
     err = capsys.readouterr().err
     assert code == 2 and "--init-from" in err and "another shape" in err and "layout exactspec" in err and err.count("\n") == 1
+
+
+def test_the_data_runtime_is_the_faster_one_measured_here(target, monkeypatch):
+    """--backend auto: torch alone for a checkpoint directory (nothing timed); for a .gguf file with llama.cpp at
+    hand, whichever data_rates measures faster, with both rates in the log line."""
+    import exactspec.models.base
+    import exactspec.models.llamacpp
+    import exactspec.training.feature_draft as feature_draft
+    from exactspec.training.draft_data import data_rates
+    from exactspec.training.feature_draft import TrainDraftArgs
+
+    rates = data_rates(target, ("lean",), slots=4, calls=2)
+    assert set(rates) == {"lean"} and rates["lean"] > 0
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("nothing to choose between: nothing should be timed")
+
+    monkeypatch.setattr(feature_draft, "data_rates", no_timing)
+    assert TrainDraftArgs(target, target).data_backend() == "lean"
+    assert TrainDraftArgs(target, target, backend="lean").data_backend() == "lean"
+
+    monkeypatch.setattr(exactspec.models.base, "is_gguf", lambda path: True)
+    monkeypatch.setattr(exactspec.models.llamacpp, "llama_cpp_available", lambda: True)
+    for measured, expected in (({"llamacpp": 900.0, "lean": 300.0}, "llamacpp"), ({"llamacpp": 60.0, "lean": 270.0}, "lean")):
+        monkeypatch.setattr(feature_draft, "data_rates", lambda *args, measured=measured, **kwargs: measured)
+        lines = []
+        assert TrainDraftArgs(target, target).data_backend(lines.append) == expected
+        assert lines == [f"data runtime: {expected} (one call decoding 32 slots: llamacpp {measured['llamacpp']:,.0f} tokens/s, "
+                         f"lean {measured['lean']:,.0f} tokens/s)"]

@@ -47,7 +47,7 @@ def add(add_command) -> None:
     train.add_argument("--answers-per-prompt", type=integer(1), default=4, help="the target's answers per training prompt, each sampled with its own seed, as time allows: every prompt once before any twice")
     train.add_argument("--ttt-steps", type=integer(1), default=3, help="training-time-test depth: steps trained on the draft's own features")
     train.add_argument("--threads", type=integer(1), help="CPU threads for torch and llama.cpp (default: torch's choice)")
-    train.add_argument("--backend", choices=["auto", "lean", "llamacpp"], default="auto", help="the runtime of the answers and teacher phases: auto is llama.cpp for a .gguf target where llama-cpp-python is installed (the features the draft then reads are llama.cpp's), else lean (torch)")
+    train.add_argument("--backend", choices=["auto", "lean", "llamacpp"], default="auto", help="the runtime of the answers and teacher phases: auto times one call of each on this machine where both can run the target (a .gguf file with llama-cpp-python installed) and takes the faster, else lean (torch)")
     train.add_argument("--layout", choices=["eagle3", "exactspec"], default="eagle3",
                        help="the draft's layer: EAGLE-3's (the default: the layout llama.cpp, vLLM and SGLang load; `exactspec export-eagle3` writes it), or exactspec's first (w_in, then a Llama layer)")
     train.add_argument("--answers", help="start from these answers of the target (an earlier run's answers.jsonl, or gzipped: "

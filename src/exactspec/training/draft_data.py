@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 from exactspec.training.data import read_source, train_files
 from exactspec.training.prompts import Prompt
 
-__all__ = ["generate_answers", "read_answers", "import_answers", "answer_key", "answer_text", "corpus_chunks"]
+__all__ = ["generate_answers", "data_rates", "read_answers", "import_answers", "answer_key", "answer_text", "corpus_chunks"]
 
 
 def read_answers(path: Path) -> list[dict]:
@@ -98,9 +98,6 @@ def generate_answers(
     (a resumed one included)."""
     import hashlib
 
-    import torch
-
-    from exactspec.models.lean import LeanModel, LeanRuntime
     from exactspec.decoding.sampling import SamplingParams
     from exactspec.decoding.engine import BatchEngine, SequenceRequest
     from exactspec.tokenizer import TextTokenizer
@@ -110,25 +107,14 @@ def generate_answers(
     if not todo or time.monotonic() > deadline:
         return len(done)
     tokenizer = TextTokenizer.from_path(target)
-    if backend == "llamacpp":
-        from exactspec.models.llamacpp import LlamaCppModel, LlamaCppRuntime
-
-        model = LlamaCppModel.from_file(target, max_len=1)  # the file loaded once; the runtime below holds the slots
-        window = model.runtime.weights.context_length
-    else:
-        model = LeanModel.from_pretrained(target, dtype=torch.bfloat16, weights="dense")
-        window = model.cfg.max_position_embeddings
+    model, window = _answer_model(target, backend)
     encoded = {p: tokenizer.encode_chat(p.messages) for p, _ in todo}
     todo = [(p, i) for p, i in todo if len(encoded[p]) + 32 <= window]  # room for an answer in the model's window
     if not todo:
         return len(done)
     longest = max(len(encoded[p]) for p, _ in todo)
     slots, max_len = min(slots, len(todo)), min(window, longest + max_new_tokens)
-    if backend == "llamacpp":  # a stream per slot: every slot decodes every call (bench.cache_layout measures it)
-        runtime = LlamaCppRuntime.like(model, slots, max_len, split_cache=True)
-    else:
-        runtime = LeanRuntime.like(model, slots, max_len)
-    engine = BatchEngine(runtime)
+    engine = BatchEngine(_answer_runtime(model, backend, slots, max_len))
     params = SamplingParams(temperature=temperature)
     out.parent.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
@@ -162,6 +148,51 @@ def generate_answers(
             if failures:
                 raise RuntimeError(f"the target failed on a training prompt: {failures[0]}")
     return len(done)
+
+
+def _answer_model(target: Path, backend: str):
+    """The target as the answers decode it, and its window: the .gguf file on llama.cpp, or dense bfloat16 in torch."""
+    import torch
+
+    if backend == "llamacpp":
+        from exactspec.models.llamacpp import LlamaCppModel
+
+        model = LlamaCppModel.from_file(target, max_len=1)  # the file loaded once; the runtime holds the slots
+        return model, model.runtime.weights.context_length
+    from exactspec.models.lean import LeanModel
+
+    model = LeanModel.from_pretrained(target, dtype=torch.bfloat16, weights="dense")
+    return model, model.cfg.max_position_embeddings
+
+
+def _answer_runtime(model, backend: str, slots: int, max_len: int):
+    if backend == "llamacpp":  # a stream per slot: every slot decodes every call (bench.cache_layout measures it)
+        from exactspec.models.llamacpp import LlamaCppRuntime
+
+        return LlamaCppRuntime.like(model, slots, max_len, split_cache=True)
+    from exactspec.models.lean import LeanRuntime
+
+    return LeanRuntime.like(model, slots, max_len)
+
+
+def data_rates(target: Path, backends: Sequence[str], slots: int = 32, calls: int = 3) -> dict[str, float]:
+    """Tokens per second of the answers' workload on each of ``backends``: one call that decodes a token in each of
+    ``slots`` slots (after an 8-token start in each), the median of ``calls``. Which runtime wins depends on the CPU:
+    llama.cpp by 2x on an AVX2 CPU where torch emulates bfloat16, torch by 4x where the CPU has AMX tiles."""
+    import statistics
+
+    rates = {}
+    for backend in backends:
+        model, _ = _answer_model(target, backend)
+        runtime = _answer_runtime(model, backend, slots, 16)
+        runtime.forward([(slot, list(range(1, 9))) for slot in range(slots)])
+        seconds = []
+        for call in range(calls):
+            started = time.perf_counter()
+            runtime.forward([(slot, [9 + call]) for slot in range(slots)])
+            seconds.append(time.perf_counter() - started)
+        rates[backend] = slots / statistics.median(seconds)
+    return rates
 
 
 def corpus_chunks(tokenizer, tokens: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -39,7 +39,7 @@ from exactspec.models.eagle import LAYOUTS, FeatureDraft, FeatureDraftConfig, la
 from exactspec.models.lean import LeanModel
 from exactspec.decoding.priors import write_shipped_prior
 from exactspec.tokenizer import TextTokenizer
-from exactspec.training.draft_data import answer_text, corpus_chunks, generate_answers, import_answers, read_answers
+from exactspec.training.draft_data import answer_text, corpus_chunks, data_rates, generate_answers, import_answers, read_answers
 from exactspec.training.prompts import Prompt, chat_prompts, follow_ups
 from exactspec.training.teacher import (TEACHER_BATCH, ShardPool, TeacherSequence, lean_teacher, load_shards, runtime_teacher,
                                         stored_keys, teacher_pass)
@@ -67,7 +67,7 @@ class TrainDraftArgs:
     lr: float = 1e-3
     seed: int = 0
     threads: int | None = None
-    backend: str = "auto"  # the answers' and teacher's runtime: lean, llamacpp, or auto (llamacpp for a .gguf where installed)
+    backend: str = "auto"  # the answers' and teacher's runtime: lean, llamacpp, or auto (the faster here: data_backend)
     layout: str = "eagle3"  # the draft's layer: EAGLE-3's (exportable: exactspec.training.eagle3_export), or exactspec's first
     answers: Path | None = None  # an earlier run's answers (answers.jsonl, or gzipped) to start from
     init_from: Path | None = None  # a trained draft of the same layout for this target, whose weights training starts from
@@ -86,16 +86,22 @@ class TrainDraftArgs:
         if self.backend == "llamacpp" and not is_gguf(self.target):
             raise ValueError(f"--backend llamacpp runs .gguf files; {self.target} is not one (use --backend lean)")
 
-    @property
-    def data_backend(self) -> str:
-        """The runtime the answers and the teacher run on: llama.cpp's for a .gguf file where it is installed (on an
-        AVX2 CPU it decodes SmolLM2 2-3x faster than torch), else torch's."""
+    def data_backend(self, log: Callable[[str], None] = lambda message: None) -> str:
+        """The runtime the answers and the teacher run on: the one named, or for ``auto`` the faster on this machine
+        at the answers' workload (:func:`exactspec.training.draft_data.data_rates`) where both can run the target
+        (a .gguf file with llama-cpp-python installed), else torch's."""
         if self.backend != "auto":
             return self.backend
         from exactspec.models.base import is_gguf
         from exactspec.models.llamacpp import llama_cpp_available
 
-        return "llamacpp" if is_gguf(self.target) and llama_cpp_available() else "lean"
+        if not (is_gguf(self.target) and llama_cpp_available()):
+            return "lean"
+        rates = data_rates(self.target, ("llamacpp", "lean"))
+        chosen = max(rates, key=rates.get)
+        log(f"data runtime: {chosen} (one call decoding 32 slots: "
+            + ", ".join(f"{name} {rate:,.0f} tokens/s" for name, rate in rates.items()) + ")")
+        return chosen
 
 
 _bar = None  # the running train_draft's bar over its wall-clock budget, on a terminal; None elsewhere
@@ -295,7 +301,7 @@ class _RunLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.entries, indent=1))
 
-    def finish(self, **held: int) -> list[dict]:
+    def finish(self, **held: int | str) -> list[dict]:
         self.entries[-1].update(held, finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
         self._write()
         return self.entries
@@ -436,7 +442,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     if args.answers is not None:
         _log(f"answers: {import_answers(args.answers, answers_file, tokenizer)} taken from {args.answers}")
     runs = _RunLog(args.out / "runs.json", args)
-    backend = args.data_backend
+    backend = args.data_backend(_log)
     held_keys = _answer_phase(args, tokenizer, answers_file, deadline("answers"), backend)
     answers = read_answers(answers_file)
     held = [r for r in answers if r["prompt"] in held_keys]
@@ -487,7 +493,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
         "held_out_acceptance_by_position": acceptance,
         "held_out_acceptance_by_source": by_source,
         "acceptance_curve": curve.points,
-        "runs": runs.finish(answers=len(answers), teacher_sequences=len(sequences), steps=state["step"], tokens_seen=state["tokens"]),
+        "runs": runs.finish(runtime=backend, answers=len(answers), teacher_sequences=len(sequences), steps=state["step"], tokens_seen=state["tokens"]),
         "total_minutes": (time.monotonic() - started) / 60,
     }
     draft.save(args.out / "draft", card)
