@@ -39,12 +39,17 @@ def test_break_even_is_the_smallest_acceptance_that_pays():
 
 
 def test_a_profile_of_the_shipped_pair_measures_both_modes_on_each_runtime(capsys):
+    """Dense float32, and bfloat16 too where the CPU computes it natively: each runtime profiled in both modes."""
+    from exactspec.loading import native_bfloat16
+
     report = measure_profiles(None, None, "lean", 1, 1)
-    [runtime] = report["runtimes"]
-    assert runtime["candidate"]["backend"] == "lean" and runtime["candidate"]["threads"] == 1
-    assert set(runtime["modes"]) == {"sampled", "greedy"} and runtime["draft_step_ms"] > 0
-    positions = len(runtime["modes"]["sampled"]["acceptance"])
-    assert set(runtime["plain_ms"]) == set(runtime["capture_ms"]) == set(range(1, positions + 2))
+    runtimes = report["runtimes"]
+    assert [r["candidate"]["dtype"] for r in runtimes] == ["float32"] + (["bfloat16"] if native_bfloat16("cpu") else [])
+    for runtime in runtimes:
+        assert runtime["candidate"]["backend"] == "lean" and runtime["candidate"]["threads"] == 1
+        assert set(runtime["modes"]) == {"sampled", "greedy"} and runtime["draft_step_ms"] > 0
+        positions = len(runtime["modes"]["sampled"]["acceptance"])
+        assert set(runtime["plain_ms"]) == set(runtime["capture_ms"]) == set(range(1, positions + 2))
     text = format_profiles(report)
     assert "ceiling, every draft token accepted" in text and "break-even acceptance" in text
 

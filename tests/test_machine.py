@@ -43,6 +43,9 @@ def test_candidates_are_every_runtime_of_the_stored_weights_narrowed_by_the_flag
     assert candidates(named, cores=4, llama_cpp=True) == [Candidate("lean", "dense", "float32", 2)]
     monkeypatch.setattr(machine, "native_bfloat16", lambda device: True)
     assert ("lean", "dense", "bfloat16") in {(c.backend, c.weights, c.dtype) for c in candidates(auto, cores=1, llama_cpp=True)}
+    for dtype in ("float32", "bfloat16"):  # llama.cpp named with a dtype: the dtype of its torch side, on any CPU
+        both = PairSpec(gguf, backend="llamacpp", dtype=dtype, threads=2)
+        assert candidates(both, cores=4, llama_cpp=True) == [Candidate("llamacpp", "auto", dtype, 2)]
 
 
 def test_a_q4_file_adds_torchs_int4_path():

@@ -151,8 +151,9 @@ def candidates(spec: PairSpec, cores: int | None = None, llama_cpp: bool | None 
     dense_dtypes = ["float32"] + (["bfloat16"] if native else [])
     options = []
     if gguf and llama_cpp and not spec.invariant and (spec.backend == "llamacpp" or spec.dtype == spec.weights == AUTO):
-        # llama.cpp's precision is the file's: a --dtype or --weights named asks for torch's runtime
-        options.append(Candidate("llamacpp", "auto", "bfloat16" if native else "float32", 0))
+        # llama.cpp's precision is the file's: a --dtype or --weights named asks for torch's runtime, unless llama.cpp
+        # is named too (the dtype is then the torch side's: the draft's)
+        options.append(Candidate("llamacpp", "auto", spec.dtype if spec.dtype != AUTO else "bfloat16" if native else "float32", 0))
     if gguf and cpu and any(t.type_name in ("Q4_0", "Q4_1") for t in read_gguf(spec.target).tensors.values()):
         options.append(Candidate("lean", "q4", "bfloat16", 0))  # torch's int4 kernel on the file's own 4-bit blocks
     options += [Candidate("lean", "dense", dtype, 0) for dtype in dense_dtypes]
