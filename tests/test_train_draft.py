@@ -154,8 +154,9 @@ def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
 
     from exactspec.training.evaluate import main as evaluate  # the engine's acceptance at gamma 1 on held-out prompts
 
-    evaluate([str(out), "--prompts", "2", "--max-new-tokens", "6", "--threads", "1"])
+    evaluate([str(out), "--prompts", "2", "--max-new-tokens", "6", "--threads", "1", "--backend", "lean"])
     measured = json.loads((out / "engine_acceptance.json").read_text())
+    assert measured["backend"] == "lean"
     assert "greedy  all" in capsys.readouterr().out  # a line per source and rule
     for name in ("sampled", "greedy"):
         rows = measured[name]

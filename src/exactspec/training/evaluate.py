@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=20, help="held-out prompts per source")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--backend", choices=["lean", "llamacpp"],
+                        help="the runtime the engine runs (default: the one the draft's data came from, as its card says)")
     args = parser.parse_args(argv)
     from exactspec.machine import machine_signature
     from exactspec.models.eagle import CONFIG_FILE
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     draft = args.draft or args.run / "draft"
     card = json.loads((draft / CONFIG_FILE).read_text()).get("card", {})
     target = card["target"]
-    backend = card.get("data", {}).get("runtime", "lean")
+    backend = args.backend or card.get("data", {}).get("runtime", "lean")
     speculator = Speculator.load(target, draft, policy_cache=False, backend=backend, threads=args.threads, lookup_routing=False)
     prompts = _held_out_prompts(args.run, args.prompts)
     offline = card.get("held_out_acceptance_by_source", {})
