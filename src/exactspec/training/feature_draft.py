@@ -358,19 +358,18 @@ def _vocabulary(args: TrainDraftArgs, sequences: list[list[int]], always: set[in
     return ids, coverage
 
 
-def _starting_draft(args: TrainDraftArgs, cfg: FeatureDraftConfig) -> tuple[FeatureDraft | None, int]:
+def _starting_draft(args: TrainDraftArgs, cfg: FeatureDraftConfig) -> tuple[FeatureDraft | None, dict]:
     """The draft ``--init-from`` names, checked against the one this run trains (same layout, target layers and
-    shapes), and the teacher tokens it was trained on (from its card); ``(None, 0)`` without ``--init-from``, or
-    where this run's own checkpoint already carries on from it."""
+    shapes), and its model card; ``(None, {})`` without ``--init-from``, or where this run's own checkpoint already
+    carries on from it."""
     if args.init_from is None or (args.out / "train_checkpoint.pt").is_file():
-        return None, 0
+        return None, {}
     start = FeatureDraft.load(args.init_from)
     mine = replace(cfg, vocab_subset_size=start.cfg.vocab_subset_size)
     if start.cfg != mine:
         differs = [f"{k} {getattr(start.cfg, k)} (this run: {getattr(mine, k)})" for k in asdict(mine) if getattr(start.cfg, k) != getattr(mine, k)]
         raise ValueError(f"--init-from {args.init_from} is a draft of another shape: {'; '.join(differs)}")
-    card = json.loads((Path(args.init_from) / "feature_draft.json").read_text()).get("card", {})
-    return start, int(card.get("training", {}).get("tokens_seen", 0))
+    return start, json.loads((Path(args.init_from) / "feature_draft.json").read_text()).get("card", {})
 
 
 def _check_layout(record: Path, cfg: FeatureDraftConfig) -> None:
@@ -438,7 +437,8 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     model = LeanModel.from_pretrained(args.target, dtype=torch.bfloat16)  # the weights it decodes with
     cfg = FeatureDraftConfig.for_target(model.cfg, args.vocab_subset, args.layout)
     _check_layout(args.out / "layout.json", cfg)  # both refusals before any work
-    start, tokens_before = _starting_draft(args, cfg)
+    start, start_card = _starting_draft(args, cfg)
+    tokens_before = int(start_card.get("training", {}).get("tokens_seen", 0))
     if args.answers is not None:
         _log(f"answers: {import_answers(args.answers, answers_file, tokenizer)} taken from {args.answers}")
     runs = _RunLog(args.out / "runs.json", args)
@@ -489,7 +489,8 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
                  "corpus_share": args.corpus_share, "vocabulary_subset_coverage": coverage},
         "training": {"steps": state["step"], "tokens_seen": state["tokens"], "seconds": state["seconds"],
                      "ttt_steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr,
-                     **({"initialised_from": str(args.init_from), "tokens_seen_before": tokens_before} if start is not None else {})},
+                     **({"initialised_from": str(args.init_from), "tokens_seen_before": tokens_before,
+                         "runs_before": start_card.get("runs", [])} if start is not None else {})},
         "held_out_acceptance_by_position": acceptance,
         "held_out_acceptance_by_source": by_source,
         "acceptance_curve": curve.points,
