@@ -271,6 +271,12 @@ def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
     held = load_shards(out / "held_out", start.cfg.feature_layers)
     assert first["sampled"] == round(held_out_acceptance(start.eval(), held, 1, target_cfg.vocab_size)["sampled"][0], 4)
 
+    code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.2", "--threads", "1",
+                 "--init-from", str(tmp_path / "start"), "--json"])  # a rerun resumes its checkpoint, and still says where it began
+    resumed = json.loads(capsys.readouterr().out)
+    assert code == 0 and resumed["training"]["steps"] > card["training"]["steps"]
+    assert resumed["training"]["initialised_from"] == str(tmp_path / "start") and resumed["training"]["runs_before"] == [{"minutes": 7.0}]
+
     FeatureDraft(FeatureDraftConfig.for_target(target_cfg, 64, "exactspec")).save(tmp_path / "other")
     code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "run2"), "--minutes", "0.3",
                  "--init-from", str(tmp_path / "other")])

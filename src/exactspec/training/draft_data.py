@@ -178,7 +178,7 @@ def _answer_runtime(model, backend: str, slots: int, max_len: int):
 def data_rates(target: Path, backends: Sequence[str], slots: int = 32, calls: int = 3) -> dict[str, float]:
     """Tokens per second of the answers' workload on each of ``backends``: one call that decodes a token in each of
     ``slots`` slots (after an 8-token start in each), the median of ``calls``. Which runtime wins depends on the CPU:
-    llama.cpp by 2x on an AVX2 CPU where torch emulates bfloat16, torch by 4x where the CPU has AMX tiles."""
+    llama.cpp by 2x on an AVX2 CPU where torch emulates bfloat16, torch by 3x where the CPU has AMX tiles."""
     import statistics
 
     rates = {}

@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from exactspec.models.eagle import LAYOUTS, FeatureDraft, FeatureDraftConfig, layers_of_every_layout
+from exactspec.models.eagle import CONFIG_FILE, LAYOUTS, FeatureDraft, FeatureDraftConfig, layers_of_every_layout
 from exactspec.models.lean import LeanModel
 from exactspec.decoding.priors import write_shipped_prior
 from exactspec.tokenizer import TextTokenizer
@@ -49,6 +49,7 @@ __all__ = ["TrainDraftArgs", "train_draft", "held_out_acceptance"]
 PHASE_SHARES = {"answers": 0.35, "teacher": 0.2, "train": 0.45}
 POOL_BYTES = 3e9  # teacher shards held in memory while training (exactspec.training.teacher.ShardPool)
 CURVE_MINUTES = 15.0  # training time between two held-out acceptance measurements (the model card's curve)
+DATA_RATE_SLOTS = 32  # slots of the decoding call that times each runtime for --backend auto (data_backend)
 FOLLOW_UP_MAX_ANSWER = 160  # tokens: longer first answers get no follow-up (the conversation would pass max_sequence)
 
 
@@ -97,9 +98,9 @@ class TrainDraftArgs:
 
         if not (is_gguf(self.target) and llama_cpp_available()):
             return "lean"
-        rates = data_rates(self.target, ("llamacpp", "lean"))
+        rates = data_rates(self.target, ("llamacpp", "lean"), DATA_RATE_SLOTS)
         chosen = max(rates, key=rates.get)
-        log(f"data runtime: {chosen} (one call decoding 32 slots: "
+        log(f"data runtime: {chosen} (one call decoding {DATA_RATE_SLOTS} slots: "
             + ", ".join(f"{name} {rate:,.0f} tokens/s" for name, rate in rates.items()) + ")")
         return chosen
 
@@ -360,16 +361,21 @@ def _vocabulary(args: TrainDraftArgs, sequences: list[list[int]], always: set[in
 
 def _starting_draft(args: TrainDraftArgs, cfg: FeatureDraftConfig) -> tuple[FeatureDraft | None, dict]:
     """The draft ``--init-from`` names, checked against the one this run trains (same layout, target layers and
-    shapes), and its model card; ``(None, {})`` without ``--init-from``, or where this run's own checkpoint already
-    carries on from it."""
-    if args.init_from is None or (args.out / "train_checkpoint.pt").is_file():
+    shapes), and its model card; ``(None, {})`` without ``--init-from``. Where this run's own checkpoint already
+    carries on from it, only its card (the weights to start from are the checkpoint's)."""
+    if args.init_from is None:
         return None, {}
+    if not FeatureDraft.is_feature_draft(args.init_from):
+        raise ValueError(f"--init-from {args.init_from} is not a feature draft (it has no {CONFIG_FILE})")
+    card = json.loads((Path(args.init_from) / CONFIG_FILE).read_text()).get("card", {})
+    if (args.out / "train_checkpoint.pt").is_file():
+        return None, card
     start = FeatureDraft.load(args.init_from)
     mine = replace(cfg, vocab_subset_size=start.cfg.vocab_subset_size)
     if start.cfg != mine:
         differs = [f"{k} {getattr(start.cfg, k)} (this run: {getattr(mine, k)})" for k in asdict(mine) if getattr(start.cfg, k) != getattr(mine, k)]
         raise ValueError(f"--init-from {args.init_from} is a draft of another shape: {'; '.join(differs)}")
-    return start, json.loads((Path(args.init_from) / "feature_draft.json").read_text()).get("card", {})
+    return start, card
 
 
 def _check_layout(record: Path, cfg: FeatureDraftConfig) -> None:
@@ -436,8 +442,8 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     answers_file = args.out / "answers.jsonl"
     model = LeanModel.from_pretrained(args.target, dtype=torch.bfloat16)  # the weights it decodes with
     cfg = FeatureDraftConfig.for_target(model.cfg, args.vocab_subset, args.layout)
-    _check_layout(args.out / "layout.json", cfg)  # both refusals before any work
-    start, start_card = _starting_draft(args, cfg)
+    start, start_card = _starting_draft(args, cfg)  # both refusals before any work (this one writes nothing)
+    _check_layout(args.out / "layout.json", cfg)
     tokens_before = int(start_card.get("training", {}).get("tokens_seen", 0))
     if args.answers is not None:
         _log(f"answers: {import_answers(args.answers, answers_file, tokenizer)} taken from {args.answers}")
@@ -490,7 +496,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
         "training": {"steps": state["step"], "tokens_seen": state["tokens"], "seconds": state["seconds"],
                      "ttt_steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr,
                      **({"initialised_from": str(args.init_from), "tokens_seen_before": tokens_before,
-                         "runs_before": start_card.get("runs", [])} if start is not None else {})},
+                         "runs_before": start_card.get("runs", [])} if args.init_from else {})},
         "held_out_acceptance_by_position": acceptance,
         "held_out_acceptance_by_source": by_source,
         "acceptance_curve": curve.points,
