@@ -105,6 +105,33 @@ def test_answers_of_an_earlier_run_are_taken_once_and_another_targets_are_refuse
     assert code == 2 and "no such file" in capsys.readouterr().err and not (tmp_path / "new2").exists()
 
 
+def test_second_answers_go_to_training_prompts_only(target, tmp_path, monkeypatch):
+    """With --answers-per-prompt 2 every prompt is answered once (follow-ups of held-out answers held out too), and
+    only training prompts a second time: the held-out set stays what earlier runs measured on."""
+    from dataclasses import replace
+
+    from exactspec.tokenizer import TextTokenizer
+    from exactspec.training import feature_draft
+    from exactspec.training.feature_draft import TrainDraftArgs
+
+    def fake_answers(target_path, prompts, out, deadline, samples, **kwargs):  # a two-token answer per (prompt, sample)
+        done = {(row["prompt"], row.get("sample", 0)) for row in read_answers(out)}
+        with out.open("a") as sink:
+            for sample in range(samples):
+                for prompt in prompts:
+                    if (prompt.key, sample) not in done:
+                        sink.write(json.dumps({"prompt": prompt.key, "source": prompt.source, "sample": sample, "ids": [5, 6, 7], "answer_start": 1}) + "\n")
+
+    monkeypatch.setattr(feature_draft, "generate_answers", fake_answers)
+    args = replace(TrainDraftArgs(target, tmp_path, 1.0), answers_per_prompt=2)
+    held_keys = feature_draft._answer_phase(args, TextTokenizer.from_path(target), tmp_path / "answers.jsonl", float("inf"), "lean")
+    rows = read_answers(tmp_path / "answers.jsonl")
+    train, held = chat_prompts(0)
+    assert {p.key for p in held} < held_keys and len(held_keys) > len(held)  # follow-ups of held-out answers are held out
+    assert {row["prompt"] for row in rows if row["sample"] == 1} == {row["prompt"] for row in rows} - held_keys
+    assert {p.key for p in train} <= {row["prompt"] for row in rows if row["sample"] == 1}
+
+
 def test_the_answers_kept_in_the_repository_are_smollm2s(tmp_path):
     """data/smollm2/answers.jsonl.gz (the costly part of the SmolLM2 draft's data) loads as SmolLM2's answers."""
     from pathlib import Path

@@ -409,8 +409,10 @@ def train_draft(args: TrainDraftArgs) -> dict:
 
 def _answer_phase(args: TrainDraftArgs, tokenizer: TextTokenizer, answers_file: Path, deadline: float, backend: str) -> set[str]:
     """The target answers every single-turn prompt once, then the follow-ups to its own training and held-out
-    answers (:func:`exactspec.training.prompts.follow_ups`), then every prompt again up to ``answers_per_prompt``
-    times, as time allows. Returns the keys of the held-out prompts."""
+    answers (:func:`exactspec.training.prompts.follow_ups`), then every training prompt again up to
+    ``answers_per_prompt`` times, as time allows (held-out prompts keep one answer: more would buy no training
+    data, and would change the held-out set a resumed run's curve is measured on). Returns the keys of the
+    held-out prompts."""
     train_prompts, held_prompts = chat_prompts(args.seed)
     singles = held_prompts + train_prompts
     _log(f"answers: {len(held_prompts)} held-out and {len(train_prompts)} training prompts on {backend}, then follow-ups, "
@@ -428,7 +430,7 @@ def _answer_phase(args: TrainDraftArgs, tokenizer: TextTokenizer, answers_file: 
     held_keys |= {p.key for p in multi if p.turns[0][1] in held_keys}  # a follow-up is held out with its first turn
     run(multi, 1)
     if args.answers_per_prompt > 1:
-        run(singles + multi, args.answers_per_prompt)
+        run([p for p in singles + multi if p.key not in held_keys], args.answers_per_prompt)
     return held_keys
 
 
