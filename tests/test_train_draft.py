@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -228,14 +229,16 @@ def test_the_architecture_ablation_trains_each_variant_for_its_steps_on_one_run(
     assert main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.3", "--threads", "1",
                  "--vocab-subset", "128"]) == 0
     monkeypatch.setattr(sys, "argv", ["ablation", str(out), "--target", str(target), "--variants",
-                                      "exactspec,eagle3,last-layer,vocab-full,ttt-1", "--steps", "3", "--threads", "1", "--repeats", "2",
+                                      "exactspec,eagle3,last-layer,vocab-full,ttt-1,train-float32,train-bfloat16", "--steps", "3", "--threads", "1", "--repeats", "2",
                                       "--compare", str(out / "draft")])
     runpy.run_module("exactspec.training.ablation", run_name="__main__")
     report = json.loads((out / "ablation" / "ablation.json").read_text())
     by_name = {r["variant"]: r for r in report["variants"]}
     given = by_name.pop("given: draft")  # the run's own draft, evaluated untrained beside the variants
     assert given["steps"] == json.loads((out / "MODEL_CARD.json").read_text())["training"]["steps"] > 3
-    assert set(by_name) == {"exactspec", "eagle3", "last-layer", "vocab-full", "ttt-1"}
+    assert set(by_name) == {"exactspec", "eagle3", "last-layer", "vocab-full", "ttt-1", "train-float32", "train-bfloat16"}
+    assert (by_name["train-float32"]["train_dtype"], by_name["train-bfloat16"]["train_dtype"]) == ("float32", "bfloat16")
+    assert given["train_dtype"] == json.loads((out / "MODEL_CARD.json").read_text())["training"]["precision"]
     assert all(r["steps"] == 3 and r["draft_step_ms"] > 0 for r in by_name.values())
     assert by_name["exactspec"]["feature_layers"] == [0, 1] and by_name["last-layer"]["feature_layers"] == [1]
     assert FeatureDraft.load(out / "ablation" / "eagle3" / "draft").cfg.layout == "eagle3"
@@ -338,3 +341,33 @@ def test_the_data_runtime_is_the_faster_one_measured_here(target, monkeypatch):
         assert TrainDraftArgs(target, target).data_backend(lines.append) == expected
         assert lines == [f"data runtime: {expected} (one call decoding 32 slots: llamacpp {measured['llamacpp']:,.0f} tokens/s, "
                          f"lean {measured['lean']:,.0f} tokens/s)"]
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_training_steps_run_in_the_precision_asked_and_auto_follows_the_cpu(precision, tmp_path, monkeypatch):
+    """--train-dtype bfloat16 runs the draft's products in bfloat16 under autocast (weights stay float32 and are
+    trained), float32 runs them in float32; auto takes bfloat16 exactly where the CPU computes it natively."""
+    from exactspec.models.eagle import FeatureDraftConfig
+    from exactspec.training import feature_draft
+    from exactspec.training.feature_draft import TrainDraftArgs, train_precision, train_steps
+
+    cfg = FeatureDraftConfig(32, (0, 1, 2), 20, 4, 2, 64, 1e-5, 10000.0, 128, "eagle3")
+    draft = FeatureDraft(cfg)
+    draft.vocab_ids.copy_(torch.arange(20))
+    draft.attach_weights(torch.randn(40, 32), torch.randn(40, 32))
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"ids": torch.randint(0, 40, (24,), generator=generator), "features": torch.randn(24, 96, generator=generator),
+             "top_ids": torch.randint(0, 40, (24, 4), generator=generator), "top_probs": torch.full((24, 4), 0.25), "loss_from": 2}
+            for _ in range(3)]
+    seen = []
+    draft.fc.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    before = draft.fc.weight.detach().clone()
+    args = TrainDraftArgs(tmp_path, tmp_path, batch_size=2, window=16, train_dtype=precision)
+    state = train_steps(args, draft, rows, 40, deadline=float("inf"), max_steps=2)
+    assert state["step"] == 2 and set(seen) == {getattr(torch, precision)}
+    assert draft.fc.weight.dtype == torch.float32 and not torch.equal(draft.fc.weight, before)
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr("exactspec.loading.native_bfloat16", lambda device="cpu": native)
+        assert train_precision("auto") == expected and train_precision(precision) == precision
+    with pytest.raises(ValueError, match="--train-dtype"):
+        TrainDraftArgs(tmp_path, tmp_path, train_dtype="float16")
