@@ -348,7 +348,6 @@ def test_training_steps_run_in_the_precision_asked_and_auto_follows_the_cpu(prec
     """--train-dtype bfloat16 runs the draft's products in bfloat16 under autocast (weights stay float32 and are
     trained), float32 runs them in float32; auto takes bfloat16 exactly where the CPU computes it natively."""
     from exactspec.models.eagle import FeatureDraftConfig
-    from exactspec.training import feature_draft
     from exactspec.training.feature_draft import TrainDraftArgs, train_precision, train_steps
 
     cfg = FeatureDraftConfig(32, (0, 1, 2), 20, 4, 2, 64, 1e-5, 10000.0, 128, "eagle3")
