@@ -50,6 +50,7 @@ PHASE_SHARES = {"answers": 0.35, "teacher": 0.2, "train": 0.45}
 POOL_BYTES = 3e9  # teacher shards held in memory while training (exactspec.training.teacher.ShardPool)
 CURVE_MINUTES = 15.0  # training time between two held-out acceptance measurements (the model card's curve)
 DATA_RATE_SLOTS = 32  # slots of the decoding call that times each runtime for --backend auto (data_backend)
+TRAIN_DTYPES = ("auto", "float32", "bfloat16")  # --train-dtype: the training steps' arithmetic (train_precision)
 FOLLOW_UP_MAX_ANSWER = 160  # tokens: longer first answers get no follow-up (the conversation would pass max_sequence)
 
 
@@ -79,8 +80,8 @@ class TrainDraftArgs:
             raise ValueError("--minutes must be > 0, the vocabulary subset >= 16 tokens, steps and batch size >= 1")
         if self.answers_per_prompt < 1:
             raise ValueError("--answers-per-prompt must be >= 1")
-        if self.train_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"--train-dtype {self.train_dtype}: must be auto, float32 or bfloat16")
+        if self.train_dtype not in TRAIN_DTYPES:
+            raise ValueError(f"--train-dtype {self.train_dtype}: must be one of {', '.join(TRAIN_DTYPES)}")
         if self.backend not in ("auto", "lean", "llamacpp"):
             raise ValueError(f"unknown backend {self.backend!r}; choose one of auto, lean, llamacpp")
         if self.layout not in LAYOUTS:
@@ -473,7 +474,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     train = [r for r in answers if r["prompt"] not in held_keys]
 
     args = replace(args, max_sequence=min(args.max_sequence, model.cfg.max_position_embeddings),
-                   window=min(args.window, model.cfg.max_position_embeddings))
+                   window=min(args.window, model.cfg.max_position_embeddings), train_dtype=train_precision(args.train_dtype))
     layers = layers_of_every_layout(model.cfg)
     if backend == "llamacpp":
         from exactspec.models.llamacpp import LlamaCppRuntime
@@ -512,7 +513,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
                  "teacher_sequences": len(sequences), "teacher_tokens": sum(len(s.ids) for s in sequences),
                  "corpus_share": args.corpus_share, "vocabulary_subset_coverage": coverage},
         "training": {"steps": state["step"], "tokens_seen": state["tokens"], "seconds": state["seconds"],
-                     "precision": train_precision(args.train_dtype), "ttt_steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr,
+                     "precision": args.train_dtype, "ttt_steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr,
                      **({"initialised_from": str(args.init_from), "tokens_seen_before": tokens_before,
                          "runs_before": start_card.get("runs", [])} if args.init_from else {})},
         "held_out_acceptance_by_position": acceptance,
