@@ -61,18 +61,29 @@ def test_bench_cli_runs_every_arm_and_writes_report_and_plots(tmp_path, capsys):
 
 def test_bench_rules_compares_the_rules_on_the_same_rounds(tmp_path, capsys):
     """--rules: both rules' tokens per call from the same sampled rounds (one-sided bound below the ratio), and
-    --gamma auto's speed under each beside plain decoding."""
+    --gamma auto's speed under each beside plain decoding; the pooled row is every workload's rounds together, and the
+    table names the runtime that ran."""
+    from exactspec.bench.rules import format_rules_table
+
     tokenizer = tiny_tokenizer_json()
     target = save_tiny_checkpoint(tmp_path / "target", vocab_rows=300, layers=2, seed=0, tokenizer_json=tokenizer)
     draft = save_tiny_checkpoint(tmp_path / "draft", vocab_rows=300, layers=1, seed=1, tokenizer_json=tokenizer)
-    args = ["bench", "--rules", "--target", str(target), "--draft", str(draft), "--workloads", "grounded", "--gammas", "3",
+    args = ["bench", "--rules", "--target", str(target), "--draft", str(draft), "--workloads", "grounded,code", "--gammas", "3",
             "--prompts", "2", "--max-new-tokens", "24", "--repeats", "1", "--output-dir", str(tmp_path / "out"), "--json"]
     assert main(args) == 0
-    (row,) = json.loads(capsys.readouterr().out)["results"]
-    assert row["rounds"] >= 4 and row["ratio_lower_bound"] < row["ratio"]
-    assert row["ratio"] == pytest.approx(row["block_tokens_per_round"] / row["token_tokens_per_round"])
-    assert 1 <= row["token_tokens_per_round"] <= 4 and 1 <= row["block_tokens_per_round"] <= 4
-    assert set(row["tokens_per_second"]) == {"plain", "auto block", "auto token"} and row["block_over_token"] > 0
+    report = json.loads(capsys.readouterr().out)
+    for row in report["results"]:
+        assert row["rounds"] >= 4 and row["ratio_lower_bound"] < row["ratio"]
+        assert row["ratio"] == pytest.approx(row["block_tokens_per_round"] / row["token_tokens_per_round"])
+        assert 1 <= row["token_tokens_per_round"] <= 4 and 1 <= row["block_tokens_per_round"] <= 4
+        assert set(row["tokens_per_second"]) == {"plain", "auto block", "auto token"} and row["block_over_token"] > 0
+    pooled, rows = report["pooled"], report["results"]
+    assert pooled["rounds"] == sum(r["rounds"] for r in rows)
+    for rule in ("block_tokens_per_round", "token_tokens_per_round"):
+        assert pooled[rule] == pytest.approx(sum(r[rule] * r["rounds"] for r in rows) / pooled["rounds"])
+    table = format_rules_table(report)
+    assert f"{report['backend']} runtime" in table and report["backend"] != "auto"
+    assert table.splitlines()[-1].split()[:2] == ["pooled", str(pooled["rounds"])]
     assert main(["bench", "--rules", "--target", str(target), "--draft", "lookup"]) == 2
 
 

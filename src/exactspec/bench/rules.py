@@ -24,7 +24,7 @@ from exactspec.decoding.sampling import SamplingParams
 from exactspec.loading import model_capacity
 from exactspec.speculator import Completion, Speculator
 
-__all__ = ["RulesConfig", "run_rules", "format_rules_table", "ONE_SIDED_ALPHA"]
+__all__ = ["RulesConfig", "run_rules", "ratio_summary", "format_rules_table", "ONE_SIDED_ALPHA"]
 
 ONE_SIDED_ALPHA = 0.01
 Z_ONE_SIDED = 2.3263  # the standard normal's 0.99 quantile
@@ -61,8 +61,9 @@ def _prompts(speculator: Speculator, config: RulesConfig, workload: str) -> list
     return [tokenizer.encode_prompt(text)[-keep:] for text in workload_prompts(workload, config.num_prompts)]
 
 
-def _expected(speculator: Speculator, prompts: list[list[int]], config: RulesConfig) -> dict:
-    """Both rules' expected tokens per round over the sampled draft rounds of fixed-gamma runs (block running)."""
+def _expected(speculator: Speculator, prompts: list[list[int]], config: RulesConfig) -> tuple[list[float], list[float]]:
+    """Both rules' expected tokens per round (``1 + E[accepted]``) over the sampled draft rounds of fixed-gamma runs
+    (block running): ``(block, token)``, one entry per round."""
     block, token = [], []
     for i, prompt in enumerate(prompts):
         completion = Completion(prompt, config.seed + i)
@@ -72,6 +73,13 @@ def _expected(speculator: Speculator, prompts: list[list[int]], config: RulesCon
         rounds = [r for r in completion.generation.stats.rounds if r.expected_block is not None]
         block += [1 + r.expected_block for r in rounds]
         token += [1 + r.expected_token for r in rounds]
+    return block, token
+
+
+def ratio_summary(block: list[float], token: list[float]) -> dict:
+    """Block over token-wise tokens per round, paired over the same rounds: the ratio of the means and its one-sided
+    lower bound at rate ``ONE_SIDED_ALPHA`` (normal approximation to the mean paired difference, divided by the
+    token-wise mean)."""
     n = len(block)
     if n < 2:
         return {"rounds": n}
@@ -101,26 +109,39 @@ def _wall_clock(speculators: dict[str, Speculator], prompts: list[list[int]], co
 
 
 def run_rules(speculators: dict[str, Speculator], config: RulesConfig, progress: bool = True) -> dict:
-    """``speculators``: "block", "token" and "plain", over one loaded pair (their own decoders and policies)."""
-    results = []
+    """``speculators``: "block", "token" and "plain", over one loaded pair (their own decoders and policies). With
+    several workloads, ``pooled`` summarises every workload's rounds together."""
+    results, every_block, every_token = [], [], []
     for workload in config.workloads:
         prompts = _prompts(speculators["block"], config, workload)
-        row = {"workload": workload, **_expected(speculators["block"], prompts, config), **_wall_clock(speculators, prompts, config)}
+        block, token = _expected(speculators["block"], prompts, config)
+        every_block += block
+        every_token += token
+        row = {"workload": workload, **ratio_summary(block, token), **_wall_clock(speculators, prompts, config)}
         results.append(row)
         if progress:
             print(f"[{workload}: {row.get('ratio', float('nan')):.3f}x tokens per call]", flush=True)
-    return {"rules": "block against token-wise verification", "config": config.__dict__, "results": results}
+    pooled = {"pooled": ratio_summary(every_block, every_token)} if len(results) > 1 else {}
+    return {"rules": "block against token-wise verification", "config": config.__dict__, "results": results, **pooled}
 
 
 def format_rules_table(report: dict) -> str:
-    gamma = report["config"]["gamma"]
-    rows = [[r["workload"], str(r["rounds"]), f"{r.get('token_tokens_per_round', float('nan')):.3f}",
-             f"{r.get('block_tokens_per_round', float('nan')):.3f}", f"{r.get('ratio', float('nan')):.3f}",
-             f"{r.get('ratio_lower_bound', float('nan')):.3f}", f"{r['tokens_per_second']['plain']:.1f}",
+    """The report as a table, under a line naming what ran it; with several workloads, a last row pools their rounds."""
+    config = report["config"]
+    number = lambda row, key: f"{row.get(key, float('nan')):.3f}"  # noqa: E731
+    rows = [[r["workload"], str(r["rounds"]), number(r, "token_tokens_per_round"), number(r, "block_tokens_per_round"),
+             number(r, "ratio"), number(r, "ratio_lower_bound"), f"{r['tokens_per_second']['plain']:.1f}",
              f"{r['tokens_per_second']['auto token']:.1f}", f"{r['tokens_per_second']['auto block']:.1f}",
              f"{r['block_over_token']:.3f}"] for r in report["results"]]
-    header = ["workload", "draft rounds", f"token-wise tok/call (g={gamma})", "block tok/call", "block/token",
+    if "pooled" in report:
+        pooled = report["pooled"]
+        rows.append(["pooled", str(pooled["rounds"]), number(pooled, "token_tokens_per_round"),
+                     number(pooled, "block_tokens_per_round"), number(pooled, "ratio"), number(pooled, "ratio_lower_bound"),
+                     "", "", "", ""])
+    header = ["workload", "draft rounds", f"token-wise tok/call (g={config['gamma']})", "block tok/call", "block/token",
               f"lower bound ({ONE_SIDED_ALPHA:g} one-sided)", "plain tok/s", "auto token tok/s", "auto block tok/s",
               "auto block/token"]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header, *rows])
+    ran = (f"T=1, {config['num_prompts']} prompts x {config['max_new_tokens']} tokens per workload, "
+           f"{report.get('backend', '?')} runtime, {report.get('dtype', '?')}, threads: {report.get('threads', '?')}")
+    return "\n".join([ran, *("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header, *rows])])
