@@ -75,10 +75,9 @@ def test_a_server_that_cannot_start_is_a_clear_error(fake, tmp_path, monkeypatch
     assert eagle3[eagle3.index("--spec-draft-n-max") + 1] == "3" and eagle3[eagle3.index("--spec-draft-p-min") + 1] == "0"  # a fixed length
     five = LlamaServerConfig(fake, tmp_path / "model.gguf", threads=1, mode="draft-eagle3", draft_model=tmp_path / "d.gguf", draft_tokens=5).command(1)
     assert five[five.index("--spec-draft-n-max") + 1] == "5"
-    sampled = LlamaServerConfig(fake, tmp_path / "model.gguf", threads=1, mode="draft-eagle3:sampled", draft_model=tmp_path / "d.gguf").command(1)
-    assert sampled[sampled.index("--spec-draft-sampling") + 1] == "probabilistic"
-    with pytest.raises(ValueError, match="mode must be one of"):
-        LlamaServerConfig(fake, tmp_path / "model.gguf", threads=1, mode="ngram-cache:short")
+    for unknown in ("ngram-cache:short", "draft-eagle3:sampled"):
+        with pytest.raises(ValueError, match="mode must be one of"):
+            LlamaServerConfig(fake, tmp_path / "model.gguf", threads=1, mode=unknown, draft_model=tmp_path / "d.gguf")
     for bad in ({"threads": 0}, {"threads": 1, "draft_tokens": 0}):
         with pytest.raises(ValueError, match="threads, parallel and draft_tokens must be >= 1"):
             LlamaServerConfig(fake, tmp_path / "model.gguf", **bad)
@@ -126,14 +125,14 @@ def test_bench_arms_run_each_mode_as_its_own_server(fake, tmp_path, monkeypatch)
 
 def test_the_cross_check_sets_both_tools_tokens_per_call_side_by_side_where_both_ran():
     """exactspec's draft at fixed gamma against llama-server's draft-eagle3 with the same draft, per (mode, workload);
-    nothing where either arm is missing (the sampled variant is not the partner: it verifies by another rule)."""
+    nothing where either arm is missing (an n-gram mode is not the partner)."""
     def row(mode, workload, arm, per_call):
         return {"mode": mode, "workload": workload, "arm": arm, "tokens_per_second": 10.0, "spread": [9.0, 11.0], "tokens_per_call": per_call}
 
     server = f"llama-server draft-eagle3 (d.gguf, {peers.CROSS_CHECK_GAMMA} drafted)"
-    sampled = f"llama-server draft-eagle3:sampled (d.gguf, {peers.CROSS_CHECK_GAMMA} drafted)"
-    rows = [row("greedy", "chat", peers.CROSS_CHECK_ARM, 2.0), row("greedy", "chat", sampled, 1.0), row("greedy", "chat", server, 1.6),
-            row("sample", "chat", peers.CROSS_CHECK_ARM, 1.8), row("sample", "chat", sampled, 1.5),
+    ngram = "llama-server ngram-mod"
+    rows = [row("greedy", "chat", peers.CROSS_CHECK_ARM, 2.0), row("greedy", "chat", ngram, 1.0), row("greedy", "chat", server, 1.6),
+            row("sample", "chat", peers.CROSS_CHECK_ARM, 1.8), row("sample", "chat", ngram, 1.5),
             row("greedy", "grounded", server, 1.5)]
     checks = peers.cross_check(rows)
     assert [(c["mode"], c["workload"]) for c in checks] == [("greedy", "chat")]
