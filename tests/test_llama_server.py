@@ -65,9 +65,9 @@ def test_a_server_that_cannot_start_is_a_clear_error(fake, tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match="exited with code 1: .*failed to read the file"):
         with LlamaServer(LlamaServerConfig(fake, tmp_path / "model.gguf", threads=1)):
             pass
-    with pytest.raises(ValueError, match="draft-eagle3 modes, and only they"):
+    with pytest.raises(ValueError, match="draft-eagle3 mode, and only it"):
         LlamaServerConfig(fake, tmp_path / "model.gguf", threads=1, mode="draft-eagle3")
-    with pytest.raises(ValueError, match="draft-eagle3 modes, and only they"):
+    with pytest.raises(ValueError, match="draft-eagle3 mode, and only it"):
         LlamaServerConfig(fake, tmp_path / "model.gguf", threads=1, draft_model=tmp_path / "d.gguf")
     eagle3 = LlamaServerConfig(fake, tmp_path / "model.gguf", threads=1, mode="draft-eagle3", draft_model=tmp_path / "d.gguf").command(1)
     assert eagle3[eagle3.index("--spec-type") + 1] == "draft-eagle3" and eagle3[eagle3.index("--model-draft") + 1] == str(tmp_path / "d.gguf")

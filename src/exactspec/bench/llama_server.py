@@ -147,7 +147,7 @@ class LlamaServerConfig:
         if self.mode not in MODES:
             raise ValueError(f"llama-server mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         if (self.mode in DRAFT_MODES) != (self.draft_model is not None):
-            raise ValueError("llama-server's draft-eagle3 modes, and only they, take a draft model (an EAGLE-3 GGUF file from export-eagle3 --gguf)")
+            raise ValueError("llama-server's draft-eagle3 mode, and only it, takes a draft model (an EAGLE-3 GGUF file from export-eagle3 --gguf)")
 
     def command(self, port: int) -> list[str]:
         spec_type, _, variant = self.mode.partition(":")

@@ -44,7 +44,7 @@ class LlamaServerAudit:
         if not self.modes:
             raise ValueError("give at least one llama-server mode")
         if bool(set(self.modes) & set(DRAFT_MODES)) != (self.draft_model is not None):
-            raise ValueError("the draft-eagle3 modes, and only they, need a draft model (an EAGLE-3 GGUF file)")
+            raise ValueError("the draft-eagle3 mode, and only it, needs a draft model (an EAGLE-3 GGUF file)")
         if self.audit.api != "llama-server":
             raise ValueError("the audit's api must be llama-server")
 

@@ -105,7 +105,7 @@ def add(add_command) -> None:
     audit.add_argument("--llama-server", nargs="?", const="", metavar="PATH",
                        help="instead of --endpoint: start llama-server (this binary, or the one found as bench finds it) on loopback on the "
                             "--target-weights .gguf file, plain and in each of --llama-server-modes, and audit every mode")
-    audit.add_argument("--llama-server-draft", help="with --llama-server: an EAGLE-3 draft's GGUF file (export-eagle3 --gguf); the draft-eagle3 modes (argmax drafts; sampled drafts verified by the ratio rule) are audited too")
+    audit.add_argument("--llama-server-draft", help="with --llama-server: an EAGLE-3 draft's GGUF file (export-eagle3 --gguf); llama-server's draft-eagle3 mode (its argmax drafted, kept where the target's own sample matches) is audited too")
     audit.add_argument("--llama-server-modes", type=list_of(one_of(DRAFT_FREE_MODES), f"names from {', '.join(DRAFT_FREE_MODES)}"),
                        help=f"with --llama-server: the modes audited, comma-separated (plain is also every other mode's baseline; unless given: {' '.join(AUDIT_MODES)})")
     audit.add_argument("--target-weights", required=True, help="the same target's weights here: a directory, a .gguf file or a packaged model's name")
