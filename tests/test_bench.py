@@ -82,7 +82,7 @@ def test_bench_rules_compares_the_rules_on_the_same_rounds(tmp_path, capsys):
     for rule in ("block_tokens_per_round", "token_tokens_per_round"):
         assert pooled[rule] == pytest.approx(sum(r[rule] * r["rounds"] for r in rows) / pooled["rounds"])
     table = format_rules_table(report)
-    assert f"{report['backend']} runtime" in table and report["backend"] != "auto"
+    assert f"{report['backend']} runtime ({report['precision']}), threads: {report['threads']}" in table and report["backend"] != "auto"
     assert table.splitlines()[-1].split()[:2] == ["pooled", str(pooled["rounds"])]
     assert main(["bench", "--rules", "--target", str(target), "--draft", "lookup"]) == 2
 

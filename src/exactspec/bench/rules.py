@@ -143,5 +143,5 @@ def format_rules_table(report: dict) -> str:
               "auto block/token"]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     ran = (f"T=1, {config['num_prompts']} prompts x {config['max_new_tokens']} tokens per workload, "
-           f"{report.get('backend', '?')} runtime, {report.get('dtype', '?')}, threads: {report.get('threads', '?')}")
+           f"{report.get('backend', '?')} runtime ({report.get('precision', '?')}), threads: {report.get('threads', '?')}")
     return "\n".join([ran, *("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header, *rows])])

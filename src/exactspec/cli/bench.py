@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -91,7 +92,8 @@ def _bench_rules(args: argparse.Namespace, chat: bool) -> dict:
     pair = load(args, True, spec)
     speculators = {name: Speculator(spec, pair, None) for name in ("block", "token", "plain")}
     report = run_rules(speculators, config, progress=not args.json)
-    report.update(threads=torch.get_num_threads(), dtype=args.dtype, backend=args.backend)
+    model_threads = spec.threads or (os.cpu_count() if spec.backend == "llamacpp" else torch.get_num_threads())  # as load set them
+    report.update(threads=model_threads, precision=spec.precision, backend=spec.backend)
     return report
 
 
