@@ -128,16 +128,15 @@ def run_rules(speculators: dict[str, Speculator], config: RulesConfig, progress:
 def format_rules_table(report: dict) -> str:
     """The report as a table, under a line naming what ran it; with several workloads, a last row pools their rounds."""
     config = report["config"]
-    number = lambda row, key: f"{row.get(key, float('nan')):.3f}"  # noqa: E731
-    rows = [[r["workload"], str(r["rounds"]), number(r, "token_tokens_per_round"), number(r, "block_tokens_per_round"),
-             number(r, "ratio"), number(r, "ratio_lower_bound"), f"{r['tokens_per_second']['plain']:.1f}",
-             f"{r['tokens_per_second']['auto token']:.1f}", f"{r['tokens_per_second']['auto block']:.1f}",
+
+    def expectations(row: dict) -> list[str]:  # rounds, both rules' tokens per call, their ratio and its bound
+        return [str(row["rounds"]), *(f"{row.get(key, float('nan')):.3f}" for key in
+                                      ("token_tokens_per_round", "block_tokens_per_round", "ratio", "ratio_lower_bound"))]
+
+    rows = [[r["workload"], *expectations(r), *(f"{r['tokens_per_second'][arm]:.1f}" for arm in ("plain", "auto token", "auto block")),
              f"{r['block_over_token']:.3f}"] for r in report["results"]]
     if "pooled" in report:
-        pooled = report["pooled"]
-        rows.append(["pooled", str(pooled["rounds"]), number(pooled, "token_tokens_per_round"),
-                     number(pooled, "block_tokens_per_round"), number(pooled, "ratio"), number(pooled, "ratio_lower_bound"),
-                     "", "", "", ""])
+        rows.append(["pooled", *expectations(report["pooled"]), "", "", "", ""])
     header = ["workload", "draft rounds", f"token-wise tok/call (g={config['gamma']})", "block tok/call", "block/token",
               f"lower bound ({ONE_SIDED_ALPHA:g} one-sided)", "plain tok/s", "auto token tok/s", "auto block tok/s",
               "auto block/token"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -92,8 +91,10 @@ def _bench_rules(args: argparse.Namespace, chat: bool) -> dict:
     pair = load(args, True, spec)
     speculators = {name: Speculator(spec, pair, None) for name in ("block", "token", "plain")}
     report = run_rules(speculators, config, progress=not args.json)
-    model_threads = spec.threads or (os.cpu_count() if spec.backend == "llamacpp" else torch.get_num_threads())  # as load set them
-    report.update(threads=model_threads, precision=spec.precision, backend=spec.backend)
+    from exactspec.loading import unwrapped
+
+    report.update(threads=getattr(unwrapped(pair.target), "threads", torch.get_num_threads()),  # llama.cpp's own, or torch's
+                  precision=spec.precision, backend=spec.backend)
     return report
 
 
