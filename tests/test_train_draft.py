@@ -229,14 +229,15 @@ def test_the_architecture_ablation_trains_each_variant_for_its_steps_on_one_run(
     assert main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.3", "--threads", "1",
                  "--vocab-subset", "128"]) == 0
     monkeypatch.setattr(sys, "argv", ["ablation", str(out), "--target", str(target), "--variants",
-                                      "exactspec,eagle3,last-layer,vocab-full,ttt-1,train-float32,train-bfloat16", "--steps", "3", "--threads", "1", "--repeats", "2",
+                                      "exactspec,eagle3,last-layer,vocab-full,ttt-1,train-float32,train-bfloat16,loss-tv", "--steps", "3", "--threads", "1", "--repeats", "2",
                                       "--compare", str(out / "draft")])
     runpy.run_module("exactspec.training.ablation", run_name="__main__")
     report = json.loads((out / "ablation" / "ablation.json").read_text())
     by_name = {r["variant"]: r for r in report["variants"]}
     given = by_name.pop("given: draft")  # the run's own draft, evaluated untrained beside the variants
     assert given["steps"] == json.loads((out / "MODEL_CARD.json").read_text())["training"]["steps"] > 3
-    assert set(by_name) == {"exactspec", "eagle3", "last-layer", "vocab-full", "ttt-1", "train-float32", "train-bfloat16"}
+    assert set(by_name) == {"exactspec", "eagle3", "last-layer", "vocab-full", "ttt-1", "train-float32", "train-bfloat16", "loss-tv"}
+    assert (by_name["loss-tv"]["tv_weight"], by_name["eagle3"]["tv_weight"], given["tv_weight"]) == (1.0, 0.0, 0.0)
     assert (by_name["train-float32"]["train_dtype"], by_name["train-bfloat16"]["train_dtype"]) == ("float32", "bfloat16")
     assert given["train_dtype"] == json.loads((out / "MODEL_CARD.json").read_text())["training"]["precision"]
     assert all(r["steps"] == 3 and r["draft_step_ms"] > 0 for r in by_name.values())
@@ -370,3 +371,35 @@ def test_training_steps_run_in_the_precision_asked_and_auto_follows_the_cpu(prec
         assert train_precision("auto") == expected and train_precision(precision) == precision
     with pytest.raises(ValueError, match="--train-dtype"):
         TrainDraftArgs(tmp_path, tmp_path, train_dtype="float16")
+
+
+def test_the_total_variation_term_adds_the_rejection_probability_of_one_drafted_token(tmp_path):
+    """step_losses with --tv-weight w adds w * (1 - sum_v min(p(v), q(v))) per slot, over the teacher's top-k tokens
+    inside the head's subset, to the cross-entropy (each step's mean over its own slots); a negative weight is refused."""
+    from exactspec.models.eagle import FeatureDraftConfig
+    from exactspec.training.feature_draft import TrainDraftArgs, step_losses
+
+    torch.manual_seed(0)
+    cfg = FeatureDraftConfig(32, (0, 1, 2), 20, 4, 2, 64, 1e-5, 10000.0, 128, "eagle3")
+    draft = FeatureDraft(cfg)
+    draft.vocab_ids.copy_(torch.arange(0, 40, 2))  # even tokens: odd top-k tokens fall outside the head
+    draft.attach_weights(torch.randn(40, 32), torch.randn(40, 32))
+    subset_index = torch.full((40,), -1, dtype=torch.long)
+    subset_index[draft.vocab_ids] = torch.arange(20)
+    feats, ids = torch.randn(2, 9, 96), torch.randint(0, 40, (2, 9))
+    top = torch.stack([torch.randperm(40)[:4] for _ in range(18)]).view(2, 9, 4)
+    probs = torch.softmax(torch.randn(2, 9, 4) * 2, -1) * 0.9
+    counted = torch.ones(2, 9, dtype=torch.bool)
+    counted[1, 6:] = False
+    with torch.no_grad():
+        plain = step_losses(draft, subset_index, feats, ids, probs, top, counted, 2)
+        weighted = step_losses(draft, subset_index, feats, ids, probs, top, counted, 2, tv_weight=2.5)
+        outputs = draft.forward_train(feats[:, :-1], ids[:, 1:], 2)
+    for k, (g, ce, both) in enumerate(zip(outputs, plain, weighted), start=1):
+        q = draft.logits(g).float().softmax(-1)
+        rejections = [1 - sum(min(float(probs[b, j + 1, i]), float(q[b, j, int(subset_index[top[b, j + 1, i]])]))
+                              for i in range(4) if subset_index[top[b, j + 1, i]] >= 0)
+                      for b in range(2) for j in range(k - 1, 8) if counted[b, j + 1]]
+        assert float(both - ce) == pytest.approx(2.5 * sum(rejections) / len(rejections), rel=1e-5)
+    with pytest.raises(ValueError, match="--tv-weight"):
+        TrainDraftArgs(tmp_path, tmp_path, tv_weight=-1.0)

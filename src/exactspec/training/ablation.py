@@ -14,8 +14,10 @@ The predicted speedup over plain decoding combines them (`costmodel.chain_speedu
 best chain length up to 4), beside the ceiling that the call costs allow (every draft token accepted). The
 variants: the two layouts (exactspec's layer on layers at a quarter, a half and the end; EAGLE-3's layer and
 layers, which llama.cpp, vLLM and SGLang load), and, on train-draft's default layout, the last layer only (EAGLE),
-the head's vocabulary subset (FR-Spec) at 4k, 16k and the whole vocabulary, no training-time test, and the training
-steps in float32 or in bfloat16 autocast (train-draft's default, ``--train-dtype auto``, picks by the CPU).
+the head's vocabulary subset (FR-Spec) at 4k, 16k and the whole vocabulary, no training-time test, the training
+steps in float32 or in bfloat16 autocast (train-draft's default, ``--train-dtype auto``, picks by the CPU), and a
+total-variation term beside the loss's cross-entropy at weights 1 and 4 (``--tv-weight``; DistillSpec found the
+divergence that pays depends on the decoding, and T=1 acceptance is 1 - TV).
 
     python -m exactspec.training.ablation runs/smollm2_draft --steps 300 --threads 2
     python -m exactspec.training.ablation runs/smollm2_draft --variants exactspec,eagle3 --steps 50   # a quick look
@@ -49,18 +51,21 @@ from exactspec.training.feature_draft import (POOL_BYTES, TrainDraftArgs, held_o
 from exactspec.training.teacher import ShardPool, load_shards, shard_paths, stored_layers
 
 # name -> (layout, its feature layers: "all" or "last" only, vocabulary subset (0 = whole vocabulary), TTT depth,
-# training arithmetic); the variants other than the two layouts change one thing of train-draft's defaults
+# training arithmetic, weight of the loss's total-variation term); the variants other than the two layouts change one
+# thing of train-draft's defaults
 DEFAULT_DTYPE = TrainDraftArgs.train_dtype
 VARIANTS = {
-    "exactspec": ("exactspec", "all", 8192, 3, DEFAULT_DTYPE),
-    "eagle3": ("eagle3", "all", 8192, 3, DEFAULT_DTYPE),
-    "last-layer": (TrainDraftArgs.layout, "last", 8192, 3, DEFAULT_DTYPE),
-    "vocab-4k": (TrainDraftArgs.layout, "all", 4096, 3, DEFAULT_DTYPE),
-    "vocab-16k": (TrainDraftArgs.layout, "all", 16384, 3, DEFAULT_DTYPE),
-    "vocab-full": (TrainDraftArgs.layout, "all", 0, 3, DEFAULT_DTYPE),
-    "ttt-1": (TrainDraftArgs.layout, "all", 8192, 1, DEFAULT_DTYPE),
-    "train-float32": (TrainDraftArgs.layout, "all", 8192, 3, "float32"),
-    "train-bfloat16": (TrainDraftArgs.layout, "all", 8192, 3, "bfloat16"),
+    "exactspec": ("exactspec", "all", 8192, 3, DEFAULT_DTYPE, 0.0),
+    "eagle3": ("eagle3", "all", 8192, 3, DEFAULT_DTYPE, 0.0),
+    "last-layer": (TrainDraftArgs.layout, "last", 8192, 3, DEFAULT_DTYPE, 0.0),
+    "vocab-4k": (TrainDraftArgs.layout, "all", 4096, 3, DEFAULT_DTYPE, 0.0),
+    "vocab-16k": (TrainDraftArgs.layout, "all", 16384, 3, DEFAULT_DTYPE, 0.0),
+    "vocab-full": (TrainDraftArgs.layout, "all", 0, 3, DEFAULT_DTYPE, 0.0),
+    "ttt-1": (TrainDraftArgs.layout, "all", 8192, 1, DEFAULT_DTYPE, 0.0),
+    "train-float32": (TrainDraftArgs.layout, "all", 8192, 3, "float32", 0.0),
+    "train-bfloat16": (TrainDraftArgs.layout, "all", 8192, 3, "bfloat16", 0.0),
+    "loss-tv": (TrainDraftArgs.layout, "all", 8192, 3, DEFAULT_DTYPE, 1.0),
+    "loss-tv-4": (TrainDraftArgs.layout, "all", 8192, 3, DEFAULT_DTYPE, 4.0),
 }
 POSITIONS = 4
 
@@ -68,7 +73,7 @@ POSITIONS = 4
 def run_variant(name: str, run: Path, target: LeanModel, tokenizer: TextTokenizer, args: argparse.Namespace) -> dict:
     """One variant trained for ``args.steps`` on the run's teacher shards (its own layers of them, drawn as
     train-draft draws), scored on the run's held-out answers."""
-    layout, layers, vocab, ttt, train_dtype = VARIANTS[name]
+    layout, layers, vocab, ttt, train_dtype, tv_weight = VARIANTS[name]
     cfg = FeatureDraftConfig.for_target(target.cfg, vocab or target.cfg.vocab_size, layout)
     if layers == "last":
         cfg = replace(cfg, feature_layers=cfg.feature_layers[-1:])
@@ -86,13 +91,14 @@ def run_variant(name: str, run: Path, target: LeanModel, tokenizer: TextTokenize
     draft.embed, draft.head = draft.embed.float(), draft.head.float()
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
-    train_args = TrainDraftArgs(target=run, out=out, steps=ttt, seed=args.seed, layout=layout, train_dtype=train_dtype)
+    train_args = TrainDraftArgs(target=run, out=out, steps=ttt, seed=args.seed, layout=layout, train_dtype=train_dtype,
+                                tv_weight=tv_weight)
     began = time.monotonic()
     state = train_steps(train_args, draft, pool, target.cfg.vocab_size, deadline=math.inf, max_steps=args.steps)
     acceptance = held_out_acceptance(draft.eval(), held, POSITIONS, target.cfg.vocab_size)
     draft.save(out / "draft")
     return {"variant": name, "layout": layout, "draft_dir": str(out / "draft"), "feature_layers": list(cfg.feature_layers),
-            "vocab_subset": len(subset), "subset_coverage": coverage, "ttt_steps": ttt, "train_dtype": train_precision(train_dtype), "steps": state["step"],
+            "vocab_subset": len(subset), "subset_coverage": coverage, "ttt_steps": ttt, "train_dtype": train_precision(train_dtype), "tv_weight": tv_weight, "steps": state["step"],
             "tokens_seen": state["tokens"], "train_seconds": time.monotonic() - began, "acceptance": acceptance}
 
 
@@ -109,7 +115,8 @@ def evaluate_given(directory: Path, target: LeanModel, run: Path) -> dict:
             "feature_layers": list(draft.cfg.feature_layers), "vocab_subset": draft.cfg.vocab_subset_size,
             "subset_coverage": card.get("data", {}).get("vocabulary_subset_coverage", math.nan),
             "ttt_steps": card.get("training", {}).get("ttt_steps", 0),
-            "train_dtype": card.get("training", {}).get("precision", "float32"), "steps": card.get("training", {}).get("steps", 0),
+            "train_dtype": card.get("training", {}).get("precision", "float32"), "tv_weight": card.get("training", {}).get("tv_weight", 0.0),
+            "steps": card.get("training", {}).get("steps", 0),
             "train_seconds": card.get("training", {}).get("seconds", math.nan),
             "acceptance": held_out_acceptance(draft.eval(), held, POSITIONS, target.cfg.vocab_size)}
 
@@ -182,13 +189,13 @@ def main() -> None:
     (args.out / "ablation.json").write_text(json.dumps(report, indent=2))
     print(f"\n{args.steps} steps per variant trained here; target {', '.join(f'{n} tok {ms:.1f} ms' for n, ms in target_ms.items())}; "
           f"bfloat16, {args.threads} threads")
-    print("| variant | layout | layers | |S| (coverage) | TTT | train dtype | train s | T=1 acceptance by position | greedy | draft step ms "
+    print("| variant | layout | layers | |S| (coverage) | TTT | train dtype | TV weight | train s | T=1 acceptance by position | greedy | draft step ms "
           "| predicted T=1 (gamma) | predicted greedy (gamma) | all accepted (gamma) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         acc = {m: " / ".join(f"{a:.2f}" for a in r["acceptance"][m]) for m in ("sampled", "greedy")}
         print(f"| {r['variant']} | {r['layout']} | {r['feature_layers']} | {r['vocab_subset']} ({r['subset_coverage']:.3f}) | "
-              f"{r['ttt_steps']} | {r['train_dtype']} | {r['train_seconds']:.0f} | {acc['sampled']} | {acc['greedy']} | {r['draft_step_ms']:.2f} | "
+              f"{r['ttt_steps']} | {r['train_dtype']} | {r['tv_weight']:g} | {r['train_seconds']:.0f} | {acc['sampled']} | {acc['greedy']} | {r['draft_step_ms']:.2f} | "
               f"{r['predicted_sampled']['speedup']:.2f}x ({r['predicted_sampled']['gamma']}) | "
               f"{r['predicted_greedy']['speedup']:.2f}x ({r['predicted_greedy']['gamma']}) | "
               f"{r['ceiling']['speedup']:.2f}x ({r['ceiling']['gamma']}) |")

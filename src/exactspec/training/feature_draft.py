@@ -74,12 +74,15 @@ class TrainDraftArgs:
     answers: Path | None = None  # an earlier run's answers (answers.jsonl, or gzipped) to start from
     init_from: Path | None = None  # a trained draft of the same layout for this target, whose weights training starts from
     train_dtype: str = "auto"  # the training steps' arithmetic: float32, bfloat16 (autocast), or auto (train_precision)
+    tv_weight: float = 0.0  # weight of the total-variation term beside the cross-entropy (step_losses)
 
     def __post_init__(self) -> None:
         if not self.minutes > 0 or self.vocab_subset < 16 or self.steps < 1 or self.batch_size < 1:
             raise ValueError("--minutes must be > 0, the vocabulary subset >= 16 tokens, steps and batch size >= 1")
         if self.answers_per_prompt < 1:
             raise ValueError("--answers-per-prompt must be >= 1")
+        if not self.tv_weight >= 0:
+            raise ValueError(f"--tv-weight {self.tv_weight}: must be >= 0")
         if self.train_dtype not in TRAIN_DTYPES:
             raise ValueError(f"--train-dtype {self.train_dtype}: must be one of {', '.join(TRAIN_DTYPES)}")
         if self.backend not in ("auto", "lean", "llamacpp"):
@@ -179,8 +182,12 @@ def _batch(rows: list[dict], size: int, window: int, rng: random.Random):
     return feats, ids, probs, top, counted
 
 
-def step_losses(draft: FeatureDraft, subset_index: torch.Tensor, feats, ids, probs, top, counted, steps: int) -> list[torch.Tensor]:
-    """Per TTT step, the mean over counted slots of -sum_{v in S} p(v) log q(v) for the token two places ahead."""
+def step_losses(draft: FeatureDraft, subset_index: torch.Tensor, feats, ids, probs, top, counted, steps: int,
+                tv_weight: float = 0.0) -> list[torch.Tensor]:
+    """Per TTT step, the mean over counted slots of the loss for the token two places ahead: the cross-entropy
+    -sum_{v in S} p(v) log q(v), plus ``tv_weight`` times 1 - sum_{v in S} min(p(v), q(v)), which is the rejection
+    probability 1 - beta of one drafted token at T=1 (reference: acceptance rule, beta = sum_v min(p, q)) with p
+    truncated to the teacher's top-k, so the term's gradient acts only where q falls short of p."""
     outputs = draft.forward_train(feats[:, :-1], ids[:, 1:], steps)  # slot j: f_j, x_{j+1} -> x_{j+2}
     label_ids, label_probs = subset_index[top[:, 1:]], probs[:, 1:]  # (B, T-1, K): p at position j + 1
     in_subset = label_ids >= 0
@@ -188,10 +195,13 @@ def step_losses(draft: FeatureDraft, subset_index: torch.Tensor, feats, ids, pro
     losses = []
     for k, g in enumerate(outputs, start=1):
         log_q = draft.logits(g).float().log_softmax(-1)  # (B, T-1, |S|)
-        picked = log_q.gather(-1, label_ids.clamp(min=0)) * label_probs * in_subset
+        log_q_at_p = log_q.gather(-1, label_ids.clamp(min=0))  # (B, T-1, K)
+        per_slot = -(log_q_at_p * label_probs * in_subset).sum(-1)
+        if tv_weight:
+            per_slot = per_slot + tv_weight * (1 - (torch.minimum(log_q_at_p.exp(), label_probs) * in_subset).sum(-1))
         slots = valid.clone()
         slots[:, : k - 1] = False  # step k needs k - 1 earlier slots in its chain
-        losses.append(-(picked.sum(-1) * slots).sum() / slots.sum().clamp(min=1))
+        losses.append((per_slot * slots).sum() / slots.sum().clamp(min=1))
     return losses
 
 
@@ -275,7 +285,7 @@ def train_steps(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict] | Sh
             group["lr"] = args.lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         feats, ids, probs, top, counted = _batch(rows_for(state["step"]), args.batch_size, args.window, rng)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
-            losses = step_losses(draft, subset_index, feats, ids, probs, top, counted, args.steps)
+            losses = step_losses(draft, subset_index, feats, ids, probs, top, counted, args.steps, args.tv_weight)
         total = sum(w * loss for w, loss in zip((1.0, 0.8, 0.6, 0.5, 0.4), losses))
         optimizer.zero_grad()
         total.backward()
@@ -513,7 +523,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
                  "teacher_sequences": len(sequences), "teacher_tokens": sum(len(s.ids) for s in sequences),
                  "corpus_share": args.corpus_share, "vocabulary_subset_coverage": coverage},
         "training": {"steps": state["step"], "tokens_seen": state["tokens"], "seconds": state["seconds"],
-                     "precision": args.train_dtype, "ttt_steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr,
+                     "precision": args.train_dtype, "tv_weight": args.tv_weight, "ttt_steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr,
                      **({"initialised_from": str(args.init_from), "tokens_seen_before": tokens_before,
                          "runs_before": start_card.get("runs", [])} if args.init_from else {})},
         "held_out_acceptance_by_position": acceptance,
