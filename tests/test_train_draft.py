@@ -268,8 +268,8 @@ def test_a_run_directory_keeps_its_layout(tmp_path):
 
 def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
     """--init-from: the run starts from the given draft's weights and vocabulary subset (its curve's first point is
-    that draft's own held-out acceptance), counts tokens seen on from its card, and records where it started; a
-    draft of another shape is refused in one line."""
+    that draft's own held-out acceptance), counts tokens seen on from its card, and records where it started and
+    each run's loss; a draft of another shape is refused in one line."""
     import torch
 
     from exactspec.models.eagle import FeatureDraftConfig
@@ -303,9 +303,10 @@ def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
     assert first["sampled"] == round(held_out_acceptance(start.eval(), held, 1, target_cfg.vocab_size)["sampled"][0], 4)
 
     code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.2", "--threads", "1",
-                 "--init-from", str(tmp_path / "start"), "--json"])  # a rerun resumes its checkpoint, and still says where it began
+                 "--init-from", str(tmp_path / "start"), "--tv-weight", "2", "--json"])  # a rerun resumes its checkpoint, and still says where it began
     resumed = json.loads(capsys.readouterr().out)
     assert code == 0 and resumed["training"]["steps"] > card["training"]["steps"]
+    assert [r["tv_weight"] for r in resumed["runs"]] == [0.0, 2.0] and resumed["training"]["tv_weight"] == 2.0  # each run's loss
     assert resumed["training"]["initialised_from"] == str(tmp_path / "start") and resumed["training"]["runs_before"] == [{"minutes": 7.0}]
 
     FeatureDraft(FeatureDraftConfig.for_target(target_cfg, 64, "exactspec")).save(tmp_path / "other")

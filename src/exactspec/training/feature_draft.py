@@ -321,7 +321,7 @@ class _RunLog:
         self.path = path
         self.entries = json.loads(path.read_text()) if path.is_file() else []
         self.entries.append({"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "minutes": args.minutes,
-                             "exactspec": __version__, "layout": args.layout,
+                             "exactspec": __version__, "layout": args.layout, "tv_weight": args.tv_weight,
                              **({"init_from": str(args.init_from)} if args.init_from else {})})
         self._write()
 
