@@ -229,15 +229,15 @@ def test_the_architecture_ablation_trains_each_variant_for_its_steps_on_one_run(
     assert main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.3", "--threads", "1",
                  "--vocab-subset", "128"]) == 0
     monkeypatch.setattr(sys, "argv", ["ablation", str(out), "--target", str(target), "--variants",
-                                      "exactspec,eagle3,last-layer,vocab-full,ttt-1,train-float32,train-bfloat16,loss-tv", "--steps", "3", "--threads", "1", "--repeats", "2",
+                                      "exactspec,eagle3,last-layer,vocab-full,ttt-1,train-float32,train-bfloat16,loss-ce", "--steps", "3", "--threads", "1", "--repeats", "2",
                                       "--compare", str(out / "draft")])
     runpy.run_module("exactspec.training.ablation", run_name="__main__")
     report = json.loads((out / "ablation" / "ablation.json").read_text())
     by_name = {r["variant"]: r for r in report["variants"]}
     given = by_name.pop("given: draft")  # the run's own draft, evaluated untrained beside the variants
     assert given["steps"] == json.loads((out / "MODEL_CARD.json").read_text())["training"]["steps"] > 3
-    assert set(by_name) == {"exactspec", "eagle3", "last-layer", "vocab-full", "ttt-1", "train-float32", "train-bfloat16", "loss-tv"}
-    assert (by_name["loss-tv"]["tv_weight"], by_name["eagle3"]["tv_weight"], given["tv_weight"]) == (1.0, 0.0, 0.0)
+    assert set(by_name) == {"exactspec", "eagle3", "last-layer", "vocab-full", "ttt-1", "train-float32", "train-bfloat16", "loss-ce"}
+    assert (by_name["loss-ce"]["tv_weight"], by_name["eagle3"]["tv_weight"], given["tv_weight"]) == (0.0, 4.0, 4.0)
     assert (by_name["train-float32"]["train_dtype"], by_name["train-bfloat16"]["train_dtype"]) == ("float32", "bfloat16")
     assert given["train_dtype"] == json.loads((out / "MODEL_CARD.json").read_text())["training"]["precision"]
     assert all(r["steps"] == 3 and r["draft_step_ms"] > 0 for r in by_name.values())
@@ -306,7 +306,7 @@ def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
                  "--init-from", str(tmp_path / "start"), "--tv-weight", "2", "--json"])  # a rerun resumes its checkpoint, and still says where it began
     resumed = json.loads(capsys.readouterr().out)
     assert code == 0 and resumed["training"]["steps"] > card["training"]["steps"]
-    assert [r["tv_weight"] for r in resumed["runs"]] == [0.0, 2.0] and resumed["training"]["tv_weight"] == 2.0  # each run's loss
+    assert [r["tv_weight"] for r in resumed["runs"]] == [4.0, 2.0] and resumed["training"]["tv_weight"] == 2.0  # each run's loss
     assert resumed["training"]["initialised_from"] == str(tmp_path / "start") and resumed["training"]["runs_before"] == [{"minutes": 7.0}]
 
     FeatureDraft(FeatureDraftConfig.for_target(target_cfg, 64, "exactspec")).save(tmp_path / "other")

@@ -16,8 +16,8 @@ variants: the two layouts (exactspec's layer on layers at a quarter, a half and 
 layers, which llama.cpp, vLLM and SGLang load), and, on train-draft's default layout, the last layer only (EAGLE),
 the head's vocabulary subset (FR-Spec) at 4k, 16k and the whole vocabulary, no training-time test, the training
 steps in float32 or in bfloat16 autocast (train-draft's default, ``--train-dtype auto``, picks by the CPU), and a
-total-variation term beside the loss's cross-entropy at weights 1 and 4 (``--tv-weight``; DistillSpec found the
-divergence that pays depends on the decoding, and T=1 acceptance is 1 - TV).
+loss of cross-entropy alone and with a total-variation term at weight 1 (train-draft's default weight is 4:
+``--tv-weight``; DistillSpec found the divergence that pays depends on the decoding, and T=1 acceptance is 1 - TV).
 
     python -m exactspec.training.ablation runs/smollm2_draft --steps 300 --threads 2
     python -m exactspec.training.ablation runs/smollm2_draft --variants exactspec,eagle3 --steps 50   # a quick look
@@ -53,19 +53,19 @@ from exactspec.training.teacher import ShardPool, load_shards, shard_paths, stor
 # name -> (layout, its feature layers: "all" or "last" only, vocabulary subset (0 = whole vocabulary), TTT depth,
 # training arithmetic, weight of the loss's total-variation term); the variants other than the two layouts change one
 # thing of train-draft's defaults
-DEFAULT_DTYPE = TrainDraftArgs.train_dtype
+DEFAULT_DTYPE, DEFAULT_TV = TrainDraftArgs.train_dtype, TrainDraftArgs.tv_weight
 VARIANTS = {
-    "exactspec": ("exactspec", "all", 8192, 3, DEFAULT_DTYPE, 0.0),
-    "eagle3": ("eagle3", "all", 8192, 3, DEFAULT_DTYPE, 0.0),
-    "last-layer": (TrainDraftArgs.layout, "last", 8192, 3, DEFAULT_DTYPE, 0.0),
-    "vocab-4k": (TrainDraftArgs.layout, "all", 4096, 3, DEFAULT_DTYPE, 0.0),
-    "vocab-16k": (TrainDraftArgs.layout, "all", 16384, 3, DEFAULT_DTYPE, 0.0),
-    "vocab-full": (TrainDraftArgs.layout, "all", 0, 3, DEFAULT_DTYPE, 0.0),
-    "ttt-1": (TrainDraftArgs.layout, "all", 8192, 1, DEFAULT_DTYPE, 0.0),
-    "train-float32": (TrainDraftArgs.layout, "all", 8192, 3, "float32", 0.0),
-    "train-bfloat16": (TrainDraftArgs.layout, "all", 8192, 3, "bfloat16", 0.0),
+    "exactspec": ("exactspec", "all", 8192, 3, DEFAULT_DTYPE, DEFAULT_TV),
+    "eagle3": ("eagle3", "all", 8192, 3, DEFAULT_DTYPE, DEFAULT_TV),
+    "last-layer": (TrainDraftArgs.layout, "last", 8192, 3, DEFAULT_DTYPE, DEFAULT_TV),
+    "vocab-4k": (TrainDraftArgs.layout, "all", 4096, 3, DEFAULT_DTYPE, DEFAULT_TV),
+    "vocab-16k": (TrainDraftArgs.layout, "all", 16384, 3, DEFAULT_DTYPE, DEFAULT_TV),
+    "vocab-full": (TrainDraftArgs.layout, "all", 0, 3, DEFAULT_DTYPE, DEFAULT_TV),
+    "ttt-1": (TrainDraftArgs.layout, "all", 8192, 1, DEFAULT_DTYPE, DEFAULT_TV),
+    "train-float32": (TrainDraftArgs.layout, "all", 8192, 3, "float32", DEFAULT_TV),
+    "train-bfloat16": (TrainDraftArgs.layout, "all", 8192, 3, "bfloat16", DEFAULT_TV),
+    "loss-ce": (TrainDraftArgs.layout, "all", 8192, 3, DEFAULT_DTYPE, 0.0),
     "loss-tv": (TrainDraftArgs.layout, "all", 8192, 3, DEFAULT_DTYPE, 1.0),
-    "loss-tv-4": (TrainDraftArgs.layout, "all", 8192, 3, DEFAULT_DTYPE, 4.0),
 }
 POSITIONS = 4
 

@@ -74,7 +74,7 @@ class TrainDraftArgs:
     answers: Path | None = None  # an earlier run's answers (answers.jsonl, or gzipped) to start from
     init_from: Path | None = None  # a trained draft of the same layout for this target, whose weights training starts from
     train_dtype: str = "auto"  # the training steps' arithmetic: float32, bfloat16 (autocast), or auto (train_precision)
-    tv_weight: float = 0.0  # weight of the total-variation term beside the cross-entropy (step_losses)
+    tv_weight: float = 4.0  # weight of the total-variation term beside the cross-entropy (step_losses; docs/smollm2.md)
 
     def __post_init__(self) -> None:
         if not self.minutes > 0 or self.vocab_subset < 16 or self.steps < 1 or self.batch_size < 1:
