@@ -17,7 +17,6 @@ def run(args: argparse.Namespace) -> dict:
         raise CliError(f"--answers {args.answers}: no such file")
     if args.init_from and not Path(args.init_from).is_dir():
         raise CliError(f"--init-from {args.init_from}: no such directory")
-    prepare_output_dir(Path(args.out), "--out")
     try:
         from exactspec.models.base import check_local_checkpoint
 
@@ -27,6 +26,7 @@ def run(args: argparse.Namespace) -> dict:
                                 layout=args.layout, answers=args.answers and Path(args.answers),
                                 init_from=args.init_from and Path(args.init_from), train_dtype=args.train_dtype,
                                 tv_weight=args.tv_weight)
+        prepare_output_dir(Path(args.out), "--out")  # after every refusal of the flags, so a refused run leaves nothing
         return train_draft(config)
     except (FileNotFoundError, ValueError, RuntimeError) as error:
         raise CliError(str(error)) from None
