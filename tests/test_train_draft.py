@@ -104,6 +104,8 @@ def test_answers_of_an_earlier_run_are_taken_once_and_another_targets_are_refuse
     assert code == 2 and "row 2 is not an answer" in err and err.count("\n") == 1
     code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new2"), "--answers", str(tmp_path / "none.jsonl")])
     assert code == 2 and "no such file" in capsys.readouterr().err and not (tmp_path / "new2").exists()
+    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new3"), "--tv-weight", "-1"])
+    assert code == 2 and "--tv-weight -1" in capsys.readouterr().err and not (tmp_path / "new3").exists()
 
 
 def test_second_answers_go_to_training_prompts_only(target, tmp_path, monkeypatch):

@@ -20,13 +20,15 @@ def run(args: argparse.Namespace) -> dict:
     try:
         from exactspec.models.base import check_local_checkpoint
 
-        target = check_local_checkpoint(resolve_checkpoint(args.target))
+        target = resolve_checkpoint(args.target)
         config = TrainDraftArgs(target, Path(args.out), args.minutes, args.vocab_subset, args.ttt_steps,
                                 answers_per_prompt=args.answers_per_prompt, seed=args.seed, threads=args.threads, backend=args.backend,
                                 layout=args.layout, answers=args.answers and Path(args.answers),
                                 init_from=args.init_from and Path(args.init_from), train_dtype=args.train_dtype,
                                 tv_weight=args.tv_weight)
-        prepare_output_dir(Path(args.out), "--out")  # after every refusal of the flags, so a refused run leaves nothing
+        # the flags are refused first (a refused run leaves no directory), then the output is tried, then the target
+        prepare_output_dir(Path(args.out), "--out")
+        check_local_checkpoint(target)
         return train_draft(config)
     except (FileNotFoundError, ValueError, RuntimeError) as error:
         raise CliError(str(error)) from None
