@@ -347,21 +347,27 @@ def test_the_data_runtime_is_the_faster_one_measured_here(target, monkeypatch):
                          f"lean {measured['lean']:,.0f} tokens/s)"]
 
 
-@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_training_steps_run_in_the_precision_asked_and_auto_follows_the_cpu(precision, tmp_path, monkeypatch):
-    """--train-dtype bfloat16 runs the draft's products in bfloat16 under autocast (weights stay float32 and are
-    trained), float32 runs them in float32; auto takes bfloat16 exactly where the CPU computes it natively."""
+def _tiny_draft_and_rows() -> tuple[FeatureDraft, list[dict]]:
+    """A 32-wide draft over a 40-token vocabulary (its head on the first 20) and three teacher rows of 24 positions."""
     from exactspec.models.eagle import FeatureDraftConfig
-    from exactspec.training.feature_draft import TrainDraftArgs, train_precision, train_steps
 
-    cfg = FeatureDraftConfig(32, (0, 1, 2), 20, 4, 2, 64, 1e-5, 10000.0, 128, "eagle3")
-    draft = FeatureDraft(cfg)
+    draft = FeatureDraft(FeatureDraftConfig(32, (0, 1, 2), 20, 4, 2, 64, 1e-5, 10000.0, 128, "eagle3"))
     draft.vocab_ids.copy_(torch.arange(20))
     draft.attach_weights(torch.randn(40, 32), torch.randn(40, 32))
     generator = torch.Generator().manual_seed(0)
     rows = [{"ids": torch.randint(0, 40, (24,), generator=generator), "features": torch.randn(24, 96, generator=generator),
              "top_ids": torch.randint(0, 40, (24, 4), generator=generator), "top_probs": torch.full((24, 4), 0.25), "loss_from": 2}
             for _ in range(3)]
+    return draft, rows
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_training_steps_run_in_the_precision_asked_and_auto_follows_the_cpu(precision, tmp_path, monkeypatch):
+    """--train-dtype bfloat16 runs the draft's products in bfloat16 under autocast (weights stay float32 and are
+    trained), float32 runs them in float32; auto takes bfloat16 exactly where the CPU computes it natively."""
+    from exactspec.training.feature_draft import TrainDraftArgs, train_precision, train_steps
+
+    draft, rows = _tiny_draft_and_rows()
     seen = []
     draft.fc.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
     before = draft.fc.weight.detach().clone()
@@ -399,10 +405,24 @@ def test_the_total_variation_term_adds_the_rejection_probability_of_one_drafted_
         weighted = step_losses(draft, subset_index, feats, ids, probs, top, counted, 2, tv_weight=2.5)
         outputs = draft.forward_train(feats[:, :-1], ids[:, 1:], 2)
     for k, (g, ce, both) in enumerate(zip(outputs, plain, weighted), start=1):
-        q = draft.logits(g).float().softmax(-1)
+        q = draft.logits(g).detach().float().softmax(-1)
         rejections = [1 - sum(min(float(probs[b, j + 1, i]), float(q[b, j, int(subset_index[top[b, j + 1, i]])]))
                               for i in range(4) if subset_index[top[b, j + 1, i]] >= 0)
                       for b in range(2) for j in range(k - 1, 8) if counted[b, j + 1]]
         assert float(both - ce) == pytest.approx(2.5 * sum(rejections) / len(rejections), rel=1e-5)
     with pytest.raises(ValueError, match="--tv-weight"):
         TrainDraftArgs(tmp_path, tmp_path, tv_weight=-1.0)
+
+
+@pytest.mark.parametrize("tv_weight", [0.0, 2.5])
+def test_training_steps_use_the_total_variation_weight_asked(tv_weight, tmp_path, monkeypatch):
+    """train_steps hands --tv-weight to step_losses at every step (the weight a run records is the one it trained with)."""
+    from exactspec.training import feature_draft
+    from exactspec.training.feature_draft import TrainDraftArgs, train_steps
+
+    draft, rows = _tiny_draft_and_rows()
+    weights, real = [], feature_draft.step_losses
+    monkeypatch.setattr(feature_draft, "step_losses", lambda *a: weights.append(a[-1]) or real(*a))
+    args = TrainDraftArgs(tmp_path, tmp_path, batch_size=2, window=16, train_dtype="float32", tv_weight=tv_weight)
+    train_steps(args, draft, rows, 40, deadline=float("inf"), max_steps=3)
+    assert weights == [tv_weight] * 3
