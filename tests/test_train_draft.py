@@ -75,6 +75,25 @@ def test_answers_are_drawn_per_prompt_and_sample_and_a_rerun_adds_only_the_missi
     assert sorted(map(answer_key, read_answers(out))) == sorted((p.key, i) for p in prompts for i in range(3))
 
 
+def test_answers_are_sampled_at_the_temperature_asked_and_record_it(target, tmp_path, capsys, monkeypatch):
+    """Every answer request samples at the temperature asked (the sampler's law at a temperature is tested with the
+    processors), each row records it, and --answer-temperature 0 is refused before any work."""
+    import time
+
+    from exactspec.decoding import sampling
+    from exactspec.training.draft_data import generate_answers
+
+    asked, real = [], sampling.SamplingParams
+    monkeypatch.setattr(sampling, "SamplingParams", lambda **kw: asked.append(kw["temperature"]) or real(**kw))
+    prompts = [p for p in chat_prompts(0)[0] if len(p.key) < 60][:3]
+    for temperature in (0.7, 1.0):
+        out = tmp_path / f"answers-{temperature}.jsonl"
+        generate_answers(target, prompts, out, time.monotonic() + 600, samples=2, slots=4, max_new_tokens=4, temperature=temperature)
+        assert [row["temperature"] for row in read_answers(out)] == [temperature] * 6 and asked[-1] == temperature
+    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "run"), "--answer-temperature", "0"])
+    assert code == 2 and "--answer-temperature 0.0: must be > 0" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
 def test_answers_of_an_earlier_run_are_taken_once_and_another_targets_are_refused(target, tmp_path, capsys):
     import gzip
     import time
@@ -162,6 +181,8 @@ def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
     assert card == json.loads((out / "MODEL_CARD.json").read_text())
     assert card["training"]["steps"] > 0 and card["training"]["tokens_seen"] > 0
     assert card["architecture"]["vocab_subset_size"] <= 128 and 0 < card["data"]["vocabulary_subset_coverage"] <= 1
+    by_temperature = card["data"]["answers_by_temperature"]
+    assert set(by_temperature) <= {"0.7"} and sum(by_temperature.values()) == card["data"]["chat_answers"]  # the default
     for values in card["held_out_acceptance_by_position"].values():
         assert len(values) == 4 and all(0 <= v <= 1 for v in values)
     assert FeatureDraft.is_feature_draft(out / "draft")
@@ -174,7 +195,7 @@ def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
     assert code == 0 and again["training"]["steps"] > card["training"]["steps"]  # resumed, not restarted
     assert len(read_answers(out / "answers.jsonl")) >= answers
     assert [r["steps"] for r in again["runs"]] == [card["training"]["steps"], again["training"]["steps"]]  # both runs
-    assert all("finished" in r and r["minutes"] == 0.5 for r in again["runs"])
+    assert all("finished" in r and r["minutes"] == 0.5 and r["answer_temperature"] == 0.7 for r in again["runs"])
     curve = again["acceptance_curve"]
     assert len(curve) >= 2 and curve == sorted(curve, key=lambda p: p["tokens_seen"]) and curve[-1]["tokens_seen"] == again["training"]["tokens_seen"]
     by_source = again["held_out_acceptance_by_source"]

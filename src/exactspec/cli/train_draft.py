@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> dict:
                                 answers_per_prompt=args.answers_per_prompt, seed=args.seed, threads=args.threads, backend=args.backend,
                                 layout=args.layout, answers=args.answers and Path(args.answers),
                                 init_from=args.init_from and Path(args.init_from), train_dtype=args.train_dtype,
-                                tv_weight=args.tv_weight)
+                                tv_weight=args.tv_weight, answer_temperature=args.answer_temperature)
         # the flags are refused first (a refused run leaves no directory), then the output is tried, then the target
         prepare_output_dir(Path(args.out), "--out")
         check_local_checkpoint(target)
@@ -61,6 +61,8 @@ def add(add_command) -> None:
                        help="the training steps' arithmetic: bfloat16 autocast (float32 weights and loss), or float32; auto takes bfloat16 where the CPU computes it natively (AVX-512 BF16, AMX), float32 elsewhere")
     train.add_argument("--tv-weight", type=float, default=4.0,
                        help="weight of a total-variation term (the T=1 rejection probability against the teacher's top-k) beside the cross-entropy loss (4, the best measured: docs/smollm2.md); 0 trains on the cross-entropy alone")
+    train.add_argument("--answer-temperature", type=float, default=0.7,
+                       help="the temperature the target's new answers are sampled at (each answer records its own; with --answers-per-prompt above the run's earlier count, a rerun adds answers at another temperature)")
     train.add_argument("--seed", type=integer(0), default=0, help="seed of the prompts, data order and initialisation")
     train.add_argument("--json", action="store_true", help="print the model card as JSON")
     train.set_defaults(run=run, show=show)

@@ -75,6 +75,7 @@ class TrainDraftArgs:
     init_from: Path | None = None  # a trained draft of the same layout for this target, whose weights training starts from
     train_dtype: str = "auto"  # the training steps' arithmetic: float32, bfloat16 (autocast), or auto (train_precision)
     tv_weight: float = 4.0  # weight of the total-variation term beside the cross-entropy (step_losses; docs/smollm2.md)
+    answer_temperature: float = 0.7  # the temperature new answers are sampled at (each answer row records its own)
 
     def __post_init__(self) -> None:
         if not self.minutes > 0 or self.vocab_subset < 16 or self.steps < 1 or self.batch_size < 1:
@@ -83,6 +84,8 @@ class TrainDraftArgs:
             raise ValueError("--answers-per-prompt must be >= 1")
         if not self.tv_weight >= 0:
             raise ValueError(f"--tv-weight {self.tv_weight}: must be >= 0")
+        if not 0 < self.answer_temperature < math.inf:
+            raise ValueError(f"--answer-temperature {self.answer_temperature}: must be > 0 and finite (answers are samples)")
         if self.train_dtype not in TRAIN_DTYPES:
             raise ValueError(f"--train-dtype {self.train_dtype}: must be one of {', '.join(TRAIN_DTYPES)}")
         if self.backend not in ("auto", "lean", "llamacpp"):
@@ -322,6 +325,7 @@ class _RunLog:
         self.entries = json.loads(path.read_text()) if path.is_file() else []
         self.entries.append({"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "minutes": args.minutes,
                              "exactspec": __version__, "layout": args.layout, "tv_weight": args.tv_weight,
+                             "answer_temperature": args.answer_temperature,
                              **({"init_from": str(args.init_from)} if args.init_from else {})})
         self._write()
 
@@ -445,7 +449,7 @@ def _answer_phase(args: TrainDraftArgs, tokenizer: TextTokenizer, answers_file: 
     _log(f"answers: {len(held_prompts)} held-out and {len(train_prompts)} training prompts on {backend}, then follow-ups, "
          f"then up to {args.answers_per_prompt} answers each")
     def run(prompts: list[Prompt], samples: int) -> None:
-        generate_answers(args.target, prompts, answers_file, deadline, samples, seed=args.seed, backend=backend,
+        generate_answers(args.target, prompts, answers_file, deadline, samples, temperature=args.answer_temperature, seed=args.seed, backend=backend,
                          progress=lambda done, left: None if done % 64 else _log(f"answers: {done} done, {left} left"))
 
     run(singles, 1)
@@ -517,9 +521,11 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     by_source = acceptance_by_source(draft.eval(), held_rows, max(args.steps, 4), model.cfg.vocab_size)
     acceptance = {k: by_source["all"][k] for k in ("sampled", "greedy")}
     sources = Counter(row.get("source", "chat") for row in train)
+    temperatures = Counter(f"{row.get('temperature', 0.7):g}" for row in train)  # rows before the field: 0.7
     card = {
         "target": str(args.target), "out": str(args.out / "draft"), "architecture": asdict(cfg),
         "data": {"runtime": backend, "chat_answers": len(train), "held_out_answers": len(held), "answers_by_source": dict(sources),
+                 "answers_by_temperature": dict(temperatures),
                  "teacher_sequences": len(sequences), "teacher_tokens": sum(len(s.ids) for s in sequences),
                  "corpus_share": args.corpus_share, "vocabulary_subset_coverage": coverage},
         "training": {"steps": state["step"], "tokens_seen": state["tokens"], "seconds": state["seconds"],
