@@ -169,11 +169,13 @@ def _two_sample(name: str, audited: dict, baseline: dict) -> list[TestResult]:
 
 
 def audit(pair: LoadedPair, prompts: list[list[int]], config: AuditConfig, progress: bool = True,
-          baseline_cache: dict | None = None) -> dict:
+          baseline_cache: dict | None = None, endpoint_is_baseline: bool = False) -> dict:
     """Sample from the endpoint (and the baseline), score with ``pair.target``, test; Holm over every test.
 
     ``baseline_cache`` (configuration name -> the baseline's scored samples) lets several audits against one
-    baseline sample it once: it is filled on first use and read after."""
+    baseline sample it once: it is filled on first use and read after. With ``endpoint_is_baseline`` (an audit of
+    the very server later audits take as their baseline, with the same requests and seeds) the endpoint's samples
+    fill it, so the baseline is not sampled again."""
     servers = [("endpoint", config.endpoint, config.extra_body)]
     if config.baseline:
         servers.append(("baseline", config.baseline, config.baseline_extra_body))
@@ -189,7 +191,7 @@ def audit(pair: LoadedPair, prompts: list[list[int]], config: AuditConfig, progr
                 continue
             runs = _sample(url, config, prompts, params, config.seed + 10**6 * index, extra, bar, pair.tokenizer)
             scored[role] = score_runs(pair, runs, params, config.seed + index)
-            if role == "baseline" and baseline_cache is not None:
+            if baseline_cache is not None and (role == "baseline" or endpoint_is_baseline):
                 baseline_cache[name] = scored[role]
             if role == "endpoint" and config.api == "llama-server":
                 speculation[name] = {"tokens": sum(len(r["tokens"]) for r in runs), "drafted": sum(r["drafted"] for r in runs),

@@ -83,7 +83,8 @@ def audit_llama_server(pair: LoadedPair, prompts: list[list[int]], config: Llama
     with LlamaServer(plain_config) as plain:
         for mode in config.modes:
             if mode == "plain":
-                report = audit(pair, prompts, replace(config.audit, endpoint=plain.url, baseline=None), progress)
+                report = audit(pair, prompts, replace(config.audit, endpoint=plain.url, baseline=None), progress, baseline_cache,
+                               endpoint_is_baseline=True)  # plain's samples are the other modes' baseline too
             else:
                 draft = config.draft_model if mode in DRAFT_MODES else None
                 try:
