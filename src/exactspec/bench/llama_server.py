@@ -153,7 +153,10 @@ class LlamaServerConfig:
         spec_type, _, variant = self.mode.partition(":")
         speculation = [] if spec_type == "plain" else ["--spec-type", spec_type, *(VARIANTS[variant][spec_type] if variant else ())]
         if self.draft_model is not None:  # a fixed draft length, as exactspec's --gamma K: no early stop on the draft's confidence
-            speculation += ["--model-draft", str(self.draft_model), "--spec-draft-n-max", str(self.draft_tokens), "--spec-draft-p-min", "0"]
+            speculation += ["--model-draft", str(self.draft_model), "--spec-draft-n-max", str(self.draft_tokens), "--spec-draft-p-min", "0",
+                            # the draft's top-k on the CPU sampler: llama-server's in-graph one (its default) drafts wrong tokens for
+                            # all but one of the slots whose drafts share a batch (docs/llama-server.md); alone they agree
+                            "--no-spec-draft-backend-sampling"]
         return [str(self.binary), "--model", str(self.model), "--host", "127.0.0.1", "--port", str(port),
                 "--threads", str(self.threads), "--threads-batch", str(self.threads), "--ctx-size", str(self.context),
                 "--parallel", str(self.parallel), "--no-webui", *speculation]
