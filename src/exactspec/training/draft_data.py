@@ -1,10 +1,11 @@
 """Training text for a draft of a real target, built offline: the target's own answers to chat prompts
 (self-distillation; the prompts are :mod:`exactspec.training.prompts`), and CPython standard-library source.
 
-Answers are sampled from the target (temperature 0.7 unless asked otherwise; each row records its own) by exactspec's continuous-batching engine, on llama.cpp for a
-GGUF target (a KV stream per slot) or on the dense bfloat16 weights in torch, written one JSON line per answer as
-soon as it finishes, so an interrupted run continues where it stopped. The answers' token ids are the costly part of
-a draft's data and small (a few MB per million tokens); everything else is recomputed from them.
+Answers are sampled from the target (at temperature 0.7 unless asked otherwise; each row records its own) by
+exactspec's continuous-batching engine, on llama.cpp for a GGUF target (a KV stream per slot) or on the dense
+bfloat16 weights in torch, written one JSON line per answer as soon as it finishes, so an interrupted run continues
+where it stopped. The answers' token ids are the costly part of a draft's data and small (a few MB per million
+tokens); everything else is recomputed from them.
 """
 
 from __future__ import annotations
