@@ -431,8 +431,9 @@ def test_the_total_variation_term_adds_the_rejection_probability_of_one_drafted_
                               for i in range(4) if subset_index[top[b, j + 1, i]] >= 0)
                       for b in range(2) for j in range(k - 1, 8) if counted[b, j + 1]]
         assert float(both - ce) == pytest.approx(2.5 * sum(rejections) / len(rejections), rel=1e-5)
-    with pytest.raises(ValueError, match="--tv-weight"):
-        TrainDraftArgs(tmp_path, tmp_path, tv_weight=-1.0)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="--tv-weight"):
+            TrainDraftArgs(tmp_path, tmp_path, tv_weight=bad)
 
 
 @pytest.mark.parametrize("tv_weight", [0.0, 2.5])

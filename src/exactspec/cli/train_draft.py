@@ -8,6 +8,7 @@ from pathlib import Path
 from exactspec.cli.common import CliError, integer
 from exactspec.cli.files import prepare_output_dir
 from exactspec.loading import resolve_checkpoint
+from exactspec.training.draft_data import ANSWER_TEMPERATURE
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -61,7 +62,7 @@ def add(add_command) -> None:
                        help="the training steps' arithmetic: bfloat16 autocast (float32 weights and loss), or float32; auto takes bfloat16 where the CPU computes it natively (AVX-512 BF16, AMX), float32 elsewhere")
     train.add_argument("--tv-weight", type=float, default=4.0,
                        help="weight of a total-variation term (the T=1 rejection probability against the teacher's top-k) beside the cross-entropy loss (4, the best measured: docs/smollm2.md); 0 trains on the cross-entropy alone")
-    train.add_argument("--answer-temperature", type=float, default=0.7,
+    train.add_argument("--answer-temperature", type=float, default=ANSWER_TEMPERATURE,
                        help="the temperature the target's new answers are sampled at (each answer records its own; with --answers-per-prompt above the run's earlier count, a rerun adds answers at another temperature)")
     train.add_argument("--seed", type=integer(0), default=0, help="seed of the prompts, data order and initialisation")
     train.add_argument("--json", action="store_true", help="print the model card as JSON")

@@ -19,7 +19,10 @@ from typing import Callable, Sequence
 from exactspec.training.data import read_source, train_files
 from exactspec.training.prompts import Prompt
 
-__all__ = ["generate_answers", "data_rates", "read_answers", "import_answers", "answer_key", "answer_text", "corpus_chunks"]
+__all__ = ["ANSWER_TEMPERATURE", "generate_answers", "data_rates", "read_answers", "import_answers", "answer_key", "answer_text", "corpus_chunks"]
+
+#: The temperature answers are sampled at unless asked otherwise (and that of rows written before rows recorded theirs).
+ANSWER_TEMPERATURE = 0.7
 
 
 def read_answers(path: Path) -> list[dict]:
@@ -86,7 +89,7 @@ def generate_answers(
     samples: int = 1,  # answers per prompt, each from its own seed
     slots: int = 64,
     max_new_tokens: int = 256,
-    temperature: float = 0.7,
+    temperature: float = ANSWER_TEMPERATURE,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
     backend: str = "lean",

@@ -39,7 +39,7 @@ from exactspec.models.eagle import CONFIG_FILE, LAYOUTS, FeatureDraft, FeatureDr
 from exactspec.models.lean import LeanModel
 from exactspec.decoding.priors import write_shipped_prior
 from exactspec.tokenizer import TextTokenizer
-from exactspec.training.draft_data import answer_text, corpus_chunks, data_rates, generate_answers, import_answers, read_answers
+from exactspec.training.draft_data import ANSWER_TEMPERATURE, answer_text, corpus_chunks, data_rates, generate_answers, import_answers, read_answers
 from exactspec.training.prompts import Prompt, chat_prompts, follow_ups
 from exactspec.training.teacher import (TEACHER_BATCH, ShardPool, TeacherSequence, lean_teacher, load_shards, runtime_teacher,
                                         stored_keys, teacher_pass)
@@ -75,15 +75,15 @@ class TrainDraftArgs:
     init_from: Path | None = None  # a trained draft of the same layout for this target, whose weights training starts from
     train_dtype: str = "auto"  # the training steps' arithmetic: float32, bfloat16 (autocast), or auto (train_precision)
     tv_weight: float = 4.0  # weight of the total-variation term beside the cross-entropy (step_losses; docs/smollm2.md)
-    answer_temperature: float = 0.7  # the temperature new answers are sampled at (each answer row records its own)
+    answer_temperature: float = ANSWER_TEMPERATURE  # the temperature new answers are sampled at (each answer row records its own)
 
     def __post_init__(self) -> None:
         if not self.minutes > 0 or self.vocab_subset < 16 or self.steps < 1 or self.batch_size < 1:
             raise ValueError("--minutes must be > 0, the vocabulary subset >= 16 tokens, steps and batch size >= 1")
         if self.answers_per_prompt < 1:
             raise ValueError("--answers-per-prompt must be >= 1")
-        if not self.tv_weight >= 0:
-            raise ValueError(f"--tv-weight {self.tv_weight}: must be >= 0")
+        if not 0 <= self.tv_weight < math.inf:
+            raise ValueError(f"--tv-weight {self.tv_weight}: must be >= 0 and finite")
         if not 0 < self.answer_temperature < math.inf:
             raise ValueError(f"--answer-temperature {self.answer_temperature}: must be > 0 and finite (answers are samples)")
         if self.train_dtype not in TRAIN_DTYPES:
@@ -521,7 +521,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     by_source = acceptance_by_source(draft.eval(), held_rows, max(args.steps, 4), model.cfg.vocab_size)
     acceptance = {k: by_source["all"][k] for k in ("sampled", "greedy")}
     sources = Counter(row.get("source", "chat") for row in train)
-    temperatures = Counter(f"{row.get('temperature', 0.7):g}" for row in train)  # rows before the field: 0.7
+    temperatures = Counter(f"{row.get('temperature', ANSWER_TEMPERATURE):g}" for row in train)
     card = {
         "target": str(args.target), "out": str(args.out / "draft"), "architecture": asdict(cfg),
         "data": {"runtime": backend, "chat_answers": len(train), "held_out_answers": len(held), "answers_by_source": dict(sources),
