@@ -215,6 +215,9 @@ def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
         assert {s: r["prompts"] for s, r in rows.items() if s != "all"} == sources
         assert rows["all"]["drafted"] == sum(r["drafted"] for s, r in rows.items() if s != "all") > 0
         assert all(0 <= r["accepted"] <= r["drafted"] <= 6 * r["prompts"] for r in rows.values())
+    own = measured["offline_on_engine_sequences"]  # the offline estimate on the engine's own T=1 sequences, per source
+    assert {s: v["sequences"] for s, v in own.items()} == {s: r["prompts"] for s, r in measured["sampled"].items()}
+    assert all(0 < v["sampled"][0] <= 1 for v in own.values())
 
     runs = []
     for flags in (["--draft", str(out / "draft")], ["--no-speculation"]):
