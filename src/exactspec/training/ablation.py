@@ -40,13 +40,13 @@ import torch
 
 from exactspec.decoding import costmodel
 from exactspec.decoding.calibration import calibrate
-from exactspec.loading import PACKAGED_MODELS, resolve_checkpoint
+from exactspec.loading import PACKAGED_MODELS, default_dtype, resolve_checkpoint
 from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig
 from exactspec.models.lean import LeanModel
 from exactspec.proposers.feature_draft import FeatureDraftProposer
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.tokenizer import TextTokenizer
-from exactspec.training.feature_draft import (POOL_BYTES, TrainDraftArgs, held_out_acceptance, train_precision, train_steps,
+from exactspec.training.feature_draft import (POOL_BYTES, TrainDraftArgs, held_out_acceptance, teacher_model, train_precision, train_steps,
                                              vocabulary_subset)
 from exactspec.training.teacher import ShardPool, load_shards, shard_paths, stored_layers
 
@@ -164,7 +164,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = resolve_checkpoint(args.target)
     tokenizer = TextTokenizer.from_path(path)
-    teacher = LeanModel.from_pretrained(path, dtype=torch.bfloat16)  # the weights train-draft reads
+    teacher = teacher_model(path)  # the weights train-draft reads
     results = []
     for directory in args.compare:
         packaged = PACKAGED_MODELS[args.target].shipped_draft() if str(directory) == "packaged" else directory
@@ -175,7 +175,8 @@ def main() -> None:
         print(json.dumps(result), flush=True)
         results.append(result)
     del teacher
-    target = LeanModel.from_pretrained(path, dtype=torch.bfloat16, weights="auto")  # what generate decodes with
+    dtype = default_dtype("cpu", path)
+    target = LeanModel.from_pretrained(path, dtype=getattr(torch, dtype), weights="auto")  # what generate decodes with
     context = load_shards(shard_paths(args.run / "held_out")[:1])[0]["ids"][:160].tolist()
     target_ms = measure_costs(results, target, context, args.repeats)
     for result in results:
@@ -184,11 +185,11 @@ def main() -> None:
             result[f"predicted_{mode}"] = {"gamma": best.gamma, "speedup": best.speedup}
         ceiling = costmodel.chain_speedup([1.0] * POSITIONS, result["draft_step_ms"], target_ms)
         result["ceiling"] = {"gamma": ceiling.gamma, "speedup": ceiling.speedup}  # every draft token accepted
-    report = {"threads": args.threads, "dtype": "bfloat16", "weights": "auto (q4 where the GGUF has it)",
+    report = {"threads": args.threads, "dtype": dtype, "weights": "auto (q4 where the GGUF has it)",
               "steps": args.steps, "target_ms_by_call_size": target_ms, "variants": results}
     (args.out / "ablation.json").write_text(json.dumps(report, indent=2))
     print(f"\n{args.steps} steps per variant trained here; target {', '.join(f'{n} tok {ms:.1f} ms' for n, ms in target_ms.items())}; "
-          f"bfloat16, {args.threads} threads")
+          f"{dtype}, {args.threads} threads")
     print("| variant | layout | layers | |S| (coverage) | TTT | train dtype | TV weight | train s | T=1 acceptance by position | greedy | draft step ms "
           "| predicted T=1 (gamma) | predicted greedy (gamma) | all accepted (gamma) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

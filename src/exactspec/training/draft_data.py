@@ -3,7 +3,7 @@
 
 Answers are sampled from the target (at temperature 0.7 unless asked otherwise; each row records its own) by
 exactspec's continuous-batching engine, on llama.cpp for a GGUF target (a KV stream per slot) or on the dense
-bfloat16 weights in torch, written one JSON line per answer as soon as it finishes, so an interrupted run continues
+weights in torch (bfloat16 where the CPU computes it natively, else float32), written one JSON line per answer as soon as it finishes, so an interrupted run continues
 where it stopped. The answers' token ids are the costly part of a draft's data and small (a few MB per million
 tokens); everything else is recomputed from them.
 """
@@ -96,7 +96,7 @@ def generate_answers(
 ) -> int:
     """Sample the target's answers to ``prompts`` (``samples`` each, skipping those already in ``out``) until done or
     ``deadline``; returns how many answers ``out`` holds. The target decodes in the continuous-batching engine
-    (speculation off; ``backend`` lean: dense bfloat16 on torch; llamacpp: the .gguf file on llama.cpp, its slots
+    (speculation off; ``backend`` lean: dense weights on torch (:func:`_answer_model`); llamacpp: the .gguf file on llama.cpp, its slots
     llama.cpp sequences): a finished answer frees its slot for the next prompt at once, and is written as one JSON
     line when it finishes. Answer i of a prompt is seeded from the prompt and i, whichever run draws it
     (a resumed one included)."""
@@ -155,7 +155,8 @@ def generate_answers(
 
 
 def _answer_model(target: Path, backend: str):
-    """The target as the answers decode it, and its window: the .gguf file on llama.cpp, or dense bfloat16 in torch."""
+    """The target as the answers decode it, and its window: the .gguf file on llama.cpp, or dense in torch (bfloat16
+    where the CPU computes it natively, float32 where it would be emulated)."""
     import torch
 
     if backend == "llamacpp":
@@ -163,9 +164,10 @@ def _answer_model(target: Path, backend: str):
 
         model = LlamaCppModel.from_file(target, max_len=1)  # the file loaded once; the runtime holds the slots
         return model, model.runtime.weights.context_length
+    from exactspec.loading import default_dtype
     from exactspec.models.lean import LeanModel
 
-    model = LeanModel.from_pretrained(target, dtype=torch.bfloat16, weights="dense")
+    model = LeanModel.from_pretrained(target, dtype=getattr(torch, default_dtype("cpu")), weights="dense")
     return model, model.cfg.max_position_embeddings
 
 

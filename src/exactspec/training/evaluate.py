@@ -50,18 +50,17 @@ def engine_acceptance(speculator, prompts: dict[str, list[list[int]]], temperatu
 def offline_on_sequences(draft_dir: Path, target: Path, sequences: list, threads: int) -> dict[str, dict]:
     """The offline estimate (:func:`exactspec.training.feature_draft.acceptance_by_source`, first position) of the
     draft in ``draft_dir`` on ``sequences``, read by the target as train-draft's lean teacher reads its answers
-    (dense bfloat16 torch)."""
+    (:func:`exactspec.training.feature_draft.teacher_model`)."""
     import tempfile
 
     import torch
 
     from exactspec.models.eagle import FeatureDraft
-    from exactspec.models.lean import LeanModel
-    from exactspec.training.feature_draft import acceptance_by_source
+    from exactspec.training.feature_draft import acceptance_by_source, teacher_model
     from exactspec.training.teacher import lean_teacher, load_shards, teacher_pass
 
     torch.set_num_threads(threads)
-    model = LeanModel.from_pretrained(target, dtype=torch.bfloat16, weights="dense")
+    model = teacher_model(target)
     draft = FeatureDraft.load(draft_dir).attach(model.decoder)
     draft.embed, draft.head = draft.embed.float(), draft.head.float()
     layers = tuple(sorted(draft.cfg.feature_layers))

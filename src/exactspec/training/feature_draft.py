@@ -245,6 +245,15 @@ def acceptance_by_source(draft: FeatureDraft, rows: list[dict], steps: int, voca
     return {name: {**held_out_acceptance(draft, group, steps, vocab_size), "sequences": len(group)} for name, group in groups.items()}
 
 
+def teacher_model(target: Path) -> LeanModel:
+    """The target as the lean teacher reads it: the weights and precision it decodes with by default
+    (:func:`exactspec.loading.default_dtype`: bfloat16 where the CPU computes it natively or a GGUF file's 4-bit
+    weights are kept, float32 elsewhere)."""
+    from exactspec.loading import default_dtype
+
+    return LeanModel.from_pretrained(target, dtype=getattr(torch, default_dtype("cpu", target)))
+
+
 def train_precision(requested: str) -> str:
     """The arithmetic of the training steps: ``bfloat16`` is autocast (matrix products in bfloat16; weights,
     optimizer and the loss's softmax in float32); ``auto`` takes it where the CPU computes bfloat16 natively (on an Intel
@@ -473,7 +482,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     torch.manual_seed(args.seed)
     tokenizer = TextTokenizer.from_path(args.target)
     answers_file = args.out / "answers.jsonl"
-    model = LeanModel.from_pretrained(args.target, dtype=torch.bfloat16)  # the weights it decodes with
+    model = teacher_model(args.target)
     cfg = FeatureDraftConfig.for_target(model.cfg, args.vocab_subset, args.layout)
     start, start_card = _starting_draft(args, cfg)  # both refusals before any work (this one writes nothing)
     _check_layout(args.out / "layout.json", cfg)
