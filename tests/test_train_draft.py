@@ -315,7 +315,7 @@ def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
     for parameter in start.parameters():
         parameter.data.normal_(0, 0.05)
     start.vocab_ids.copy_(torch.arange(0, 128, 2))
-    start.save(tmp_path / "start", {"training": {"tokens_seen": 12345}, "runs": [{"minutes": 7.0}]})
+    start.save(tmp_path / "start", {"training": {"tokens_seen": 12345, "runs_before": [{"minutes": 3.0}]}, "runs": [{"minutes": 7.0}]})
 
     out = tmp_path / "run"
     code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.3", "--threads", "1",
@@ -325,7 +325,7 @@ def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
     card = json.loads(captured.out)
     assert card["training"]["initialised_from"] == str(tmp_path / "start") and card["training"]["tokens_seen_before"] == 12345
     assert card["training"]["tokens_seen"] > 12345 and card["runs"][-1]["init_from"] == str(tmp_path / "start")
-    assert card["training"]["runs_before"] == [{"minutes": 7.0}]  # the runs that made the starting draft
+    assert card["training"]["runs_before"] == [{"minutes": 3.0}, {"minutes": 7.0}]  # every run that made the starting draft
     assert torch.equal(FeatureDraft.load(out / "draft").vocab_ids, start.vocab_ids)
     first = card["acceptance_curve"][0]
     assert first["tokens_seen"] == 12345 and first["steps"] == 0
@@ -339,7 +339,7 @@ def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
     resumed = json.loads(capsys.readouterr().out)
     assert code == 0 and resumed["training"]["steps"] > card["training"]["steps"]
     assert [r["tv_weight"] for r in resumed["runs"]] == [4.0, 2.0] and resumed["training"]["tv_weight"] == 2.0  # each run's loss
-    assert resumed["training"]["initialised_from"] == str(tmp_path / "start") and resumed["training"]["runs_before"] == [{"minutes": 7.0}]
+    assert resumed["training"]["initialised_from"] == str(tmp_path / "start") and resumed["training"]["runs_before"] == [{"minutes": 3.0}, {"minutes": 7.0}]
 
     FeatureDraft(FeatureDraftConfig.for_target(target_cfg, 64, "exactspec")).save(tmp_path / "other")
     code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "run2"), "--minutes", "0.3",

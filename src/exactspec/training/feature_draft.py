@@ -245,6 +245,12 @@ def acceptance_by_source(draft: FeatureDraft, rows: list[dict], steps: int, voca
     return {name: {**held_out_acceptance(draft, group, steps, vocab_size), "sequences": len(group)} for name, group in groups.items()}
 
 
+def lineage(card: dict) -> list[dict]:
+    """Every run that made the draft a card describes, oldest first: the runs that made the draft it started from
+    (recorded in its own card), then its own."""
+    return card.get("training", {}).get("runs_before", []) + card.get("runs", [])
+
+
 def teacher_model(target: Path) -> LeanModel:
     """The target as the lean teacher reads it: the weights and precision it decodes with by default
     (:func:`exactspec.loading.default_dtype`: bfloat16 where the CPU computes it natively or a GGUF file's 4-bit
@@ -540,7 +546,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
         "training": {"steps": state["step"], "tokens_seen": state["tokens"], "seconds": state["seconds"],
                      "precision": args.train_dtype, "tv_weight": args.tv_weight, "ttt_steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr,
                      **({"initialised_from": str(args.init_from), "tokens_seen_before": tokens_before,
-                         "runs_before": start_card.get("runs", [])} if args.init_from else {})},
+                         "runs_before": lineage(start_card)} if args.init_from else {})},
         "held_out_acceptance_by_position": acceptance,
         "held_out_acceptance_by_source": by_source,
         "acceptance_curve": curve.points,
