@@ -40,7 +40,7 @@ import torch
 
 from exactspec.decoding import costmodel
 from exactspec.decoding.calibration import calibrate
-from exactspec.loading import PACKAGED_MODELS, default_dtype, resolve_checkpoint
+from exactspec.loading import PACKAGED_MODELS, resolve_checkpoint
 from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig
 from exactspec.models.lean import LeanModel
 from exactspec.proposers.feature_draft import FeatureDraftProposer
@@ -175,8 +175,8 @@ def main() -> None:
         print(json.dumps(result), flush=True)
         results.append(result)
     del teacher
-    dtype = default_dtype("cpu", path)
-    target = LeanModel.from_pretrained(path, dtype=getattr(torch, dtype), weights="auto")  # what generate decodes with
+    target = teacher_model(path)  # what generate decodes with by default
+    dtype = str(target.dtype).removeprefix("torch.")
     context = load_shards(shard_paths(args.run / "held_out")[:1])[0]["ids"][:160].tolist()
     target_ms = measure_costs(results, target, context, args.repeats)
     for result in results:
