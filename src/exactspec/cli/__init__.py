@@ -3,7 +3,7 @@
 Every command module has ``add(add_command)`` (its parser, with ``run`` and ``show`` as defaults), ``run(args) ->
 dict`` and ``show(result)``; :mod:`.common` holds the flags and helpers they share and :mod:`.files` the checks
 of the files they write. Exit codes: 0 done; 1 a check that ran and failed (``certify``, ``audit``); 2 a user
-error, printed as one line; 130 interrupted by Ctrl-C (what was generated or measured so far is kept and
+error, printed as one line (a warning too); 130 interrupted by Ctrl-C (what was generated or measured so far is kept and
 summarised); 141 the reader of stdout went away (``| head``), as for a process ended by SIGPIPE.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from typing import Sequence
 
 from exactspec import __version__
@@ -43,8 +44,13 @@ def _show(args, result: dict) -> None:
     sys.stdout.flush()
 
 
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    return f"exactspec: warning: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = None
+    warnings.formatwarning = _one_line  # the library's warnings, as one line each (not the source line that raised them)
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)

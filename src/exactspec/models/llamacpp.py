@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from .base import check_rollback_length, check_token_ids
+from .llamacpp_tiles import extra_buffers_work
 from .runtime import OneSlot, outputs_per_row
 
 __all__ = ["LlamaCppRuntime", "LlamaCppModel", "llama_cpp_available", "llama_cpp_version", "requantize"]
@@ -172,6 +173,8 @@ class _Weights:
         llama = _llama()
         params = llama.llama_model_default_params()
         params.n_gpu_layers = 0 if device.type == "cpu" else 999  # all layers on the accelerator llama.cpp was built for
+        if device.type == "cpu":
+            params.use_extra_bufts = extra_buffers_work(path, Path(llama.__file__).parent / "lib", llama.llama_print_system_info().decode())
         self.handle = llama.llama_model_load_from_file(str(path).encode(), params)
         if not self.handle:
             raise ValueError(f"llama.cpp could not load {path} (not a GGUF model file of an architecture it knows?)")

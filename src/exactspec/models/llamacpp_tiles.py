@@ -1,0 +1,105 @@
+"""Whether llama.cpp's Intel AMX kernels run on this machine: probed once, in a child process that may crash.
+
+ggml's CPU backend multiplies quantized weights with AMX tiles where the CPU has them and llama.cpp was compiled for
+them (``-march=native`` on such a CPU; llama.cpp's system info then reports ``AMX_INT8 = 1``). Compiled by GCC 12 or
+older those kernels crash the process (SIGSEGV at ``ldtilecfg``): that compiler's ``_tile_loadconfig`` declares a
+read of 8 bytes of the 64-byte tile configuration, so the stores that fill in the rest are dropped as dead and the
+CPU faults on a configuration of garbage. Seen on 2026-12-06 with llama-cpp-python 0.3.36 built by Debian 12's GCC
+12.2 on an Intel Xeon with AMX: every call of more than one token crashed (one-token calls take another kernel).
+
+The AMX kernels come with llama.cpp's extra weight buffers (``use_extra_bufts``, which also hold the repacked
+layouts other CPUs use). Where both conditions above hold, a child process loads the model that way and decodes a
+32-token batch; if a signal kills it, the weights are loaded without extra buffers (llama.cpp's plain kernels:
+correct, about half the one-token speed on that machine) and a warning says why. The verdict is cached per
+llama.cpp library and model file in ``$EXACTSPEC_CACHE_DIR/llamacpp/tiles.json``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["cpu_has_amx", "extra_buffers_work", "probe_command", "survives"]
+
+PROBE_TOKENS = 32  # a batch past one token: the tile kernels, not the one-token kernel
+PROBE_SECONDS = 300
+
+
+def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the CPU reports AMX's 8-bit matrix instructions (Linux's flags; False where they cannot be read)."""
+    try:
+        return any(line.startswith("flags") and "amx_int8" in line.split() for line in cpuinfo.read_text().splitlines())
+    except OSError:
+        return False
+
+
+def survives(command: Sequence[str], timeout: float = PROBE_SECONDS) -> bool | None:
+    """Whether ``command`` ends on its own (whatever its exit status) rather than killed by a signal; None where it
+    ran past ``timeout`` (no verdict)."""
+    try:
+        done = subprocess.run(list(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    return done.returncode >= 0
+
+
+def _file_key(path: Path) -> str:
+    """What names a file (or a directory: a reinstall makes it anew) and changes when it is replaced."""
+    stat = path.stat()
+    return f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def extra_buffers_work(model: Path, library: Path, system_info: str) -> bool:
+    """Whether llama.cpp (its shared ``library`` or their directory, reporting ``system_info``) can decode ``model`` with its extra weight
+    buffers here: True without a probe unless the CPU has AMX and the build uses it (see the module docstring)."""
+    if "AMX_INT8 = 1" not in system_info or not cpu_has_amx():
+        return True
+    from exactspec.decoding.priors import default_cache_dir, read_json_object, write_json_atomically
+
+    cache = default_cache_dir() / "llamacpp" / "tiles.json"
+    key = f"{_file_key(library)}|{_file_key(model)}"
+    verdicts = read_json_object(cache)
+    if key not in verdicts:
+        verdict = survives(probe_command(model))
+        if verdict is None:
+            return True  # no verdict: llama.cpp's own choice, asked again next time
+        verdicts[key] = verdict
+        try:
+            write_json_atomically(cache, verdicts)
+        except OSError:
+            pass  # a cache is never fatal: the probe runs again next time
+    if not verdicts[key]:
+        warnings.warn("llama.cpp's AMX kernels crash in this build of llama-cpp-python (compiled by GCC 12 or older?): "
+                      "running without them, at about half llama.cpp's one-token speed on this CPU; rebuild it with "
+                      "GCC 13 or clang to have them", RuntimeWarning, stacklevel=3)
+    return bool(verdicts[key])
+
+
+def probe_command(model: Path) -> list[str]:
+    """The child process that decodes one batch of ``model`` with llama.cpp's defaults (exit status 0 when it did)."""
+    return [sys.executable, "-c", "import sys; from exactspec.models.llamacpp_tiles import _decode_batch; _decode_batch(sys.argv[1])",
+            str(model)]
+
+
+def _decode_batch(model: str) -> None:
+    """The probe, run in a child process: ``model`` loaded as llama.cpp loads it by default, one batched decode."""
+    import llama_cpp as llama
+
+    llama.llama_backend_init()
+    handle = llama.llama_model_load_from_file(model.encode(), llama.llama_model_default_params())
+    if not handle:
+        raise SystemExit(f"llama.cpp could not load {model}")  # the parent's own load says why
+    params = llama.llama_context_default_params()
+    params.n_ctx = params.n_batch = params.n_ubatch = 2 * PROBE_TOKENS
+    params.n_threads = params.n_threads_batch = 1
+    context = llama.llama_init_from_model(handle, params)
+    vocab = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(handle))
+    batch = llama.llama_batch_init(PROBE_TOKENS, 0, 1)
+    for i in range(PROBE_TOKENS):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = i % vocab, i, 1, 0, True
+    batch.n_tokens = PROBE_TOKENS
+    if llama.llama_decode(context, batch) != 0:
+        raise SystemExit("llama_decode failed")
