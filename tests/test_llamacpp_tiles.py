@@ -43,6 +43,7 @@ def test_nothing_is_probed_where_the_amx_kernels_are_not_in_play(files, monkeypa
     monkeypatch.setattr(llamacpp_tiles, "survives", _no_probe)
     monkeypatch.setattr(llamacpp_tiles, "cpu_has_amx", lambda: True)
     assert extra_buffers_work(*files, AMX_BUILD.replace("AMX_INT8 = 1", "AMX_INT8 = 0"))
+    assert extra_buffers_work(files[0].with_name("absent.gguf"), files[1], AMX_BUILD)
     monkeypatch.setattr(llamacpp_tiles, "cpu_has_amx", lambda: False)
     assert extra_buffers_work(*files, AMX_BUILD)
 

@@ -1,17 +1,23 @@
-"""Whether llama.cpp's Intel AMX kernels run on this machine: probed once, in a child process that may crash.
+"""Whether llama.cpp's Intel AMX kernels run in an exactspec process: probed once, in a child process that may crash.
 
 ggml's CPU backend multiplies quantized weights with AMX tiles where the CPU has them and llama.cpp was compiled for
-them (``-march=native`` on such a CPU; llama.cpp's system info then reports ``AMX_INT8 = 1``). Compiled by GCC 12 or
-older those kernels crash the process (SIGSEGV at ``ldtilecfg``): that compiler's ``_tile_loadconfig`` declares a
-read of 8 bytes of the 64-byte tile configuration, so the stores that fill in the rest are dropped as dead and the
-CPU faults on a configuration of garbage. Seen on 2026-12-06 with llama-cpp-python 0.3.36 built by Debian 12's GCC
-12.2 on an Intel Xeon with AMX: every call of more than one token crashed (one-token calls take another kernel).
+them (``-march=native`` on such a CPU; llama.cpp's system info then reports ``AMX_INT8 = 1``). Two things kill a
+process that uses them, both seen on 2026-12-06 with llama-cpp-python 0.3.36 on an Intel Xeon with AMX:
+
+* **A GCC 12 build** (Debian 12's): that compiler's ``_tile_loadconfig`` declares a read of 8 bytes of the 64-byte
+  tile configuration, so the stores that fill in the rest are dropped as dead, and ``ldtilecfg`` faults on the
+  garbage (SIGSEGV) in every call of more than one token (one-token calls take a kernel without tiles).
+* **torch beside it**: a build whose configuration is right (clang) loads it once per thread and assumes it stays;
+  torch's own AMX kernels (oneDNN's, for bfloat16 products) release the tiles after each product, so llama.cpp's
+  next tile load in that thread is an illegal instruction (SIGILL). exactspec runs torch beside llama.cpp: the
+  runtime choice measures both, and drafts and sampling run in torch.
 
 The AMX kernels come with llama.cpp's extra weight buffers (``use_extra_bufts``, which also hold the repacked
-layouts other CPUs use). Where both conditions above hold, a child process loads the model that way and decodes a
-32-token batch; if a signal kills it, the weights are loaded without extra buffers (llama.cpp's plain kernels:
-correct, about half the one-token speed on that machine) and a warning says why. The verdict is cached per
-llama.cpp library and model file in ``$EXACTSPEC_CACHE_DIR/llamacpp/tiles.json``.
+layouts of other CPUs). Where the CPU has AMX and the build uses it, a child process loads the model that way,
+decodes a batch, runs a torch bfloat16 product and decodes again; if a signal kills it, the weights are loaded
+without extra buffers (llama.cpp's plain kernels: correct, and on that Xeon 2.4x slower than the AMX kernels run
+alone, as llama-server runs them: docs/runtimes.md) and a warning says why. The verdict is cached per llama.cpp
+library and model file in ``$EXACTSPEC_CACHE_DIR/llamacpp/tiles.json``.
 """
 
 from __future__ import annotations
@@ -55,8 +61,8 @@ def _file_key(path: Path) -> str:
 def extra_buffers_work(model: Path, library: Path, system_info: str) -> bool:
     """Whether llama.cpp (its shared ``library`` or their directory, reporting ``system_info``) can decode ``model`` with its extra weight
     buffers here: True without a probe unless the CPU has AMX and the build uses it (see the module docstring)."""
-    if "AMX_INT8 = 1" not in system_info or not cpu_has_amx():
-        return True
+    if "AMX_INT8 = 1" not in system_info or not cpu_has_amx() or not model.is_file():
+        return True  # (a file that is not there: the load itself says so)
     from exactspec.decoding.priors import default_cache_dir, read_json_object, write_json_atomically
 
     cache = default_cache_dir() / "llamacpp" / "tiles.json"
@@ -72,21 +78,22 @@ def extra_buffers_work(model: Path, library: Path, system_info: str) -> bool:
         except OSError:
             pass  # a cache is never fatal: the probe runs again next time
     if not verdicts[key]:
-        warnings.warn("llama.cpp's AMX kernels crash in this build of llama-cpp-python (compiled by GCC 12 or older?): "
-                      "running without them, at about half llama.cpp's one-token speed on this CPU; rebuild it with "
-                      "GCC 13 or clang to have them", RuntimeWarning, stacklevel=3)
+        warnings.warn("llama.cpp's AMX kernels crash in this process (a GCC 12 build, or torch's own AMX kernels beside "
+                      "them): llama.cpp runs without them, slower on this CPU (docs/runtimes.md)", RuntimeWarning, stacklevel=3)
     return bool(verdicts[key])
 
 
 def probe_command(model: Path) -> list[str]:
-    """The child process that decodes one batch of ``model`` with llama.cpp's defaults (exit status 0 when it did)."""
-    return [sys.executable, "-c", "import sys; from exactspec.models.llamacpp_tiles import _decode_batch; _decode_batch(sys.argv[1])",
-            str(model)]
+    """The child process that decodes batches of ``model`` with llama.cpp's defaults around a torch bfloat16 product
+    (exit status 0 when it did)."""
+    return [sys.executable, "-c", "import sys; from exactspec.models.llamacpp_tiles import _probe; _probe(sys.argv[1])", str(model)]
 
 
-def _decode_batch(model: str) -> None:
-    """The probe, run in a child process: ``model`` loaded as llama.cpp loads it by default, one batched decode."""
+def _probe(model: str) -> None:
+    """Run in the child: ``model`` loaded as llama.cpp loads it by default, a batched decode, a torch bfloat16 product
+    of a size that takes oneDNN's AMX kernel where there is one, and the decode again."""
     import llama_cpp as llama
+    import torch
 
     llama.llama_backend_init()
     handle = llama.llama_model_load_from_file(model.encode(), llama.llama_model_default_params())
@@ -101,5 +108,8 @@ def _decode_batch(model: str) -> None:
     for i in range(PROBE_TOKENS):
         batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = i % vocab, i, 1, 0, True
     batch.n_tokens = PROBE_TOKENS
-    if llama.llama_decode(context, batch) != 0:
-        raise SystemExit("llama_decode failed")
+    for _ in range(2):
+        llama.llama_memory_clear(llama.llama_get_memory(context), True)
+        if llama.llama_decode(context, batch) != 0:
+            raise SystemExit("llama_decode failed")
+        torch.ones(256, 576, dtype=torch.bfloat16) @ torch.ones(576, 1536, dtype=torch.bfloat16)
