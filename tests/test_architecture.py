@@ -70,7 +70,7 @@ def private_attribute_reads(modules) -> list[str]:
 # holds __version__) is importable from anywhere. decoding/ and proposers/ share a layer: a proposer builds q with
 # the one sampling pipeline, and the engine drives proposers through their protocol.
 LAYERS = (
-    {"models", "vocab", "tokenizer", "chat"},
+    {"cache_files", "models", "vocab", "tokenizer", "chat"},
     {"decoding", "proposers"},
     {"loading", "machine", "speculator"},
     {"jobs", "bench", "certification", "training", "serving"},

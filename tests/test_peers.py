@@ -37,6 +37,7 @@ def test_medians_spread_and_ratios_come_from_every_run(target, monkeypatch):
                                                             **({"tokens_per_round": 2.0} if "lookup" in arm.name else {}),
                                                             "cost_model": {"efficiency": 0.9} if arm.name == peers.DEFAULT_ARM else None})
     monkeypatch.setattr(peers, "llama_cpp_version", lambda: {"version": "x", "system_info": "AVX2 = 1"})
+    monkeypatch.setattr(peers, "llama_cpp_alone_survives", lambda config: True)
     config = peers.PeerBenchConfig(target, threads=1, num_prompts=2, repeats=3)  # greedy, chat only
     report = peers.run_peer_bench(config, progress=False)
     rows = {row["arm"]: row for row in report["results"]}
@@ -58,11 +59,31 @@ def test_arms_run_only_the_groups_asked_for(target, monkeypatch):
     ran = []
     monkeypatch.setattr(peers, "_run", lambda arm, prompt: ran.append(arm.name) or {"tokens_per_second": 1.0})
     monkeypatch.setattr(peers, "llama_cpp_version", lambda: {"version": "x", "system_info": ""})
+    monkeypatch.setattr(peers, "llama_cpp_alone_survives", lambda config: True)
     config = peers.PeerBenchConfig(target, threads=1, num_prompts=1, repeats=1, arm_groups=("default", "llama.cpp"))
     peers.run_peer_bench(config, progress=False)
     assert ran == [peers.DEFAULT_ARM, "llama.cpp plain", "llama.cpp prompt lookup (2 tokens)"]
     with pytest.raises(ValueError, match="--arms must be among torch, default"):
         peers.PeerBenchConfig(target, threads=1, arm_groups=("gpu",))
+
+
+def test_llama_cpps_arms_run_without_extra_buffers_where_llama_cpp_alone_is_killed_with_them(target, monkeypatch):
+    """A build whose AMX kernels crash (docs/runtimes.md) still gets its llama.cpp arms, run as its user would have
+    to (without extra buffers), and the report says so; a build that survives runs them as shipped."""
+    probes, commands = [], {}
+    monkeypatch.setattr(peers, "survives", lambda command: probes.append(command) or False)
+    monkeypatch.setattr(peers, "_run", lambda arm, prompt: commands.setdefault(arm.name, arm.command) and {"tokens_per_second": 1.0})
+    monkeypatch.setattr(peers, "llama_cpp_version", lambda: {"version": "x", "system_info": "AMX_INT8 = 1"})
+    config = peers.PeerBenchConfig(target, threads=1, num_prompts=1, repeats=1, arm_groups=("default", "llama.cpp"))
+    report = peers.run_peer_bench(config, progress=False)
+    assert len(probes) == 1 and probes[0][:3] == [peers.sys.executable, "-m", "exactspec.bench.peers"]
+    assert report["llama_cpp"]["extra_buffers"] is False and "without its extra weight buffers" in peers.format_peer_table(report)
+    assert ["--no-extra-buffers" in command for command in commands.values()] == [False, True, True]
+    monkeypatch.setattr(peers, "survives", lambda command: None)  # no verdict: as shipped
+    commands.clear()
+    report = peers.run_peer_bench(config, progress=False)
+    assert report["llama_cpp"]["extra_buffers"] is True and not any("--no-extra-buffers" in c for c in commands.values())
+    assert "extra weight buffers" not in peers.format_peer_table(report)
 
 
 def test_a_safetensors_target_runs_the_exactspec_arms_and_says_why_llama_cpp_did_not(target, tmp_path, capsys):

@@ -46,7 +46,8 @@ from exactspec.decoding.calibration import Calibration, calibrate
 from exactspec.decoding.costmodel import expected_tokens_by_gamma
 from exactspec.decoding.decoder import SpeculativeDecoder
 from exactspec.decoding.policy import AdaptiveConfig
-from exactspec.decoding.priors import CacheDirectory, PolicyCache, acceptance_prior, default_cache_dir, fingerprint, read_json_object, write_json_atomically
+from exactspec.cache_files import CacheDirectory, default_cache_dir, read_json_object, write_json_atomically
+from exactspec.decoding.priors import PolicyCache, acceptance_prior, fingerprint
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.loading import LOOKUP, SMALL_MODEL_PARAMETERS, PairSpec, native_bfloat16
 from exactspec.models.base import check_local_checkpoint, is_gguf

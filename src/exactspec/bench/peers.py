@@ -31,9 +31,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from exactspec.chat import chat_messages
 from exactspec.models.llamacpp import llama_cpp_available, llama_cpp_version
+from exactspec.models.llamacpp_tiles import survives
 from exactspec.tokenizer import TextTokenizer
 from exactspec.bench.llama_server import DRAFT_FREE_MODES, DRAFT_MODES, llama_server_version
 from exactspec.bench.report import Column, add_ratios, format_rows, groups, rate_row, write_report
@@ -102,7 +104,7 @@ class PeerArm:
     efficiency: list[float] = field(default_factory=list)  # exactspec arms with measured costs: cost model / wall time
 
 
-def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
+def _arms(config: PeerBenchConfig, mode: str, llama_cpp_flags: Sequence[str] = ()) -> list[PeerArm]:
     temperature = str(MODES[mode])
     defaults = [sys.executable, "-m", "exactspec", "generate", "--target", str(config.target), "--json", "--ignore-eos",
                 "--temperature", temperature, "--max-new-tokens", str(config.max_new_tokens), "--threads", str(config.threads)]
@@ -126,7 +128,8 @@ def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
                                                   "--no-lookup-routing", *prompt_flag], "llamacpp-runtime"))
     if config.llama_cpp:
         child = [sys.executable, "-m", "exactspec.bench.peers", "--target", str(config.target), "--threads", str(config.threads),
-                 "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature, *(["--chat"] if chat else [])]
+                 "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature, *(["--chat"] if chat else []),
+                 *llama_cpp_flags]
         arms += [PeerArm(BASELINE, [*child, "--prompt"], "llama.cpp"),
                  PeerArm(f"llama.cpp prompt lookup ({config.lookup_tokens} tokens)", [*child, "--lookup-tokens", str(config.lookup_tokens), "--prompt"], "llama.cpp")]
     if config.llama_server is not None:
@@ -140,6 +143,15 @@ def _arms(config: PeerBenchConfig, mode: str) -> list[PeerArm]:
                               str(CROSS_CHECK_GAMMA), "--prompt"], "llama-server")
                      for mode in DRAFT_MODES]
     return [arm for arm in arms if arm.group in config.arm_groups]
+
+
+def llama_cpp_alone_survives(config: PeerBenchConfig) -> bool:
+    """Whether llama.cpp alone, as the llama.cpp arms run it, survives a short generation with its extra weight buffers
+    (its AMX kernels die in a GCC 12 build: docs/runtimes.md). Where it is killed, those arms run without them, as
+    a user of that build would have to, and the report says so."""
+    command = [sys.executable, "-m", "exactspec.bench.peers", "--target", str(config.target), "--threads", str(config.threads),
+               "--max-new-tokens", "4", "--prompt", "Say hello in three languages."]
+    return survives(command) is not False
 
 
 def _run(arm: PeerArm, prompt: str) -> dict:
@@ -162,9 +174,10 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
     spread (lowest and highest prompt median), tokens per target call (exactspec) and ratios to llama.cpp plain
     (``vs_llama_cpp_plain``) and to exactspec plain (``speedup``) of the same run."""
     results = []
+    extra_buffers = not config.llama_cpp or llama_cpp_alone_survives(config)
     for mode in config.modes:
         for workload in config.workloads:
-            arms = _arms(config, mode)
+            arms = _arms(config, mode, [] if extra_buffers else ["--no-extra-buffers"])
             prompts = CHAT_WORKLOADS[workload][: config.num_prompts]
             for i, prompt in enumerate(prompts):
                 runs = {arm.name: [] for arm in arms}
@@ -190,7 +203,7 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
             results += rows
     if progress:
         print(file=sys.stderr)
-    build = llama_cpp_version() if config.llama_cpp else None
+    build = {**llama_cpp_version(), "extra_buffers": extra_buffers} if config.llama_cpp else None
     server = llama_server_version(config.llama_server) if config.llama_server is not None else None
     return {"config": {**asdict(config), "target": str(config.target), "draft": config.draft and str(config.draft),
                        "llama_server": server and str(config.llama_server),
@@ -211,6 +224,9 @@ def format_peer_table(report: dict) -> str:
               "greedy: T=0, sample: T=1"]
     if report.get("llama_cpp"):
         header.append(f"llama-cpp-python {report['llama_cpp']['version']}: {report['llama_cpp']['system_info']}")
+        if report["llama_cpp"].get("extra_buffers") is False:
+            header.append("llama.cpp's arms ran without its extra weight buffers: with them (its AMX kernels) this build "
+                          "crashed (docs/runtimes.md)")
     if report.get("llama_server"):
         header.append(f"llama-server ({report['config']['llama_server']}): {report['llama_server']}; its own defaults for each mode")
     header.append(f"HF assisted generation: not run ({report.get('hf_assisted', HF_ASSISTED_SKIPPED)})")
@@ -252,9 +268,21 @@ def _llama_cpp_run(argv: list[str] | None = None) -> None:
     parser.add_argument("--chat", action="store_true", help="the prompt is a user turn in the file's chat template")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else plain sampling at this temperature")
     parser.add_argument("--prompt", required=True)
+    parser.add_argument("--no-extra-buffers", action="store_true", help="load without llama.cpp's extra weight buffers (its AMX kernels)")
     args = parser.parse_args(argv)
+    import llama_cpp.llama_cpp as bindings
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    if args.no_extra_buffers:  # Llama() takes no such argument: its default parameters, one field changed
+        defaults = bindings.llama_model_default_params
+
+        def without_extra_buffers():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        bindings.llama_model_default_params = without_extra_buffers
 
     lookup = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=args.lookup_tokens)} if args.lookup_tokens else {}
     model = Llama(model_path=args.target, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=2048, verbose=False, **lookup)

@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from exactspec.cache_files import CacheDirectory, default_cache_dir, read_json_object, write_json_atomically
 from exactspec.decoding.sampling import SamplingParams
 
 __all__ = [
-    "PRIOR_FILE", "PolicyCache", "acceptance_prior", "default_cache_dir", "fingerprint", "mode_key", "shipped_prior",
+    "PRIOR_FILE", "PolicyCache", "acceptance_prior", "fingerprint", "mode_key", "shipped_prior",
     "write_shipped_prior",
 ]
 
@@ -73,23 +72,6 @@ def _rates(value: object) -> tuple[float, ...] | None:
     return tuple(float(v) for v in value)
 
 
-def read_json_object(file: Path) -> dict:
-    """A JSON file's object; {} for a missing, damaged or foreign file (a cache is never fatal)."""
-    try:
-        value = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def write_json_atomically(file: Path, value: dict) -> None:
-    """Readers see the old file or the new one, never half of one."""
-    file.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as handle:
-        json.dump(value, handle, indent=1)
-    os.replace(handle.name, file)
-
-
 def shipped_prior(draft_dir: str | Path, target_dir: str | Path, mode: str) -> tuple[float, ...] | None:
     """The draft's shipped acceptance by position for ``mode``, if it was measured with this very pair
     (a draft retrained in place, or paired with another target, does not inherit it)."""
@@ -125,29 +107,6 @@ def acceptance_prior(
         if rates:
             return rates, "shipped" + suffix
     return (), "none"
-
-
-def default_cache_dir() -> Path:
-    if os.environ.get("EXACTSPEC_CACHE_DIR"):
-        return Path(os.environ["EXACTSPEC_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "exactspec"
-
-
-class CacheDirectory:
-    """A directory of small JSON entries that exactspec rebuilds when they are gone."""
-
-    directory: Path
-
-    def entries(self) -> list[Path]:
-        return sorted(self.directory.glob("*.json")) if self.directory.is_dir() else []
-
-    def clear(self) -> int:
-        """Remove every entry; returns how many there were."""
-        entries = self.entries()
-        for file in entries:
-            file.unlink()
-        return len(entries)
 
 
 class PolicyCache(CacheDirectory):

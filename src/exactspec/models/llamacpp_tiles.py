@@ -28,6 +28,8 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
+from exactspec.cache_files import default_cache_dir, read_json_object, write_json_atomically
+
 __all__ = ["cpu_has_amx", "extra_buffers_work", "probe_command", "survives"]
 
 PROBE_TOKENS = 32  # a batch past one token: the tile kernels, not the one-token kernel
@@ -63,8 +65,6 @@ def extra_buffers_work(model: Path, library: Path, system_info: str) -> bool:
     buffers here: True without a probe unless the CPU has AMX and the build uses it (see the module docstring)."""
     if "AMX_INT8 = 1" not in system_info or not cpu_has_amx() or not model.is_file():
         return True  # (a file that is not there: the load itself says so)
-    from exactspec.decoding.priors import default_cache_dir, read_json_object, write_json_atomically
-
     cache = default_cache_dir() / "llamacpp" / "tiles.json"
     key = f"{_file_key(library)}|{_file_key(model)}"
     verdicts = read_json_object(cache)
