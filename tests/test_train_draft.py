@@ -125,6 +125,9 @@ def test_answers_of_an_earlier_run_are_taken_once_and_another_targets_are_refuse
     assert code == 2 and "no such file" in capsys.readouterr().err and not (tmp_path / "new2").exists()
     code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new3"), "--tv-weight", "-1"])
     assert code == 2 and "--tv-weight -1" in capsys.readouterr().err and not (tmp_path / "new3").exists()
+    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new4"), "--keep-answers", str(tmp_path / "no" / "kept.gz")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--keep-answers" in err and err.count("\n") == 1 and not (tmp_path / "new4").exists()
 
 
 def test_second_answers_go_to_training_prompts_only(target, tmp_path, monkeypatch):
@@ -190,10 +193,15 @@ def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
     assert answers > 0
 
     code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.5", "--threads", "1",
-                 "--vocab-subset", "128", "--json"])
+                 "--vocab-subset", "128", "--json", "--keep-answers", str(tmp_path / "kept.jsonl.gz")])
     again = json.loads(capsys.readouterr().out)
     assert code == 0 and again["training"]["steps"] > card["training"]["steps"]  # resumed, not restarted
     assert len(read_answers(out / "answers.jsonl")) >= answers
+    from exactspec.tokenizer import TextTokenizer
+    from exactspec.training.draft_data import import_answers
+
+    kept = import_answers(tmp_path / "kept.jsonl.gz", tmp_path / "from_kept.jsonl", TextTokenizer.from_path(target))
+    assert read_answers(tmp_path / "from_kept.jsonl") == read_answers(out / "answers.jsonl") and kept > 0  # every answer
     assert [r["steps"] for r in again["runs"]] == [card["training"]["steps"], again["training"]["steps"]]  # both runs
     assert all("finished" in r and r["minutes"] == 0.5 and r["answer_temperature"] == 0.7 for r in again["runs"])
     curve = again["acceptance_curve"]

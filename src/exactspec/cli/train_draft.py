@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from exactspec.cli.common import CliError, integer
-from exactspec.cli.files import prepare_output_dir
+from exactspec.cli.files import check_record_path, prepare_output_dir
 from exactspec.loading import resolve_checkpoint
 from exactspec.training.draft_data import ANSWER_TEMPERATURE
 
@@ -25,9 +25,11 @@ def run(args: argparse.Namespace) -> dict:
         config = TrainDraftArgs(target, Path(args.out), args.minutes, args.vocab_subset, args.ttt_steps,
                                 answers_per_prompt=args.answers_per_prompt, seed=args.seed, threads=args.threads, backend=args.backend,
                                 layout=args.layout, answers=args.answers and Path(args.answers),
+                                keep_answers=args.keep_answers and Path(args.keep_answers),
                                 init_from=args.init_from and Path(args.init_from), train_dtype=args.train_dtype,
                                 tv_weight=args.tv_weight, answer_temperature=args.answer_temperature)
         # the flags are refused first (a refused run leaves no directory), then the output is tried, then the target
+        check_record_path(args.keep_answers, "--keep-answers")
         prepare_output_dir(Path(args.out), "--out")
         check_local_checkpoint(target)
         return train_draft(config)
@@ -56,6 +58,9 @@ def add(add_command) -> None:
                        help="the draft's layer: EAGLE-3's (the default: the layout llama.cpp, vLLM and SGLang load; `exactspec export-eagle3` writes it), or exactspec's first (w_in, then a Llama layer)")
     train.add_argument("--answers", help="start from these answers of the target (an earlier run's answers.jsonl, or gzipped: "
                        "the costly part of the data); rows whose prompt this target's chat template encodes differently are refused")
+    train.add_argument("--keep-answers", metavar="FILE", help="after the answers phase, write every answer the run has (taken and new) "
+                       "gzipped to FILE, where the run's machine going away does not take them (data/smollm2/answers.jsonl.gz for the shipped "
+                       "draft; it may be the --answers file itself)")
     train.add_argument("--init-from", metavar="DRAFT", help="start training from this draft's weights and vocabulary subset (one of the same layout for this target, such as the "
                        "shipped one) instead of from scratch; a rerun of the same --out resumes its own checkpoint")
     train.add_argument("--train-dtype", choices=["auto", "float32", "bfloat16"], default="auto",

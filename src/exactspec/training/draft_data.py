@@ -70,6 +70,21 @@ def import_answers(source: Path, out: Path, tokenizer) -> int:
     return len(new)
 
 
+def keep_answers(answers_file: Path, keep: Path) -> int:
+    """Write every answer of ``answers_file`` (a run's ``answers.jsonl``) gzipped to ``keep``, where it outlives the
+    run's machine: the costly part of a draft's data, which ``--answers`` starts a later run from. Readers see the
+    old file or the new one; returns how many answers it holds."""
+    import gzip
+    import os
+
+    rows = read_answers(answers_file)
+    partial = keep.with_name(keep.name + ".tmp")
+    with gzip.open(partial, "wt") as sink:
+        sink.writelines(json.dumps(row) + "\n" for row in rows)
+    os.replace(partial, keep)
+    return len(rows)
+
+
 def answer_key(row: dict) -> tuple[str, int]:
     """What identifies an answer: its prompt and its sample number (0 for a run that drew one per prompt)."""
     return row["prompt"], row.get("sample", 0)

@@ -39,7 +39,9 @@ from exactspec.models.eagle import CONFIG_FILE, LAYOUTS, FeatureDraft, FeatureDr
 from exactspec.models.lean import LeanModel
 from exactspec.decoding.priors import write_shipped_prior
 from exactspec.tokenizer import TextTokenizer
-from exactspec.training.draft_data import ANSWER_TEMPERATURE, answer_text, corpus_chunks, data_rates, generate_answers, import_answers, read_answers
+from exactspec.training.draft_data import (
+    ANSWER_TEMPERATURE, answer_text, corpus_chunks, data_rates, generate_answers, import_answers, keep_answers, read_answers,
+)
 from exactspec.training.prompts import Prompt, chat_prompts, follow_ups
 from exactspec.training.teacher import (TEACHER_BATCH, ShardPool, TeacherSequence, lean_teacher, load_shards, runtime_teacher,
                                         stored_keys, teacher_pass)
@@ -72,6 +74,7 @@ class TrainDraftArgs:
     backend: str = "auto"  # the answers' and teacher's runtime: lean, llamacpp, or auto (the faster here: data_backend)
     layout: str = "eagle3"  # the draft's layer: EAGLE-3's (exportable: exactspec.training.eagle3_export), or exactspec's first
     answers: Path | None = None  # an earlier run's answers (answers.jsonl, or gzipped) to start from
+    keep_answers: Path | None = None  # every answer of the run, gzipped here after the answers phase (where it survives)
     init_from: Path | None = None  # a trained draft of the same layout for this target, whose weights training starts from
     train_dtype: str = "auto"  # the training steps' arithmetic: float32, bfloat16 (autocast), or auto (train_precision)
     tv_weight: float = 4.0  # weight of the total-variation term beside the cross-entropy (step_losses; docs/smollm2.md)
@@ -498,6 +501,8 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     runs = _RunLog(args.out / "runs.json", args)
     backend = args.data_backend(_log)
     held_keys = _answer_phase(args, tokenizer, answers_file, deadline("answers"), backend)
+    if args.keep_answers is not None:
+        _log(f"answers: {keep_answers(answers_file, args.keep_answers)} kept in {args.keep_answers}")
     answers = read_answers(answers_file)
     held = [r for r in answers if r["prompt"] in held_keys]
     train = [r for r in answers if r["prompt"] not in held_keys]
