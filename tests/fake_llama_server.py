@@ -6,12 +6,14 @@ and the server's command line come back in the answer, so a test sees what was s
 Environment: FAKE_LLAMA_SERVER_FAIL=1 (or =MODE: only with --spec-type MODE) exits at start with llama-server's
 message for a bad model file;
 FAKE_LLAMA_SERVER_NO_TOKENS=1 answers without token ids; FAKE_LLAMA_SERVER_BODIES=FILE appends each request's body
-and the server's --spec-type to FILE, one JSON line each.
+and the server's --spec-type to FILE, one JSON line each; FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK=1 dies of SIGSEGV at
+a request unless started with --no-repack, as a GCC 12 build's AMX kernels do.
 """
 
 import argparse
 import json
 import os
+import signal
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -48,6 +50,8 @@ class Handler(BaseHTTPRequestHandler):
         if os.environ.get("FAKE_LLAMA_SERVER_BODIES"):
             with open(os.environ["FAKE_LLAMA_SERVER_BODIES"], "a") as log:
                 log.write(json.dumps({"spec_type": known.spec_type, "body": body}) + "\n")
+        if os.environ.get("FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK") and "--no-repack" not in sys.argv:
+            os.kill(os.getpid(), signal.SIGSEGV)
         n = body["n_predict"]
         tokens = [(sum(body["prompt"]) + i + bool(known.spec_type)) % 7 for i in range(n)]
         accepted = n // 2 if known.spec_type else 0

@@ -60,6 +60,30 @@ def test_a_server_runs_on_loopback_for_the_block_only(fake, tmp_path):
     assert "--spec-type" not in plain
 
 
+def test_a_build_whose_repacked_weights_crash_runs_with_no_repack_once_probed(fake, tmp_path, monkeypatch):
+    """On a CPU with AMX, llama-server built by GCC 12 dies at its first batched prompt (docs/runtimes.md): one probe
+    per binary and model finds it, every start after runs with --no-repack, and a warning says so. Elsewhere, and for
+    a build that survives, nothing changes."""
+    model, bodies = tmp_path / "model.gguf", tmp_path / "bodies.jsonl"
+    model.write_bytes(b"GGUF")
+    monkeypatch.setenv("FAKE_LLAMA_SERVER_BODIES", str(bodies))
+    monkeypatch.setattr(llama_server, "cpu_has_amx", lambda: True)
+    monkeypatch.setenv("FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK", "1")
+    for _ in range(2):
+        with pytest.warns(RuntimeWarning, match="--no-repack"):
+            with LlamaServer(LlamaServerConfig(fake, model, threads=1, mode="ngram-mod")) as server:
+                assert "--no-repack" in server.complete({"prompt": [1, 2], "n_predict": 4})["argv"]
+    probes = [json.loads(line) for line in bodies.read_text().splitlines() if json.loads(line)["body"]["prompt"] == llama_server.PROBE_PROMPT]
+    assert len(probes) == 1 and probes[0]["spec_type"] is None  # one probe, of the plain server; then cached
+    monkeypatch.delenv("FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK")
+    survivor = tmp_path / "other.gguf"
+    survivor.write_bytes(b"GGUF, another")
+    with LlamaServer(LlamaServerConfig(fake, survivor, threads=1)) as server:
+        assert "--no-repack" not in server.complete({"prompt": [1, 2], "n_predict": 4})["argv"]
+    monkeypatch.setattr(llama_server, "cpu_has_amx", lambda: False)
+    assert "--no-repack" not in LlamaServerConfig(fake, model, threads=1).command(1)
+    assert llama_server.repack_works(LlamaServerConfig(fake, model, threads=1))  # no AMX: nothing probed, as shipped
+
 def test_a_server_that_cannot_start_is_a_clear_error(fake, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_LLAMA_SERVER_FAIL", "1")
     with pytest.raises(RuntimeError, match="exited with code 1: .*failed to read the file"):

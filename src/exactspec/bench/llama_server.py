@@ -30,13 +30,16 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from exactspec.cache_files import default_cache_dir, read_json_object, write_json_atomically
 from exactspec.decoding.sampling import SamplingParams
+from exactspec.models.llamacpp_tiles import cpu_has_amx
 
 __all__ = ["AUDIT_MODES", "DRAFT_FREE_MODES", "DRAFT_MODES", "MODES", "SPEC_TYPES", "LlamaServer", "LlamaServerConfig",
-           "find_llama_server", "llama_server_version", "rounds_of", "sampling_fields"]
+           "find_llama_server", "llama_server_version", "repack_works", "rounds_of", "sampling_fields"]
 
 ENVIRONMENT = "EXACTSPEC_LLAMA_SERVER"
 #: llama-server's modes that need no draft model; "plain" is no speculation at all.
@@ -139,6 +142,7 @@ class LlamaServerConfig:
     parallel: int = 1  # slots: requests decoded together
     context: int = 4096  # positions, shared by the slots
     startup_timeout: float = 120.0  # seconds until /health must answer
+    repack: bool | None = None  # llama.cpp's repacked weights (its AMX kernels among them); None: as repack_works finds
 
     def __post_init__(self) -> None:
         if self.threads < 1 or self.parallel < 1 or self.context < 16 or self.draft_tokens < 1:
@@ -159,7 +163,7 @@ class LlamaServerConfig:
                             "--no-spec-draft-backend-sampling"]
         return [str(self.binary), "--model", str(self.model), "--host", "127.0.0.1", "--port", str(port),
                 "--threads", str(self.threads), "--threads-batch", str(self.threads), "--ctx-size", str(self.context),
-                "--parallel", str(self.parallel), "--no-webui", *speculation]
+                "--parallel", str(self.parallel), "--no-webui", *(["--no-repack"] if self.repack is False else []), *speculation]
 
 
 def _free_port() -> int:
@@ -180,6 +184,8 @@ class LlamaServer:
         self._log = None
 
     def __enter__(self) -> "LlamaServer":
+        if self.config.repack is None:
+            self.config = replace(self.config, repack=repack_works(self.config))
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log")
@@ -204,6 +210,11 @@ class LlamaServer:
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"llama-server ({self.config.mode}) was not ready after {self.config.startup_timeout:g} s: {self.log_tail()}")
+
+    @property
+    def returncode(self) -> int | None:
+        """The server's exit status once it has ended by itself (negative: the signal that killed it), else None."""
+        return self._process.poll() if self._process is not None else None
 
     def log_tail(self, lines: int = 3) -> str:
         if self._log is None:
@@ -235,6 +246,38 @@ class LlamaServer:
             raise RuntimeError(f"llama-server answered {error.code}: {error.read()[:300].decode(errors='replace')}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
             raise RuntimeError(f"llama-server did not answer: {error} ({self.log_tail()})") from None
+
+
+PROBE_PROMPT = list(range(100, 132))  # token ids: a prompt of 32 tokens is read in one batch, through the tile kernels
+
+
+def repack_works(config: LlamaServerConfig) -> bool:
+    """Whether llama-server with its repacked weights survives a 32-token prompt here. A build by GCC 12 on a CPU with
+    AMX dies there (its AMX kernels' tile configuration is dropped as dead stores: docs/runtimes.md); such a build
+    runs with ``--no-repack`` and a warning says so. Probed only where the CPU has AMX, once per binary and model
+    file (cached beside the llama.cpp runtime's verdicts)."""
+    if not cpu_has_amx() or not (config.binary.is_file() and config.model.is_file()):
+        return True  # (a file that is not there: the server's own start says so)
+    cache = default_cache_dir() / "llamacpp" / "tiles.json"
+    key = "llama-server|" + "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in (config.binary, config.model))
+    verdicts = read_json_object(cache)
+    if key not in verdicts:
+        with LlamaServer(replace(config, mode="plain", draft_model=None, parallel=1, repack=True)) as server:
+            try:
+                server.complete({"prompt": PROBE_PROMPT, "n_predict": 2, "cache_prompt": False})
+            except RuntimeError:  # it died, or answered an error: which, its exit says
+                deadline = time.monotonic() + 10
+                while server.returncode is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            verdicts[key] = server.returncode is None or server.returncode >= 0  # killed by a signal: not
+        try:
+            write_json_atomically(cache, verdicts)
+        except OSError:
+            pass  # a cache is never fatal
+    if not verdicts[key]:
+        warnings.warn("llama-server crashes with its repacked weights here (AMX kernels of a GCC 12 build?): it runs with --no-repack, "
+                      "slower on this CPU (docs/runtimes.md)", RuntimeWarning, stacklevel=2)
+    return bool(verdicts[key])
 
 
 def _timed_run(argv: list[str] | None = None) -> None:

@@ -37,7 +37,7 @@ from exactspec.chat import chat_messages
 from exactspec.models.llamacpp import llama_cpp_available, llama_cpp_version
 from exactspec.models.llamacpp_tiles import survives
 from exactspec.tokenizer import TextTokenizer
-from exactspec.bench.llama_server import DRAFT_FREE_MODES, DRAFT_MODES, llama_server_version
+from exactspec.bench.llama_server import DRAFT_FREE_MODES, DRAFT_MODES, LlamaServerConfig, llama_server_version, repack_works
 from exactspec.bench.report import Column, add_ratios, format_rows, groups, rate_row, write_report
 from exactspec.bench.workloads import CHAT_WORKLOADS
 
@@ -205,10 +205,11 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
         print(file=sys.stderr)
     build = {**llama_cpp_version(), "extra_buffers": extra_buffers} if config.llama_cpp else None
     server = llama_server_version(config.llama_server) if config.llama_server is not None else None
+    repack = repack_works(LlamaServerConfig(config.llama_server, config.target, config.threads)) if server else None  # cached by its arms
     return {"config": {**asdict(config), "target": str(config.target), "draft": config.draft and str(config.draft),
                        "llama_server": server and str(config.llama_server),
                        "llama_server_draft": config.llama_server_draft and str(config.llama_server_draft)},
-            "llama_cpp": build, "llama_server": server, "hf_assisted": HF_ASSISTED_SKIPPED, "results": results,
+            "llama_cpp": build, "llama_server": server, "llama_server_repack": repack, "hf_assisted": HF_ASSISTED_SKIPPED, "results": results,
             "cross_check": cross_check(results)}
 
 
@@ -228,7 +229,9 @@ def format_peer_table(report: dict) -> str:
             header.append("llama.cpp's arms ran without its extra weight buffers: with them (its AMX kernels) this build "
                           "crashed (docs/runtimes.md)")
     if report.get("llama_server"):
-        header.append(f"llama-server ({report['config']['llama_server']}): {report['llama_server']}; its own defaults for each mode")
+        header.append(f"llama-server ({report['config']['llama_server']}): {report['llama_server']}; its own defaults for each mode"
+                      + ("; --no-repack: with its repacked weights (its AMX kernels) this build crashed (docs/runtimes.md)"
+                         if report.get("llama_server_repack") is False else ""))
     header.append(f"HF assisted generation: not run ({report.get('hf_assisted', HF_ASSISTED_SKIPPED)})")
     notes = {(row["mode"], row["workload"]): (f"\ncross-check, {CROSS_CHECK_GAMMA} drafted a round from the same draft: tokens per target call, "
                                               f"exactspec {row['exactspec']:.3f}, llama-server draft-eagle3 {row['llama_server']:.3f} "
