@@ -30,13 +30,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from exactspec.cache_files import default_cache_dir, read_json_object, write_json_atomically
 from exactspec.decoding.sampling import SamplingParams
-from exactspec.models.llamacpp_tiles import cpu_has_amx
+from exactspec.models.llamacpp_tiles import cached_verdict, cpu_has_amx
 
 __all__ = ["AUDIT_MODES", "DRAFT_FREE_MODES", "DRAFT_MODES", "MODES", "SPEC_TYPES", "LlamaServer", "LlamaServerConfig",
            "find_llama_server", "llama_server_version", "repack_works", "rounds_of", "sampling_fields"]
@@ -258,26 +256,20 @@ def repack_works(config: LlamaServerConfig) -> bool:
     file (cached beside the llama.cpp runtime's verdicts)."""
     if not cpu_has_amx() or not (config.binary.is_file() and config.model.is_file()):
         return True  # (a file that is not there: the server's own start says so)
-    cache = default_cache_dir() / "llamacpp" / "tiles.json"
-    key = "llama-server|" + "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in (config.binary, config.model))
-    verdicts = read_json_object(cache)
-    if key not in verdicts:
-        with LlamaServer(replace(config, mode="plain", draft_model=None, parallel=1, repack=True)) as server:
-            try:
-                server.complete({"prompt": PROBE_PROMPT, "n_predict": 2, "cache_prompt": False})
-            except RuntimeError:  # it died, or answered an error: which, its exit says
-                deadline = time.monotonic() + 10
-                while server.returncode is None and time.monotonic() < deadline:
-                    time.sleep(0.05)
-            verdicts[key] = server.returncode is None or server.returncode >= 0  # killed by a signal: not
+    return cached_verdict([config.binary, config.model], lambda: _survives_a_prompt(config),
+                          "llama-server crashes with its repacked weights here (AMX kernels of a GCC 12 build?): it runs with "
+                          "--no-repack, slower on this CPU (docs/runtimes.md)")
+
+
+def _survives_a_prompt(config: LlamaServerConfig) -> bool:
+    with LlamaServer(replace(config, mode="plain", draft_model=None, parallel=1, repack=True)) as server:
         try:
-            write_json_atomically(cache, verdicts)
-        except OSError:
-            pass  # a cache is never fatal
-    if not verdicts[key]:
-        warnings.warn("llama-server crashes with its repacked weights here (AMX kernels of a GCC 12 build?): it runs with --no-repack, "
-                      "slower on this CPU (docs/runtimes.md)", RuntimeWarning, stacklevel=2)
-    return bool(verdicts[key])
+            server.complete({"prompt": PROBE_PROMPT, "n_predict": 2, "cache_prompt": False})
+        except RuntimeError:  # it died, or answered an error: which, its exit says
+            deadline = time.monotonic() + 10
+            while server.returncode is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return server.returncode is None or server.returncode >= 0  # killed by a signal: not
 
 
 def _timed_run(argv: list[str] | None = None) -> None:

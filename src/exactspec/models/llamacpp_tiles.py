@@ -26,11 +26,11 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from exactspec.cache_files import default_cache_dir, read_json_object, write_json_atomically
 
-__all__ = ["cpu_has_amx", "extra_buffers_work", "probe_command", "survives"]
+__all__ = ["cached_verdict", "cpu_has_amx", "extra_buffers_work", "probe_command", "survives"]
 
 PROBE_TOKENS = 32  # a batch past one token: the tile kernels, not the one-token kernel
 PROBE_SECONDS = 300
@@ -60,27 +60,36 @@ def _file_key(path: Path) -> str:
     return f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
-def extra_buffers_work(model: Path, library: Path, system_info: str) -> bool:
-    """Whether llama.cpp (its shared ``library`` or their directory, reporting ``system_info``) can decode ``model`` with its extra weight
-    buffers here: True without a probe unless the CPU has AMX and the build uses it (see the module docstring)."""
-    if "AMX_INT8 = 1" not in system_info or not cpu_has_amx() or not model.is_file():
-        return True  # (a file that is not there: the load itself says so)
+def cached_verdict(files: Sequence[Path], probe: Callable[[], bool | None], warning: str) -> bool:
+    """``probe()``'s answer for these ``files`` (a program and the model it runs), asked once and cached in
+    ``$EXACTSPEC_CACHE_DIR/llamacpp/tiles.json``; a None answer (no verdict) counts as True and is asked again next
+    time. ``warning`` is issued wherever the answer is False."""
     cache = default_cache_dir() / "llamacpp" / "tiles.json"
-    key = f"{_file_key(library)}|{_file_key(model)}"
+    key = "|".join(map(_file_key, files))
     verdicts = read_json_object(cache)
     if key not in verdicts:
-        verdict = survives(probe_command(model))
+        verdict = probe()
         if verdict is None:
-            return True  # no verdict: llama.cpp's own choice, asked again next time
+            return True
         verdicts[key] = verdict
         try:
             write_json_atomically(cache, verdicts)
         except OSError:
             pass  # a cache is never fatal: the probe runs again next time
     if not verdicts[key]:
-        warnings.warn("llama.cpp's AMX kernels crash in this process (a GCC 12 build, or torch's own AMX kernels beside "
-                      "them): llama.cpp runs without them, slower on this CPU (docs/runtimes.md)", RuntimeWarning, stacklevel=3)
+        warnings.warn(warning, RuntimeWarning, stacklevel=3)
     return bool(verdicts[key])
+
+
+def extra_buffers_work(model: Path, library: Path, system_info: str) -> bool:
+    """Whether llama.cpp (its shared ``library`` or their directory, reporting ``system_info``) can decode ``model``
+    with its extra weight buffers in this process: True without a probe unless the CPU has AMX and the build uses
+    it (see the module docstring)."""
+    if "AMX_INT8 = 1" not in system_info or not cpu_has_amx() or not model.is_file():
+        return True  # (a file that is not there: the load itself says so)
+    return cached_verdict([library, model], lambda: survives(probe_command(model)),
+                          "llama.cpp's AMX kernels crash in this process (a GCC 12 build, or torch's own AMX kernels beside "
+                          "them): llama.cpp runs without them, slower on this CPU (docs/runtimes.md)")
 
 
 def probe_command(model: Path) -> list[str]:
