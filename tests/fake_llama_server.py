@@ -6,8 +6,8 @@ and the server's command line come back in the answer, so a test sees what was s
 Environment: FAKE_LLAMA_SERVER_FAIL=1 (or =MODE: only with --spec-type MODE) exits at start with llama-server's
 message for a bad model file;
 FAKE_LLAMA_SERVER_NO_TOKENS=1 answers without token ids; FAKE_LLAMA_SERVER_BODIES=FILE appends each request's body
-and the server's --spec-type to FILE, one JSON line each; FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK=1 dies of SIGSEGV at
-a request unless started with --no-repack, as a GCC 12 build's AMX kernels do.
+and the server's --spec-type to FILE, one JSON line each; FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK=request (or =start) dies of
+SIGSEGV at a request (or at start) unless started with --no-repack, as a GCC 12 build's AMX kernels do.
 """
 
 import argparse
@@ -25,6 +25,9 @@ parser.add_argument("--port", type=int, required=True)
 parser.add_argument("--host", required=True)
 parser.add_argument("--spec-type", default=None)
 known, _ = parser.parse_known_args()
+CRASH = os.environ.get("FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK") if "--no-repack" not in sys.argv else None
+if CRASH == "start":
+    os.kill(os.getpid(), signal.SIGSEGV)
 if os.environ.get("FAKE_LLAMA_SERVER_FAIL") in ("1", known.spec_type or "plain"):
     print("llama_model_load: error loading model: failed to read the file", flush=True)
     raise SystemExit(1)
@@ -50,7 +53,7 @@ class Handler(BaseHTTPRequestHandler):
         if os.environ.get("FAKE_LLAMA_SERVER_BODIES"):
             with open(os.environ["FAKE_LLAMA_SERVER_BODIES"], "a") as log:
                 log.write(json.dumps({"spec_type": known.spec_type, "body": body}) + "\n")
-        if os.environ.get("FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK") and "--no-repack" not in sys.argv:
+        if CRASH == "request":
             os.kill(os.getpid(), signal.SIGSEGV)
         n = body["n_predict"]
         tokens = [(sum(body["prompt"]) + i + bool(known.spec_type)) % 7 for i in range(n)]

@@ -68,13 +68,19 @@ def test_a_build_whose_repacked_weights_crash_runs_with_no_repack_once_probed(fa
     model.write_bytes(b"GGUF")
     monkeypatch.setenv("FAKE_LLAMA_SERVER_BODIES", str(bodies))
     monkeypatch.setattr(llama_server, "cpu_has_amx", lambda: True)
-    monkeypatch.setenv("FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK", "1")
+    monkeypatch.setenv("FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK", "request")
     for _ in range(2):
         with pytest.warns(RuntimeWarning, match="--no-repack"):
             with LlamaServer(LlamaServerConfig(fake, model, threads=1, mode="ngram-mod")) as server:
                 assert "--no-repack" in server.complete({"prompt": [1, 2], "n_predict": 4})["argv"]
     probes = [json.loads(line) for line in bodies.read_text().splitlines() if json.loads(line)["body"]["prompt"] == llama_server.PROBE_PROMPT]
     assert len(probes) == 1 and probes[0]["spec_type"] is None  # one probe, of the plain server; then cached
+    monkeypatch.setenv("FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK", "start")  # the real one dies in its warm-up decode
+    at_start = tmp_path / "at_start.gguf"
+    at_start.write_bytes(b"GGUF, dies at start")
+    with pytest.warns(RuntimeWarning, match="--no-repack"):
+        with LlamaServer(LlamaServerConfig(fake, at_start, threads=1)) as server:
+            assert "--no-repack" in server.complete({"prompt": [1, 2], "n_predict": 4})["argv"]
     monkeypatch.delenv("FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK")
     survivor = tmp_path / "other.gguf"
     survivor.write_bytes(b"GGUF, another")

@@ -36,7 +36,7 @@ from pathlib import Path
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.models.llamacpp_tiles import cached_verdict, cpu_has_amx
 
-__all__ = ["AUDIT_MODES", "DRAFT_FREE_MODES", "DRAFT_MODES", "MODES", "SPEC_TYPES", "LlamaServer", "LlamaServerConfig",
+__all__ = ["AUDIT_MODES", "DRAFT_FREE_MODES", "DRAFT_MODES", "MODES", "SPEC_TYPES", "LlamaServer", "LlamaServerConfig", "LlamaServerExited",
            "find_llama_server", "llama_server_version", "repack_works", "rounds_of", "sampling_fields"]
 
 ENVIRONMENT = "EXACTSPEC_LLAMA_SERVER"
@@ -164,6 +164,14 @@ class LlamaServerConfig:
                 "--parallel", str(self.parallel), "--no-webui", *(["--no-repack"] if self.repack is False else []), *speculation]
 
 
+class LlamaServerExited(RuntimeError):
+    """llama-server ended before it was ready; ``returncode`` is its exit status (negative: the signal that killed it)."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -199,7 +207,8 @@ class LlamaServer:
         deadline = time.monotonic() + self.config.startup_timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise RuntimeError(f"llama-server ({self.config.mode}) exited with code {self._process.returncode}: {self.log_tail()}")
+                raise LlamaServerExited(f"llama-server ({self.config.mode}) exited with code {self._process.returncode}: {self.log_tail()}",
+                                        self._process.returncode)
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as answer:
                     if answer.status == 200:
@@ -262,14 +271,19 @@ def repack_works(config: LlamaServerConfig) -> bool:
 
 
 def _survives_a_prompt(config: LlamaServerConfig) -> bool:
-    with LlamaServer(replace(config, mode="plain", draft_model=None, parallel=1, repack=True)) as server:
-        try:
-            server.complete({"prompt": PROBE_PROMPT, "n_predict": 2, "cache_prompt": False})
-        except RuntimeError:  # it died, or answered an error: which, its exit says
-            deadline = time.monotonic() + 10
-            while server.returncode is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-        return server.returncode is None or server.returncode >= 0  # killed by a signal: not
+    """Whether the plain server with repacked weights starts (its warm-up decodes a batch) and reads a 32-token prompt
+    without being killed by a signal (an error of another kind is not this probe's to judge)."""
+    try:
+        with LlamaServer(replace(config, mode="plain", draft_model=None, parallel=1, repack=True)) as server:
+            try:
+                server.complete({"prompt": PROBE_PROMPT, "n_predict": 2, "cache_prompt": False})
+            except RuntimeError:  # it died, or answered an error: which, its exit says
+                deadline = time.monotonic() + 10
+                while server.returncode is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            return server.returncode is None or server.returncode >= 0
+    except LlamaServerExited as error:
+        return error.returncode >= 0
 
 
 def _timed_run(argv: list[str] | None = None) -> None:
