@@ -159,8 +159,10 @@ def test_the_shipped_draft_exported_keeps_at_greedy_what_exactspec_keeps(tmp_pat
     """The cross-check of the export and of both tools' accounting: at greedy a drafted token is kept where the
     target's argmax equals the draft's, in exactspec (min(1, p/q) with one-hot p and q) and in llama-server's
     sample-and-match alike. The shipped draft on exactspec's llama.cpp runtime and its EAGLE-3 export on
-    llama-server, 3 drafted a round, the same prompts: the accepted drafts must agree to within what two llama.cpp
-    builds' numerics move (an argmax near a tie), and far from a wrong export, which keeps next to none."""
+    llama-server, 3 drafted a round, the same prompts: where the two llama.cpp builds write the same greedy text,
+    every argmax is the same, so each must keep exactly as many drafted tokens as the other (a wrong export keeps
+    next to none). Where a near-tie flips in one build the texts part (seen once in three prompts on an Intel AMX
+    machine, 2026-12-06: 20 kept against 12 after they parted at token 9) and the counts are not comparable."""
     from exactspec.bench.llama_server import LlamaServer, LlamaServerConfig, sampling_fields
     from exactspec.bench.workloads import CHAT_WORKLOADS
     from exactspec.chat import chat_messages
@@ -182,16 +184,17 @@ def test_the_shipped_draft_exported_keeps_at_greedy_what_exactspec_keeps(tmp_pat
     assert main(["export-eagle3", "--draft", str(shipped), "--target", "smollm2", "--out", str(tmp_path),
                  "--gguf", str(tmp_path / "draft.gguf"), "--llama-cpp-source", source]) == 0
     speculator = Speculator.load("smollm2", str(shipped), backend="llamacpp", threads=2, lookup_routing=False, policy_cache=False)
-    prompts = [speculator.tokenizer.encode_chat(chat_messages(text)) for text in CHAT_WORKLOADS["chat"][:3]]
-    ours = theirs = 0
+    prompts = [speculator.tokenizer.encode_chat(chat_messages(text)) for text in CHAT_WORKLOADS["chat"][:4]]
+    kept = []  # (exactspec, llama-server) accepted drafts, per prompt whose greedy texts agree
     config = LlamaServerConfig(binary, gguf, threads=2, mode="draft-eagle3", draft_model=tmp_path / "draft.gguf", draft_tokens=3)
     with LlamaServer(config) as server:
         for ids in prompts:
-            stats = speculator.generate(ids, 48, GREEDY, gamma=3, seed=0, stop_at_eos=False).generation.stats
-            ours += stats.by_source()["draft"]["accepted"]
+            generation = speculator.generate(ids, 48, GREEDY, gamma=3, seed=0, stop_at_eos=False).generation
             answer = server.complete({"prompt": ids, "n_predict": 48, "ignore_eos": True, "return_tokens": True, "cache_prompt": False,
                                       **sampling_fields(GREEDY, len(ids) + 48)})
-            theirs += int(answer["timings"].get("draft_n_accepted", 0))
-    assert ours >= 10, f"the shipped draft kept only {ours} of 144 tokens' drafts: too few to compare"
-    assert abs(ours - theirs) <= 0.1 * max(ours, theirs), (ours, theirs)
+            if list(generation.tokens) == answer["tokens"]:
+                kept.append((generation.stats.by_source()["draft"]["accepted"], int(answer["timings"].get("draft_n_accepted", 0))))
+    assert len(kept) >= 2, f"the two builds' greedy texts agree on {len(kept)} of {len(prompts)} prompts: too few to compare"
+    assert sum(ours for ours, _ in kept) >= 10, f"the shipped draft kept only {kept}: too few to compare"
+    assert all(ours == theirs for ours, theirs in kept), kept
 
