@@ -27,3 +27,11 @@ def test_an_arm_that_crashes_or_fails_is_reported(tmp_path, monkeypatch):
     assert run_arm(tmp_path / "absent.gguf", True, [1], 1, 1).startswith("llama.cpp could not load")
     monkeypatch.setattr(llamacpp_kernels.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, -11, "", ""))
     assert run_arm(tmp_path / "absent.gguf", True, [1], 1, 1) == "killed by SIGSEGV"
+
+
+def test_bad_options_are_one_line_errors(tmp_path, capsys):
+    for args, message in ((["--sizes", "1,x"], "--sizes 1,x"), (["--target", str(tmp_path / "absent.gguf")], "no such file"),
+                          (["--calls", "0"], "must be >= 1")):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1

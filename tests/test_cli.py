@@ -90,7 +90,6 @@ def test_console_entry_point_runs_as_a_module():
     assert done.returncode == 2 and done.stderr.startswith("exactspec: error:") and "Traceback" not in done.stderr
 
 
-
 def test_a_librarys_warning_is_one_line_on_stderr():
     """The library warns where it works around something (llama.cpp's crashing AMX kernels): on the command line that
     is one line naming exactspec, not Python's file, line number and source line (in a process of its own: pytest

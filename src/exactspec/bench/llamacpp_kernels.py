@@ -85,11 +85,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--extra-buffers", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sizes = [int(n) for n in args.sizes.split(",")]
+    sizes = [int(n) for n in args.sizes.split(",") if n.strip().isdigit() and int(n) > 0]
     if args.target == "smollm2":
         from exactspec.loading import PACKAGED_MODELS
 
         args.target = PACKAGED_MODELS["smollm2"].path()
+    problems = [f"--sizes {args.sizes}: give positive token counts, comma-separated"] if len(sizes) != len(args.sizes.split(",")) else []
+    if not (args.child or Path(args.target).is_file()):  # the child's own load says what is wrong with a file
+        problems.append(f"--target {args.target}: no such file")
+    if min(args.threads, args.calls, args.repeats) < 1:
+        problems.append("--threads, --calls and --repeats must be >= 1")
+    if problems:
+        print(f"error: {problems[0]}", file=sys.stderr)
+        return 2
     if args.child:
         print(json.dumps(time_calls(Path(args.target), bool(args.extra_buffers), sizes, args.threads, args.calls)))
         return 0
@@ -99,8 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _ in range(args.repeats):
         for arm, extra in (("extra buffers", True), ("plain kernels", False)):
             runs[arm].append(run_arm(Path(args.target), extra, sizes, args.threads, args.calls))
-    print(f"{args.target}, {args.threads} threads; llama-cpp-python {llama_cpp_version()['version']}: "
-          f"{llama_cpp_version()['system_info']}")
+    build = llama_cpp_version()
+    print(f"{args.target}, {args.threads} threads; llama-cpp-python {build['version']}: {build['system_info']}")
     print("arm            " + "".join(f"{f'c({n}) ms':>10}" for n in sizes))
     for arm, results in runs.items():
         failed = next((r for r in results if isinstance(r, str)), None)

@@ -169,12 +169,14 @@ def requantize(source: str | Path, out: str | Path, ftype: str, threads: int | N
 class _Weights:
     """A loaded GGUF file (``llama_model``), shared by every context made over it and freed with the last."""
 
-    def __init__(self, path: Path, device: torch.device) -> None:
+    def __init__(self, path: Path, device: torch.device, extra_buffers: bool | None = None) -> None:
         llama = _llama()
         params = llama.llama_model_default_params()
         params.n_gpu_layers = 0 if device.type == "cpu" else 999  # all layers on the accelerator llama.cpp was built for
-        if device.type == "cpu":
-            params.use_extra_bufts = extra_buffers_work(path, Path(llama.__file__).parent / "lib", llama.llama_print_system_info().decode())
+        if extra_buffers is None and device.type == "cpu":  # probed where llama.cpp's AMX kernels could crash this process
+            extra_buffers = extra_buffers_work(path, Path(llama.__file__).parent / "lib", llama.llama_print_system_info().decode())
+        if extra_buffers is not None:
+            params.use_extra_bufts = extra_buffers
         self.handle = llama.llama_model_load_from_file(str(path).encode(), params)
         if not self.handle:
             raise ValueError(f"llama.cpp could not load {path} (not a GGUF model file of an architecture it knows?)")
@@ -185,14 +187,17 @@ class _Weights:
 
 
 class LlamaCppRuntime:
-    """``slots`` sequences of up to ``max_len`` positions each, decoded by llama.cpp (see the module docstring)."""
+    """``slots`` sequences of up to ``max_len`` positions each, decoded by llama.cpp (see the module docstring).
+    ``extra_buffers``: the weights in llama.cpp's extra buffers (its repacked layouts and AMX kernels) or not; None
+    (the default) takes them unless they crash this process (:mod:`exactspec.models.llamacpp_tiles`)."""
 
     invariant = False
 
     def __init__(self, path: str | Path | _Weights, slots: int = 1, max_len: int | None = None, threads: int | None = None,
-                 device: str | torch.device = "cpu", vocab_size: int | None = None, split_cache: bool = False) -> None:
+                 device: str | torch.device = "cpu", vocab_size: int | None = None, split_cache: bool = False,
+                 extra_buffers: bool | None = None) -> None:
         self.device = torch.device(device)
-        self.weights = path if isinstance(path, _Weights) else _Weights(Path(path), self.device)
+        self.weights = path if isinstance(path, _Weights) else _Weights(Path(path), self.device, extra_buffers)
         if slots < 1:
             raise ValueError(f"a runtime needs at least one slot, got {slots}")
         self.slots = slots

@@ -99,26 +99,14 @@ def probe_command(model: Path) -> list[str]:
 
 
 def _probe(model: str) -> None:
-    """Run in the child: ``model`` loaded as llama.cpp loads it by default, a batched decode, a torch bfloat16 product
-    of a size that takes oneDNN's AMX kernel where there is one, and the decode again."""
-    import llama_cpp as llama
+    """Run in the child: ``model`` loaded with llama.cpp's extra buffers, a batched decode, a torch bfloat16 product of
+    a size that takes oneDNN's AMX kernel where there is one, and the decode again."""
     import torch
 
-    llama.llama_backend_init()
-    handle = llama.llama_model_load_from_file(model.encode(), llama.llama_model_default_params())
-    if not handle:
-        raise SystemExit(f"llama.cpp could not load {model}")  # the parent's own load says why
-    params = llama.llama_context_default_params()
-    params.n_ctx = params.n_batch = params.n_ubatch = 2 * PROBE_TOKENS
-    params.n_threads = params.n_threads_batch = 1
-    context = llama.llama_init_from_model(handle, params)
-    vocab = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(handle))
-    batch = llama.llama_batch_init(PROBE_TOKENS, 0, 1)
-    for i in range(PROBE_TOKENS):
-        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = i % vocab, i, 1, 0, True
-    batch.n_tokens = PROBE_TOKENS
+    from exactspec.models.llamacpp import LlamaCppRuntime
+
+    runtime = LlamaCppRuntime(model, slots=1, max_len=PROBE_TOKENS, threads=1, extra_buffers=True)
     for _ in range(2):
-        llama.llama_memory_clear(llama.llama_get_memory(context), True)
-        if llama.llama_decode(context, batch) != 0:
-            raise SystemExit("llama_decode failed")
+        runtime.rollback(0, 0)
+        runtime.forward([(0, [i % runtime.vocab_size for i in range(PROBE_TOKENS)])], [1])
         torch.ones(256, 576, dtype=torch.bfloat16) @ torch.ones(576, 1536, dtype=torch.bfloat16)
