@@ -7,7 +7,7 @@ Environment: FAKE_LLAMA_SERVER_FAIL=1 (or =MODE: only with --spec-type MODE) exi
 message for a bad model file;
 FAKE_LLAMA_SERVER_NO_TOKENS=1 answers without token ids; FAKE_LLAMA_SERVER_BODIES=FILE appends each request's body
 and the server's --spec-type to FILE, one JSON line each; FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK=request (or =start) dies of
-SIGSEGV at a request (or at start) unless started with --no-repack, as a GCC 12 build's AMX kernels do.
+SIGSEGV in the middle of answering a request (or at start) unless started with --no-repack, as a GCC 12 build's AMX kernels do.
 """
 
 import argparse
@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 if "--version" in sys.argv:
@@ -53,8 +54,13 @@ class Handler(BaseHTTPRequestHandler):
         if os.environ.get("FAKE_LLAMA_SERVER_BODIES"):
             with open(os.environ["FAKE_LLAMA_SERVER_BODIES"], "a") as log:
                 log.write(json.dumps({"spec_type": known.spec_type, "body": body}) + "\n")
-        if CRASH == "request":
+        if CRASH == "request":  # dies mid-answer: the headers are out, the body never comes
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.flush()
             os.kill(os.getpid(), signal.SIGSEGV)
+            threading.Event().wait()  # the signal may land on another thread: this one writes nothing more
         n = body["n_predict"]
         tokens = [(sum(body["prompt"]) + i + bool(known.spec_type)) % 7 for i in range(n)]
         accepted = n // 2 if known.spec_type else 0

@@ -20,6 +20,7 @@ starts, answers one request, stops; it prints ``{"tokens_per_second", "tokens_pe
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import shutil
@@ -251,8 +252,8 @@ class LlamaServer:
                 return json.loads(answer.read())
         except urllib.error.HTTPError as error:
             raise RuntimeError(f"llama-server answered {error.code}: {error.read()[:300].decode(errors='replace')}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
-            raise RuntimeError(f"llama-server did not answer: {error} ({self.log_tail()})") from None
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as error:  # HTTPException: it died mid-answer
+            raise RuntimeError(f"llama-server did not answer: {error!r} ({self.log_tail()})") from None
 
 
 PROBE_PROMPT = list(range(100, 132))  # token ids: a prompt of 32 tokens is read in one batch, through the tile kernels
