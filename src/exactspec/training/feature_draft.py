@@ -4,8 +4,8 @@ Phases, each resumable inside ``--out``:
 
 1. answers: the target answers the chat prompts (:mod:`exactspec.training.prompts`, by source) and then follow-ups
    to its own answers, sampled (:mod:`exactspec.training.draft_data`); ``--answers`` starts from an earlier run's;
-2. teacher: the target (as it decodes: the same weights and runtime) reads every answer and some standard-library
-   source once; its features at the layers of every layout (so layouts can be compared on the same data) and its
+2. teacher: the target (on the data runtime; on torch's, its weights in the form that reads fastest here:
+   :func:`fastest_teacher`) reads every answer and some standard-library source once; its features at the layers of every layout (so layouts can be compared on the same data) and its
    ``TOP_K`` most likely next tokens per position are stored in shards (:mod:`exactspec.training.teacher`);
 3. train: the draft learns the target's next-token distributions (cross-entropy against the stored top-k
    probabilities, restricted to the vocabulary subset S) from its training-time-test forward: step k > 1 runs on
@@ -254,13 +254,45 @@ def lineage(card: dict) -> list[dict]:
     return card.get("training", {}).get("runs_before", []) + card.get("runs", [])
 
 
-def teacher_model(target: Path) -> LeanModel:
+def teacher_model(target: Path, weights: str = "auto") -> LeanModel:
     """The target as the lean teacher reads it: the weights and precision it decodes with by default
     (:func:`exactspec.loading.default_dtype`: bfloat16 where the CPU computes it natively or a GGUF file's 4-bit
     weights are kept, float32 elsewhere)."""
     from exactspec.loading import default_dtype
 
-    return LeanModel.from_pretrained(target, dtype=getattr(torch, default_dtype("cpu", target)))
+    return LeanModel.from_pretrained(target, dtype=getattr(torch, default_dtype("cpu", target)), weights=weights)
+
+
+def fastest_teacher(target: Path, log: Callable[[str], None] = lambda message: None,
+                    rate: Callable[[LeanModel], float] | None = None) -> tuple[LeanModel, str]:
+    """The lean teacher and its weights (``q4`` or ``dense``). Where the CPU computes bfloat16 natively and the
+    target is a GGUF file whose 4-bit projections the lean runtime keeps, both forms run and the faster at the
+    teacher's own work, a batch of whole sequences (``rate``: tokens/s, :func:`teacher_rate` by default), is kept:
+    a decoding call reads every weight for a few tokens, a teacher batch does arithmetic on thousands, so the two
+    rank the forms differently (Intel AMX, 2 threads: dense 3,205 tokens/s, q4 650). Both are the file's weights up
+    to bfloat16 rounding (docs/smollm2.md). Elsewhere the target as it decodes by default (:func:`teacher_model`)."""
+    from exactspec.loading import native_bfloat16
+    from exactspec.models.quantized import Int4Linear
+
+    model = teacher_model(target)
+    if not (native_bfloat16("cpu") and any(isinstance(module, Int4Linear) for module in model.decoder.modules())):
+        return model, "q4" if any(isinstance(module, Int4Linear) for module in model.decoder.modules()) else "dense"
+    rate = rate or teacher_rate
+    forms = {"q4": model, "dense": teacher_model(target, weights="dense")}
+    rates = {name: rate(form) for name, form in forms.items()}
+    chosen = max(rates, key=rates.get)
+    log(f"teacher weights: {chosen} (a batch of {TEACHER_BATCH} sequences: " + ", ".join(f"{name} {value:,.0f} tokens/s" for name, value in rates.items()) + ")")
+    return forms[chosen], chosen
+
+
+def teacher_rate(model: LeanModel, width: int = 128) -> float:
+    """Tokens/s of one teacher forward over ``TEACHER_BATCH`` sequences of ``width`` tokens (after one to warm up)."""
+    ids = torch.randint(0, model.cfg.vocab_size, (TEACHER_BATCH, width), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model.decoder.forward_train(ids[:, :16])
+        start = time.perf_counter()
+        model.decoder.forward_train(ids)
+    return ids.numel() / (time.perf_counter() - start)
 
 
 def train_precision(requested: str) -> str:
@@ -514,7 +546,9 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
         from exactspec.models.llamacpp import LlamaCppRuntime
 
         teacher = runtime_teacher(LlamaCppRuntime(args.target, TEACHER_BATCH, args.max_sequence, args.threads), layers)
+        teacher_weights = "as stored"
     else:
+        model, teacher_weights = fastest_teacher(args.target, _log)
         teacher = lean_teacher(model, layers)
     teacher_pass(teacher, layers, answer_sequences(args, held), args.out / "held_out", float("inf"), _log)
     sequences = _sequences(args, tokenizer, train)
@@ -544,7 +578,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     temperatures = Counter(f"{row.get('temperature', ANSWER_TEMPERATURE):g}" for row in train)
     card = {
         "target": str(args.target), "out": str(args.out / "draft"), "architecture": asdict(cfg),
-        "data": {"runtime": backend, "chat_answers": len(train), "held_out_answers": len(held), "answers_by_source": dict(sources),
+        "data": {"runtime": backend, "teacher_weights": teacher_weights, "chat_answers": len(train), "held_out_answers": len(held), "answers_by_source": dict(sources),
                  "answers_by_temperature": dict(temperatures),
                  "teacher_sequences": len(sequences), "teacher_tokens": sum(len(s.ids) for s in sequences),
                  "corpus_share": args.corpus_share, "vocabulary_subset_coverage": coverage},
