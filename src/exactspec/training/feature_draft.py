@@ -5,8 +5,9 @@ Phases, each resumable inside ``--out``:
 1. answers: the target answers the chat prompts (:mod:`exactspec.training.prompts`, by source) and then follow-ups
    to its own answers, sampled (:mod:`exactspec.training.draft_data`); ``--answers`` starts from an earlier run's;
 2. teacher: the target (on the data runtime; on torch's, its weights in the form that reads fastest here:
-   :func:`fastest_teacher`) reads every answer and some standard-library source once; its features at the layers of every layout (so layouts can be compared on the same data) and its
-   ``TOP_K`` most likely next tokens per position are stored in shards (:mod:`exactspec.training.teacher`);
+   :func:`fastest_teacher`) reads every answer and some standard-library source once; its features at the layers
+   of every layout (so layouts can be compared on the same data) and its ``TOP_K`` most likely next tokens per
+   position are stored in shards (:mod:`exactspec.training.teacher`);
 3. train: the draft learns the target's next-token distributions (cross-entropy against the stored top-k
    probabilities, restricted to the vocabulary subset S) from its training-time-test forward: step k > 1 runs on
    its own step-(k-1) outputs, as decoding will; batches come from a bounded pool of shards, and the held-out
@@ -269,14 +270,15 @@ def fastest_teacher(target: Path, log: Callable[[str], None] = lambda message: N
     target is a GGUF file whose 4-bit projections the lean runtime keeps, both forms run and the faster at the
     teacher's own work, a batch of whole sequences (``rate``: tokens/s, :func:`teacher_rate` by default), is kept:
     a decoding call reads every weight for a few tokens, a teacher batch does arithmetic on thousands, so the two
-    rank the forms differently (Intel AMX, 2 threads: dense 3,205 tokens/s, q4 650). Both are the file's weights up
+    rank the forms differently (Intel AMX, 2 threads: dense 3,018 tokens/s, q4 665). Both are the file's weights up
     to bfloat16 rounding (docs/smollm2.md). Elsewhere the target as it decodes by default (:func:`teacher_model`)."""
     from exactspec.loading import native_bfloat16
     from exactspec.models.quantized import Int4Linear
 
     model = teacher_model(target)
-    if not (native_bfloat16("cpu") and any(isinstance(module, Int4Linear) for module in model.decoder.modules())):
-        return model, "q4" if any(isinstance(module, Int4Linear) for module in model.decoder.modules()) else "dense"
+    q4 = any(isinstance(module, Int4Linear) for module in model.decoder.modules())
+    if not (q4 and native_bfloat16("cpu")):
+        return model, "q4" if q4 else "dense"
     rate = rate or teacher_rate
     forms = {"q4": model, "dense": teacher_model(target, weights="dense")}
     rates = {name: rate(form) for name, form in forms.items()}
