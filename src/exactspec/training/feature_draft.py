@@ -265,17 +265,18 @@ def teacher_model(target: Path, weights: str = "auto") -> LeanModel:
 
 
 def fastest_teacher(target: Path, log: Callable[[str], None] = lambda message: None,
-                    rate: Callable[[LeanModel], float] | None = None) -> tuple[LeanModel, str]:
+                    rate: Callable[[LeanModel], float] | None = None, loaded: LeanModel | None = None) -> tuple[LeanModel, str]:
     """The lean teacher and its weights (``q4`` or ``dense``). Where the CPU computes bfloat16 natively and the
     target is a GGUF file whose 4-bit projections the lean runtime keeps, both forms run and the faster at the
     teacher's own work, a batch of whole sequences (``rate``: tokens/s, :func:`teacher_rate` by default), is kept:
     a decoding call reads every weight for a few tokens, a teacher batch does arithmetic on thousands, so the two
     rank the forms differently (Intel AMX, 2 threads: dense 3,018 tokens/s, q4 665). Both are the file's weights up
-    to bfloat16 rounding (docs/smollm2.md). Elsewhere the target as it decodes by default (:func:`teacher_model`)."""
+    to bfloat16 rounding (docs/smollm2.md). Elsewhere the target as it decodes by default (:func:`teacher_model`;
+    ``loaded``: that model, when the caller has it already)."""
     from exactspec.loading import native_bfloat16
     from exactspec.models.quantized import Int4Linear
 
-    model = teacher_model(target)
+    model = loaded or teacher_model(target)
     q4 = any(isinstance(module, Int4Linear) for module in model.decoder.modules())
     if not (q4 and native_bfloat16("cpu")):
         return model, "q4" if q4 else "dense"
@@ -550,7 +551,7 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
         teacher = runtime_teacher(LlamaCppRuntime(args.target, TEACHER_BATCH, args.max_sequence, args.threads), layers)
         teacher_weights = "as stored"
     else:
-        model, teacher_weights = fastest_teacher(args.target, _log)
+        model, teacher_weights = fastest_teacher(args.target, _log, loaded=model)
         teacher = lean_teacher(model, layers)
     teacher_pass(teacher, layers, answer_sequences(args, held), args.out / "held_out", float("inf"), _log)
     sequences = _sequences(args, tokenizer, train)
