@@ -276,7 +276,7 @@ def fastest_teacher(target: Path, log: Callable[[str], None] = lambda message: N
     from exactspec.loading import native_bfloat16
     from exactspec.models.quantized import Int4Linear
 
-    model = loaded or teacher_model(target)
+    model = loaded if loaded is not None else teacher_model(target)
     q4 = any(isinstance(module, Int4Linear) for module in model.decoder.modules())
     if not (q4 and native_bfloat16("cpu")):
         return model, "q4" if q4 else "dense"
