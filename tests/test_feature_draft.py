@@ -95,6 +95,28 @@ def test_training_forward_equals_decoding_with_the_drafts_own_features(layout):
         torch.testing.assert_close(g[0], outputs[k - 1][0, j], atol=1e-5, rtol=1e-5)  # float32 rounding only
 
 
+@pytest.mark.parametrize("layout", ["exactspec", "eagle3"])
+def test_a_widened_draft_computes_what_it_was_computed_from_and_trains(layout):
+    """FeatureDraft.widened grows the MLP without changing the draft's outputs (the new units' down-projection is
+    zero, their gate and up rows are not), and a training step then moves the new units; it refuses to shrink."""
+    target = tiny_target()
+    draft = tiny_draft(target, layout=layout)
+    wide = draft.widened(3 * draft.cfg.intermediate_size, torch.Generator().manual_seed(0))
+    assert wide.cfg.intermediate_size == 96 and wide.block.w2.weight.shape == (16, 96)
+    assert wide.block.w13.weight[32:64].abs().min() > 0  # the new gate rows: drawn, not zero
+    tokens = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, features = target.forward_train(tokens, draft.cfg.feature_layers)
+        before = draft.forward_train(features[:, :-1], tokens[:, 1:], steps=2)
+    after = wide.forward_train(features[:, :-1], tokens[:, 1:], steps=2)
+    for old, new in zip(before, after):
+        torch.testing.assert_close(new, old, atol=1e-6, rtol=0)
+    torch.stack([wide.logits(g).logsumexp(-1).sum() for g in after]).sum().backward()
+    assert wide.block.w2.weight.grad[:, 32:].abs().max() > 0  # the new units' columns learn from the first step
+    with pytest.raises(ValueError, match="does not shrink"):
+        draft.widened(16)
+
+
 def test_a_target_without_features_is_refused():
     from exactspec import MarkovLM
 

@@ -125,6 +125,10 @@ def test_answers_of_an_earlier_run_are_taken_once_and_another_targets_are_refuse
     assert code == 2 and "no such file" in capsys.readouterr().err and not (tmp_path / "new2").exists()
     code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new3"), "--tv-weight", "-1"])
     assert code == 2 and "--tv-weight -1" in capsys.readouterr().err and not (tmp_path / "new3").exists()
+    for flag, value, says in [("--lr", "0", "--lr 0.0: must be > 0"), ("--lr", "nan", "--lr nan"), ("--mlp-units", "0", "--mlp-units")]:
+        code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new5"), flag, value])
+        err = capsys.readouterr().err
+        assert code == 2 and says in err and err.count("\n") == 1 and not (tmp_path / "new5").exists()
     code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new4"), "--keep-answers", str(tmp_path / "no" / "kept.gz")])
     err = capsys.readouterr().err
     assert code == 2 and "--keep-answers" in err and err.count("\n") == 1 and not (tmp_path / "new4").exists()
@@ -264,7 +268,7 @@ def test_the_architecture_ablation_trains_each_variant_for_its_steps_on_one_run(
 
     from exactspec.loading import native_bfloat16
 
-    variants = ["exactspec", "eagle3", "last-layer", "vocab-full", "ttt-1", "train-float32", "loss-ce"] + ["train-bfloat16"] * native_bfloat16()
+    variants = ["exactspec", "eagle3", "last-layer", "vocab-full", "ttt-1", "train-float32", "loss-ce", "mlp-2x"] + ["train-bfloat16"] * native_bfloat16()
     out = tmp_path / "run"
     assert main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.3", "--threads", "1",
                  "--vocab-subset", "128"]) == 0
@@ -292,19 +296,58 @@ def test_the_architecture_ablation_trains_each_variant_for_its_steps_on_one_run(
         assert r["ceiling"]["speedup"] >= max(r["predicted_greedy"]["speedup"], r["predicted_sampled"]["speedup"])
     assert FeatureDraft.load(out / "ablation" / "last-layer" / "draft").cfg.feature_layers == (1,)
     assert "| last-layer | eagle3 | [1] |" in capsys.readouterr().out  # the default layout
+    units = json.loads((out / "draft" / "feature_draft.json").read_text())["intermediate_size"]
+    assert by_name["mlp-2x"]["mlp_units"] == 2 * units and by_name["eagle3"]["mlp_units"] == given["mlp_units"] == units
 
 
-def test_a_run_directory_keeps_its_layout(tmp_path):
-    """A rerun with another --layout would resume the checkpoint as another model: refused, naming the run's layout."""
+def test_the_ablation_can_start_every_variant_from_a_trained_draft(target, tmp_path, monkeypatch):
+    """--init-from: each variant starts from the given draft's weights and vocabulary (mlp-2x widened from them, the
+    rest as they are); a variant that would change its layout, layers or vocabulary is refused by name."""
+    import runpy
+    import sys
+
+    out = tmp_path / "run"
+    assert main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.2", "--threads", "1",
+                 "--vocab-subset", "128"]) == 0
+    given = FeatureDraft.load(out / "draft")
+    argv = ["ablation", str(out), "--target", str(target), "--steps", "2", "--threads", "1", "--repeats", "2",
+            "--init-from", str(out / "draft"), "--lr", "1e-12"]  # a step of 1e-12 moves no float32 weight of this size
+    monkeypatch.setattr(sys, "argv", argv + ["--variants", "eagle3,vocab-4k"])
+    with pytest.raises(SystemExit, match="variant vocab-4k changes the draft's layout, layers or vocabulary"):
+        runpy.run_module("exactspec.training.ablation", run_name="__main__")
+    monkeypatch.setattr(sys, "argv", argv + ["--variants", "eagle3,mlp-2x"])
+    runpy.run_module("exactspec.training.ablation", run_name="__main__")
+    report = {r["variant"]: r for r in json.loads((out / "ablation" / "ablation.json").read_text())["variants"]}
+    assert report["mlp-2x"]["init_from"] == str(out / "draft") and report["mlp-2x"]["steps"] == 2
+    for mode, by_position in report["eagle3"]["acceptance"].items():  # the widened draft is the given one
+        assert report["mlp-2x"]["acceptance"][mode] == pytest.approx(by_position, abs=1e-4)
+    for name in ("eagle3", "mlp-2x"):
+        trained = FeatureDraft.load(out / "ablation" / name / "draft")
+        assert trained.vocab_ids.equal(given.vocab_ids)
+        assert trained.fc.weight.equal(given.fc.weight)  # the given weights, unmoved
+    assert trained.cfg.intermediate_size == 2 * given.cfg.intermediate_size
+
+
+def test_a_run_directory_keeps_its_layout_and_width(tmp_path):
+    """A rerun with another --layout or --mlp-units would resume the checkpoint as another model: refused, naming
+    the run's; a record written before widths were recorded stands for the target's width."""
+    from dataclasses import replace
+
     from exactspec.models.eagle import FeatureDraftConfig
     from exactspec.training.feature_draft import _check_layout
 
     record = tmp_path / "layout.json"
     exactspec_layout = FeatureDraftConfig(64, (0, 1), 8, 4, 2, 96)
-    _check_layout(record, exactspec_layout)  # the first run writes it
-    _check_layout(record, exactspec_layout)  # the same layout resumes
-    with pytest.raises(ValueError, match="made for the exactspec layout .* rerun it with --layout exactspec"):
-        _check_layout(record, FeatureDraftConfig(64, (0, 1), 8, 4, 2, 96, layout="eagle3"))
+    _check_layout(record, exactspec_layout, 96)  # the first run writes it
+    _check_layout(record, exactspec_layout, 96)  # the same layout resumes
+    with pytest.raises(ValueError, match="made for the exactspec layout .* rerun it with --layout exactspec --mlp-units 96"):
+        _check_layout(record, FeatureDraftConfig(64, (0, 1), 8, 4, 2, 96, layout="eagle3"), 96)
+    with pytest.raises(ValueError, match="with 96 MLP units"):
+        _check_layout(record, replace(exactspec_layout, intermediate_size=192), 96)
+    record.write_text(json.dumps({"layout": "exactspec", "feature_layers": [0, 1]}))  # an older run's record
+    _check_layout(record, exactspec_layout, 96)
+    with pytest.raises(ValueError, match="with 96 MLP units"):
+        _check_layout(record, replace(exactspec_layout, intermediate_size=192), 96)
 
 
 def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
@@ -355,6 +398,23 @@ def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
                  "--init-from", str(tmp_path / "other")])
     err = capsys.readouterr().err
     assert code == 2 and "--init-from" in err and "another shape" in err and "layout exactspec" in err and err.count("\n") == 1
+
+    units = 2 * start.cfg.intermediate_size  # --mlp-units: the starting draft widened, computing what it computed
+    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "wide"), "--minutes", "0.2", "--threads", "1",
+                 "--init-from", str(tmp_path / "start"), "--mlp-units", str(units), "--json"])
+    wide = json.loads(capsys.readouterr().out)
+    assert code == 0 and wide["architecture"]["intermediate_size"] == units
+    assert FeatureDraft.load(tmp_path / "wide" / "draft").cfg.intermediate_size == units
+    wide_held = load_shards(tmp_path / "wide" / "held_out", start.cfg.feature_layers)
+    assert wide["acceptance_curve"][0]["sampled"] == round(held_out_acceptance(start.eval(), wide_held, 1, target_cfg.vocab_size)["sampled"][0], 4)
+    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "wide"), "--minutes", "0.2",
+                 "--init-from", str(tmp_path / "start")])  # resuming it at the default width would load the wrong model
+    err = capsys.readouterr().err
+    assert code == 2 and f"with {units} MLP units" in err and err.count("\n") == 1
+    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "narrow"), "--minutes", "0.2",
+                 "--init-from", str(tmp_path / "wide" / "draft")])  # a wider draft is not cut down
+    err = capsys.readouterr().err
+    assert code == 2 and f"intermediate_size {units}" in err and err.count("\n") == 1
 
 
 def test_the_data_runtime_is_the_faster_one_measured_here(target, monkeypatch):

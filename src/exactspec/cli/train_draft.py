@@ -26,8 +26,8 @@ def run(args: argparse.Namespace) -> dict:
                                 answers_per_prompt=args.answers_per_prompt, seed=args.seed, threads=args.threads, backend=args.backend,
                                 layout=args.layout, answers=args.answers and Path(args.answers),
                                 keep_answers=args.keep_answers and Path(args.keep_answers),
-                                init_from=args.init_from and Path(args.init_from), train_dtype=args.train_dtype,
-                                tv_weight=args.tv_weight, answer_temperature=args.answer_temperature)
+                                init_from=args.init_from and Path(args.init_from), mlp_units=args.mlp_units, train_dtype=args.train_dtype,
+                                tv_weight=args.tv_weight, lr=args.lr, answer_temperature=args.answer_temperature)
         # the flags are refused first (a refused run leaves no directory), then the output is tried, then the target
         check_record_path(args.keep_answers, "--keep-answers")
         prepare_output_dir(Path(args.out), "--out")
@@ -63,10 +63,15 @@ def add(add_command) -> None:
                        "draft; it may be the --answers file itself)")
     train.add_argument("--init-from", metavar="DRAFT", help="start training from this draft's weights and vocabulary subset (one of the same layout for this target, such as the "
                        "shipped one) instead of from scratch; a rerun of the same --out resumes its own checkpoint")
+    train.add_argument("--mlp-units", type=integer(1), default=0, metavar="N",
+                       help="the draft's MLP width (default: the target's, as EAGLE-3 drafts have it); an --init-from draft with fewer units is widened to N "
+                       "computing what it computed (its new units start silent); EAGLE-3's format records the width")
     train.add_argument("--train-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                        help="the training steps' arithmetic: bfloat16 autocast (float32 weights and loss), or float32; auto takes bfloat16 where the CPU computes it natively (AVX-512 BF16, AMX), float32 elsewhere")
     train.add_argument("--tv-weight", type=float, default=4.0,
                        help="weight of a total-variation term (the T=1 rejection probability against the teacher's top-k) beside the cross-entropy loss (4, the best measured: docs/smollm2.md); 0 trains on the cross-entropy alone")
+    train.add_argument("--lr", type=float, default=1e-3,
+                       help="peak learning rate: 50 steps of warm-up, then a cosine to a tenth of it over the run's budget (a lower one, 3e-4 say, for carrying an --init-from draft on)")
     train.add_argument("--answer-temperature", type=float, default=ANSWER_TEMPERATURE,
                        help="the temperature the target's new answers are sampled at (each answer records its own; with --answers-per-prompt above the run's earlier count, a rerun adds answers at another temperature)")
     train.add_argument("--seed", type=integer(0), default=0, help="seed of the prompts, data order and initialisation")

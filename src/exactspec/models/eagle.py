@@ -24,7 +24,7 @@ distribution over the full vocabulary (zero outside S), checked by the usual rul
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -170,6 +170,25 @@ class FeatureDraft(nn.Module):
             outputs.append(g)
             u = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)  # slot j reads g_{j-1}
         return outputs
+
+    def widened(self, intermediate_size: int, generator: torch.Generator | None = None) -> "FeatureDraft":
+        """A copy whose MLP has ``intermediate_size`` units and computes the same function (Net2Net-style growth,
+        Chen et al. 2016, arXiv 1511.05641): the new units' gate and up rows are drawn as a fresh layer's are and
+        their down-projection columns are zero, so mlp(x) = W2 [silu(G x) * (U x)] is unchanged until training moves
+        those columns. The target's frozen embedding and head stay attached."""
+        old = self.cfg.intermediate_size
+        if intermediate_size < old:
+            raise ValueError(f"a draft's MLP grows, it does not shrink: {intermediate_size} < its {old} units")
+        wide = FeatureDraft(replace(self.cfg, intermediate_size=intermediate_size))
+        state = self.state_dict()
+        bound = self.cfg.target_hidden_size ** -0.5  # nn.Linear's initialisation for this fan-in
+        new_gate, new_up = torch.empty(2, intermediate_size - old, self.cfg.target_hidden_size).uniform_(-bound, bound, generator=generator)
+        gate, up = state["block.w13.weight"].chunk(2)  # (I, C) each
+        state["block.w13.weight"] = torch.cat([gate, new_gate, up, new_up])
+        state["block.w2.weight"] = torch.cat([state["block.w2.weight"], state["block.w2.weight"].new_zeros(self.cfg.target_hidden_size, intermediate_size - old)], dim=1)
+        wide.load_state_dict(state)
+        wide.embed, wide.head = self.embed, self.head
+        return wide
 
     # -- files --------------------------------------------------------------------------------
     def save(self, directory: str | Path, card: dict | None = None) -> None:

@@ -77,6 +77,7 @@ class TrainDraftArgs:
     answers: Path | None = None  # an earlier run's answers (answers.jsonl, or gzipped) to start from
     keep_answers: Path | None = None  # every answer of the run, gzipped here after the answers phase (where it survives)
     init_from: Path | None = None  # a trained draft of the same layout for this target, whose weights training starts from
+    mlp_units: int = 0  # the draft's MLP width (0: the target's); an --init-from draft with fewer units is widened to it
     train_dtype: str = "auto"  # the training steps' arithmetic: float32, bfloat16 (autocast), or auto (train_precision)
     tv_weight: float = 4.0  # weight of the total-variation term beside the cross-entropy (step_losses; docs/smollm2.md)
     answer_temperature: float = ANSWER_TEMPERATURE  # the temperature new answers are sampled at (each answer row records its own)
@@ -86,6 +87,10 @@ class TrainDraftArgs:
             raise ValueError("--minutes must be > 0, the vocabulary subset >= 16 tokens, steps and batch size >= 1")
         if self.answers_per_prompt < 1:
             raise ValueError("--answers-per-prompt must be >= 1")
+        if self.mlp_units < 0:
+            raise ValueError(f"--mlp-units {self.mlp_units}: must be > 0 (or 0: the target's width)")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"--lr {self.lr}: must be > 0 and finite")
         if not 0 <= self.tv_weight < math.inf:
             raise ValueError(f"--tv-weight {self.tv_weight}: must be >= 0 and finite")
         if not 0 < self.answer_temperature < math.inf:
@@ -377,7 +382,7 @@ class _RunLog:
         self.path = path
         self.entries = json.loads(path.read_text()) if path.is_file() else []
         self.entries.append({"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "minutes": args.minutes,
-                             "exactspec": __version__, "layout": args.layout, "tv_weight": args.tv_weight,
+                             "exactspec": __version__, "layout": args.layout, "tv_weight": args.tv_weight, "lr": args.lr,
                              "answer_temperature": args.answer_temperature,
                              **({"init_from": str(args.init_from)} if args.init_from else {})})
         self._write()
@@ -445,8 +450,9 @@ def _vocabulary(args: TrainDraftArgs, sequences: list[list[int]], always: set[in
 
 def _starting_draft(args: TrainDraftArgs, cfg: FeatureDraftConfig) -> tuple[FeatureDraft | None, dict]:
     """The draft ``--init-from`` names, checked against the one this run trains (same layout, target layers and
-    shapes), and its model card; ``(None, {})`` without ``--init-from``. Where this run's own checkpoint already
-    carries on from it, only its card (the weights to start from are the checkpoint's)."""
+    shapes; an MLP narrower than this run's is widened, :meth:`FeatureDraft.widened`), and its model card;
+    ``(None, {})`` without ``--init-from``. Where this run's own checkpoint already carries on from it, only its
+    card (the weights to start from are the checkpoint's)."""
     if args.init_from is None:
         return None, {}
     if not FeatureDraft.is_feature_draft(args.init_from):
@@ -455,6 +461,8 @@ def _starting_draft(args: TrainDraftArgs, cfg: FeatureDraftConfig) -> tuple[Feat
     if (args.out / "train_checkpoint.pt").is_file():
         return None, card
     start = FeatureDraft.load(args.init_from)
+    if start.cfg.intermediate_size < cfg.intermediate_size:
+        start = start.widened(cfg.intermediate_size)
     mine = replace(cfg, vocab_subset_size=start.cfg.vocab_subset_size)
     if start.cfg != mine:
         differs = [f"{k} {getattr(start.cfg, k)} (this run: {getattr(mine, k)})" for k in asdict(mine) if getattr(start.cfg, k) != getattr(mine, k)]
@@ -462,15 +470,17 @@ def _starting_draft(args: TrainDraftArgs, cfg: FeatureDraftConfig) -> tuple[Feat
     return start, card
 
 
-def _check_layout(record: Path, cfg: FeatureDraftConfig) -> None:
-    """A run directory holds a checkpoint of one layout: a rerun with another ``--layout`` would resume it as the
-    wrong model, so it is refused (the first run writes ``record``). Its teacher shards serve every layout."""
-    mine = {"layout": cfg.layout, "feature_layers": list(cfg.feature_layers)}
+def _check_layout(record: Path, cfg: FeatureDraftConfig, target_units: int) -> None:
+    """A run directory holds a checkpoint of one layout and MLP width: a rerun with another ``--layout`` or
+    ``--mlp-units`` would resume it as the wrong model, so it is refused (the first run writes ``record``; one written
+    before the width was recorded had the target's, ``target_units``). Its teacher shards serve every layout."""
+    mine = {"layout": cfg.layout, "feature_layers": list(cfg.feature_layers), "mlp_units": cfg.intermediate_size}
     if record.is_file():
-        saved = json.loads(record.read_text())
+        saved = {"mlp_units": target_units, **json.loads(record.read_text())}
         if saved != mine:
-            raise ValueError(f"{record.parent} was made for the {saved['layout']} layout (target layers {saved['feature_layers']}): "
-                             f"rerun it with --layout {saved['layout']}, or give a new --out")
+            raise ValueError(f"{record.parent} was made for the {saved['layout']} layout (target layers {saved['feature_layers']}) "
+                             f"with {saved['mlp_units']} MLP units: rerun it with --layout {saved['layout']} --mlp-units "
+                             f"{saved['mlp_units']}, or give a new --out")
     else:
         record.write_text(json.dumps(mine))
 
@@ -528,8 +538,9 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     answers_file = args.out / "answers.jsonl"
     model = teacher_model(args.target)
     cfg = FeatureDraftConfig.for_target(model.cfg, args.vocab_subset, args.layout)
+    cfg = replace(cfg, intermediate_size=args.mlp_units or cfg.intermediate_size)
     start, start_card = _starting_draft(args, cfg)  # both refusals before any work (this one writes nothing)
-    _check_layout(args.out / "layout.json", cfg)
+    _check_layout(args.out / "layout.json", cfg, model.cfg.intermediate_size)
     tokens_before = int(start_card.get("training", {}).get("tokens_seen", 0))
     if args.answers is not None:
         _log(f"answers: {import_answers(args.answers, answers_file, tokenizer)} taken from {args.answers}")
