@@ -398,6 +398,7 @@ def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
                  "--init-from", str(tmp_path / "other")])
     err = capsys.readouterr().err
     assert code == 2 and "--init-from" in err and "another shape" in err and "layout exactspec" in err and err.count("\n") == 1
+    assert not (tmp_path / "run2").exists()  # refused before any work: no directory left behind
 
     units = 2 * start.cfg.intermediate_size  # --mlp-units: the starting draft widened, computing what it computed
     code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "wide"), "--minutes", "0.2", "--threads", "1",
@@ -414,7 +415,7 @@ def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
     code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "narrow"), "--minutes", "0.2",
                  "--init-from", str(tmp_path / "wide" / "draft")])  # a wider draft is not cut down
     err = capsys.readouterr().err
-    assert code == 2 and f"intermediate_size {units}" in err and err.count("\n") == 1
+    assert code == 2 and f"intermediate_size {units}" in err and err.count("\n") == 1 and not (tmp_path / "narrow").exists()
 
 
 def test_the_data_runtime_is_the_faster_one_measured_here(target, monkeypatch):

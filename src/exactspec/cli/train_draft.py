@@ -18,6 +18,7 @@ def run(args: argparse.Namespace) -> dict:
         raise CliError(f"--answers {args.answers}: no such file")
     if args.init_from and not Path(args.init_from).is_dir():
         raise CliError(f"--init-from {args.init_from}: no such directory")
+    out_is_new = not Path(args.out).exists()
     try:
         from exactspec.models.base import check_local_checkpoint
 
@@ -34,6 +35,8 @@ def run(args: argparse.Namespace) -> dict:
         check_local_checkpoint(target)
         return train_draft(config)
     except (FileNotFoundError, ValueError, RuntimeError) as error:
+        if out_is_new and Path(args.out).is_dir() and not any(Path(args.out).iterdir()):
+            Path(args.out).rmdir()  # refused before any work (a starting draft of another shape): leave nothing behind
         raise CliError(str(error)) from None
 
 
