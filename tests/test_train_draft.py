@@ -312,6 +312,10 @@ def test_the_ablation_can_start_every_variant_from_a_trained_draft(target, tmp_p
     given = FeatureDraft.load(out / "draft")
     argv = ["ablation", str(out), "--target", str(target), "--steps", "2", "--threads", "1", "--repeats", "2",
             "--init-from", str(out / "draft"), "--lr", "1e-12"]  # a step of 1e-12 moves no float32 weight of this size
+    monkeypatch.setattr(sys, "argv", argv[:-4] + ["--init-from", str(out), "--out", str(tmp_path / "refused")])
+    with pytest.raises(SystemExit, match="is not a feature draft"):
+        runpy.run_module("exactspec.training.ablation", run_name="__main__")
+    assert not (tmp_path / "refused").exists()  # refused before any work
     monkeypatch.setattr(sys, "argv", argv + ["--variants", "eagle3,vocab-4k"])
     with pytest.raises(SystemExit, match="variant vocab-4k changes the draft's layout, layers or vocabulary"):
         runpy.run_module("exactspec.training.ablation", run_name="__main__")

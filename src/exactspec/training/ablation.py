@@ -200,16 +200,18 @@ def main() -> None:
     if stored_layers(args.run / "teacher") is None:
         raise SystemExit(f"{args.run}'s teacher shards do not record their target layers (an older train-draft): run train-draft "
                          "again with a new --out")
+    if str(args.init_from) == "packaged":
+        if args.target not in PACKAGED_MODELS:
+            raise SystemExit(f"--init-from packaged: {args.target} is not a packaged model; name a draft directory")
+        args.init_from = PACKAGED_MODELS[args.target].shipped_draft()
+    if args.init_from is not None and not FeatureDraft.is_feature_draft(args.init_from):
+        raise SystemExit(f"--init-from {args.init_from} is not a feature draft (it has no {CONFIG_FILE})")
     args.out = args.out or args.run / "ablation"
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     path = resolve_checkpoint(args.target)
     tokenizer = TextTokenizer.from_path(path)
     teacher = teacher_model(path)  # the weights train-draft reads
-    if str(args.init_from) == "packaged":
-        args.init_from = PACKAGED_MODELS[args.target].shipped_draft()
-    if args.init_from is not None and not FeatureDraft.is_feature_draft(args.init_from):
-        raise SystemExit(f"--init-from {args.init_from} is not a feature draft (it has no {CONFIG_FILE})")
     results = []
     for directory in args.compare:
         packaged = PACKAGED_MODELS[args.target].shipped_draft() if str(directory) == "packaged" else directory
