@@ -80,6 +80,7 @@ def test_seed_range_and_a_random_seed_that_is_reported_and_reproducible(capsys):
         (["bench", "--workloads", "poetry"], "argument --workloads: must be comma-separated names from heldout, code, grounded"),
         (["bench", "--modes", "fast"], "argument --modes: must be comma-separated names"),
         (["bench", "--repeats", "0"], "argument --repeats: must be an integer >= 1"),
+        (["serve", "--port", "99999"], "argument --port: must be an integer from 1 to 65535, got '99999'"),
         (["cost", "--best-gamma", "--max-gamma=-1", "--alpha", "0.5", "--target-ms", "1", "--draft-ms", "0.1"],
          "argument --max-gamma: must be an integer >= 0, got '-1'"),
     ],

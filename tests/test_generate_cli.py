@@ -84,6 +84,7 @@ def test_errors_are_one_line_with_exit_code_2(pair, capsys, tmp_path):
     (mismatched / "tokenizer.json").write_text(tiny_tokenizer_json(extra_text="class Zebra:\n    pass\n" * 5))
     cases = [
         (["--target", str(tmp_path / "absent"), "--draft", str(draft)], "model directory not found"),
+        (["--target", str(target), "--draft", str(tmp_path / "absent")], f"draft not found: {tmp_path / 'absent'}"),
         (["--target", str(target), "--draft", str(mismatched)], "tokenizers differ at"),
         (["--draft", str(draft)], "--draft needs --target"),
         (["--target", str(target), "--draft", str(draft), "--top-p", "0"], "--top-p must be in"),

@@ -383,7 +383,11 @@ class PairSpec:
         if not self.speculate or self.lookup:
             return target, None
         if self.draft is not None:
-            return target, resolve_checkpoint(self.draft, self.download)
+            draft = resolve_checkpoint(self.draft, self.download)
+            if not draft.exists():
+                raise FileNotFoundError(f"draft not found: {draft} (a local directory, a .gguf file or a hub id in the local "
+                                        f"cache; exactspec never downloads unless asked)")
+            return target, draft
         return target, self.shipped_draft() or default_draft
 
     def resolved(self) -> "PairSpec":

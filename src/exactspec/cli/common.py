@@ -43,7 +43,7 @@ MAX_SEED = 2**64 - 1
 
 def integer(minimum: int, maximum: int | None = None, expected: str = "") -> Callable[[str], int]:
     """An argparse type: an integer in [minimum, maximum], else an error that says what is expected."""
-    expected = expected or f"an integer >= {minimum}"
+    expected = expected or (f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}")
 
     def parse(text: str) -> int:
         try:
