@@ -9,18 +9,18 @@ runtime has no multi-layer draft, so no draft-step cost.
 
     python docs/experiments/draft_depth.py runs/smollm2e OUT --steps 1500 --lr 3e-4 --threads 2
 """
-import argparse, json, math, time
+import argparse, json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exactspec.loading import PACKAGED_MODELS, resolve_checkpoint
+from carry_on import carry_on, target_and_shipped
 from exactspec.models.eagle import FeatureDraft, ttt_mask
 from exactspec.models.llama import Block
-from exactspec.training.feature_draft import POOL_BYTES, TrainDraftArgs, held_out_acceptance, teacher_model, train_steps
-from exactspec.training.teacher import ShardPool, load_shards
+from exactspec.training.feature_draft import POOL_BYTES
+from exactspec.training.teacher import ShardPool
 
 
 class DeeperDraft(FeatureDraft):
@@ -62,29 +62,14 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--extra-layers", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    target = teacher_model(resolve_checkpoint("smollm2"))
-    shipped = FeatureDraft.load(PACKAGED_MODELS["smollm2"].shipped_draft())
+    target, shipped = target_and_shipped(args.threads)
     torch.manual_seed(0)
     draft = DeeperDraft(shipped.cfg, args.extra_layers)
     missing = draft.load_state_dict(shipped.state_dict(), strict=False)
     assert all(k.startswith("extra.") for k in missing.missing_keys) and not missing.unexpected_keys
-    draft.attach(target.decoder)
-    draft.embed, draft.head = draft.embed.float(), draft.head.float()
-    held = load_shards(args.run / "held_out", draft.cfg.feature_layers)
-    before = held_out_acceptance(draft.eval(), held, 4, target.cfg.vocab_size)
-    print("before", json.dumps(before), flush=True)
-    draft.train()
     pool = ShardPool.within(args.run / "teacher", POOL_BYTES, 0, layers=draft.cfg.feature_layers)
-    args.out.mkdir(parents=True, exist_ok=True)
-    train_args = TrainDraftArgs(target=args.run, out=args.out, seed=0, layout=draft.cfg.layout, lr=args.lr)
-    began = time.monotonic()
-    state = train_steps(train_args, draft, pool, target.cfg.vocab_size, deadline=math.inf, max_steps=args.steps)
-    after = held_out_acceptance(draft.eval(), held, 4, target.cfg.vocab_size)
-    result = {"extra_layers": args.extra_layers, "steps": state["step"], "lr": args.lr, "seconds": time.monotonic() - began,
-              "before": before, "after": after}
+    result = {"extra_layers": args.extra_layers, **carry_on(target, draft, args.run, args.out, pool, args.steps, args.lr)}
     (args.out / "result.json").write_text(json.dumps(result, indent=1))
-    torch.save(draft.state_dict(), args.out / "draft.pt")
     print(json.dumps(result), flush=True)
 
 

@@ -10,16 +10,16 @@ control. Offline acceptance only.
 
     python docs/experiments/draft_inputs.py runs/smollm2e OUT --layers 1,6,14,26,29 --steps 1500 --lr 3e-4 --threads 2
 """
-import argparse, json, math, time
+import argparse, json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from exactspec.loading import PACKAGED_MODELS, resolve_checkpoint
+from carry_on import carry_on, target_and_shipped
 from exactspec.models.eagle import FeatureDraft
-from exactspec.training.feature_draft import POOL_BYTES, TrainDraftArgs, held_out_acceptance, teacher_model, train_steps
-from exactspec.training.teacher import ShardPool, load_shards, shard_paths, stored_layers
+from exactspec.training.feature_draft import POOL_BYTES
+from exactspec.training.teacher import ShardPool, shard_paths, stored_layers
 
 
 def reading(shipped: FeatureDraft, layers: tuple[int, ...]) -> FeatureDraft:
@@ -48,33 +48,18 @@ def main():
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     layers = tuple(sorted(int(x) for x in args.layers.split(",")))
     stored = stored_layers(args.run / "teacher")
     if not set(layers) <= set(stored):
         raise SystemExit(f"the run's teacher shards store layers {stored}, not all of {layers}")
-    target = teacher_model(resolve_checkpoint("smollm2"))
-    shipped = FeatureDraft.load(PACKAGED_MODELS["smollm2"].shipped_draft())
+    target, shipped = target_and_shipped(args.threads)
     draft = reading(shipped, layers)
-    draft.attach(target.decoder)
-    draft.embed, draft.head = draft.embed.float(), draft.head.float()
-    held = load_shards(args.run / "held_out", layers)
-    before = held_out_acceptance(draft.eval(), held, 4, target.cfg.vocab_size)
-    print("before", json.dumps(before), flush=True)
-    draft.train()
     control = ShardPool.within(args.run / "teacher", POOL_BYTES, 0, layers=shipped.cfg.feature_layers)
     pool = ShardPool(shard_paths(args.run / "teacher"), control.capacity, 0, layers=layers)
-    args.out.mkdir(parents=True, exist_ok=True)
-    train_args = TrainDraftArgs(target=args.run, out=args.out, seed=0, layout=draft.cfg.layout, lr=args.lr)
-    began = time.monotonic()
-    state = train_steps(train_args, draft, pool, target.cfg.vocab_size, deadline=math.inf, max_steps=args.steps)
-    after = held_out_acceptance(draft.eval(), held, 4, target.cfg.vocab_size)
+    result = {"layers": list(layers), **carry_on(target, draft, args.run, args.out, pool, args.steps, args.lr)}
     c = draft.cfg.target_hidden_size
-    column_norms = {layer: round(draft.fc.weight[:, j * c:(j + 1) * c].norm().item(), 3) for j, layer in enumerate(layers)}
-    result = {"layers": list(layers), "steps": state["step"], "lr": args.lr, "seconds": time.monotonic() - began,
-              "before": before, "after": after, "fc_norm_by_layer": column_norms}
+    result["fc_norm_by_layer"] = {layer: round(draft.fc.weight[:, j * c:(j + 1) * c].norm().item(), 3) for j, layer in enumerate(layers)}
     (args.out / "result.json").write_text(json.dumps(result, indent=1))
-    torch.save(draft.state_dict(), args.out / "draft.pt")
     print(json.dumps(result), flush=True)
 
 
