@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-
 import os
 import stat
 import sys
@@ -57,9 +56,15 @@ def save_tiny_checkpoint(path, vocab_rows: int, layers: int, seed: int, tokenize
 
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=vocab_rows, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=0, eos_token_id=0,
+        vocab_size=vocab_rows,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():  # a wider init than HF's so that the distributions are far from uniform
@@ -112,8 +117,18 @@ class SyntheticClock:
         self.policy.observe_draft(sources, self.draft_ms / 1000)
 
 
-def engine_outcomes(engine, prompt, n: int, params, new_tokens: int, gamma: int | str, speculation: str = "draft",
-                    offset: int = 0, verify: str = "block", stops: frozenset[int] = frozenset()) -> list[tuple[int, ...]]:
+def engine_outcomes(
+    engine,
+    prompt,
+    n: int,
+    params,
+    new_tokens: int,
+    gamma: int | str,
+    speculation: str = "draft",
+    offset: int = 0,
+    verify: str = "block",
+    stops: frozenset[int] = frozenset(),
+) -> list[tuple[int, ...]]:
     """The tokens of ``n`` sequences of ``prompt`` (seeds offset..offset+n-1, in seed order) drawn through one batch
     engine with every slot busy. A seeded sequence draws from its own generator, so this is the experiment of n solo
     runs (the law of each sequence is the target's whatever its neighbours: test_serving_engine) in far fewer calls."""
@@ -121,9 +136,20 @@ def engine_outcomes(engine, prompt, n: int, params, new_tokens: int, gamma: int 
 
     outcomes, finished = [[] for _ in range(n)], []
     for i in range(n):
-        engine.submit(SequenceRequest(tuple(prompt), params, new_tokens, stops, seed=offset + i, speculation=speculation,
-                                      gamma=gamma, verify=verify),
-                      lambda events, out=outcomes[i]: out.extend(e.token for e in events), finished.append)
+        engine.submit(
+            SequenceRequest(
+                tuple(prompt),
+                params,
+                new_tokens,
+                stops,
+                seed=offset + i,
+                speculation=speculation,
+                gamma=gamma,
+                verify=verify,
+            ),
+            lambda events, out=outcomes[i]: out.extend(e.token for e in events),
+            finished.append,
+        )
     while len(finished) < n:
         engine.step()
     if any(h.finish_reason == "error" for h in finished):
@@ -157,7 +183,7 @@ def sequence_law(next_probs, prompt, new_tokens: int) -> dict[tuple[int, ...], f
 def fake_llama_server(tmp_path) -> Path:
     """An executable that runs the llama-server stand-in (fake_llama_server.py) as the real binary would be run."""
     binary = tmp_path / "llama-server"
-    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).with_name('fake_llama_server.py')} \"$@\"\n")
+    binary.write_text(f'#!/bin/sh\nexec {sys.executable} {Path(__file__).with_name("fake_llama_server.py")} "$@"\n')
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
     return binary
 

@@ -64,8 +64,12 @@ class Handler(BaseHTTPRequestHandler):
         n = body["n_predict"]
         tokens = [(sum(body["prompt"]) + i + bool(known.spec_type)) % 7 for i in range(n)]
         accepted = n // 2 if known.spec_type else 0
-        answer = {"content": "x" * n, "timings": {"predicted_n": n, **({"draft_n": n, "draft_n_accepted": accepted} if accepted else {})},
-                  "received": body, "argv": sys.argv[1:]}
+        answer = {
+            "content": "x" * n,
+            "timings": {"predicted_n": n, **({"draft_n": n, "draft_n_accepted": accepted} if accepted else {})},
+            "received": body,
+            "argv": sys.argv[1:],
+        }
         if not os.environ.get("FAKE_LLAMA_SERVER_NO_TOKENS"):
             answer["tokens"] = tokens
         self._answer(200, answer)

@@ -16,6 +16,7 @@ import exactspec
 
 PACKAGE = Path(exactspec.__file__).parent
 
+
 def _modules() -> list[tuple[str, ast.Module]]:
     return [(str(path.relative_to(PACKAGE)), ast.parse(path.read_text())) for path in sorted(PACKAGE.rglob("*.py"))]
 
@@ -29,7 +30,11 @@ def private_imports(modules) -> list[str]:
     for name, tree in modules:
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("exactspec"):
-                found += [f"{name}:{node.lineno} imports {alias.name} from {node.module}" for alias in node.names if _private(alias.name)]
+                found += [
+                    f"{name}:{node.lineno} imports {alias.name} from {node.module}"
+                    for alias in node.names
+                    if _private(alias.name)
+                ]
     return found
 
 
@@ -95,7 +100,12 @@ def upward_imports(modules) -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("exactspec."):
                 target = _layer(node.module)
-                if own is not None and target is not None and target > own and (name, node.module) not in CLIMBS_ALLOWED:
+                if (
+                    own is not None
+                    and target is not None
+                    and target > own
+                    and (name, node.module) not in CLIMBS_ALLOWED
+                ):
                     found.append(f"{name}:{node.lineno} imports {node.module} from a layer above")
     return found
 
@@ -125,5 +135,9 @@ def test_the_checks_catch_a_reach_in():
     )
     assert private_imports([("x.py", broken)]) == ["x.py:1 imports _hidden from exactspec.loading"]
     assert private_attribute_reads([("x.py", broken)]) == ["x.py:5 reads foreign._k"]
-    climbing = ast.parse("from exactspec.decoding.sampling import block_probs\nfrom exactspec.serving.api import build_app\n")
-    assert upward_imports([("decoding/engine.py", climbing)]) == ["decoding/engine.py:2 imports exactspec.serving.api from a layer above"]
+    climbing = ast.parse(
+        "from exactspec.decoding.sampling import block_probs\nfrom exactspec.serving.api import build_app\n"
+    )
+    assert upward_imports([("decoding/engine.py", climbing)]) == [
+        "decoding/engine.py:2 imports exactspec.serving.api from a layer above"
+    ]

@@ -10,12 +10,14 @@ import json
 
 import pytest
 
-from exactspec.jobs.batch import BatchJobConfig, completed_lines, generate_batch
 from exactspec.cli import main
+from exactspec.jobs.batch import BatchJobConfig, completed_lines, generate_batch
 from exactspec.loading import default_pair_dirs, load_pair
 
-REQUESTS = [{"prompt": f"def f{i}(x):\n    ", "max_tokens": 8 + i % 5, **({"temperature": 0} if i % 3 == 0 else {"top_k": 20})}
-            for i in range(10)] + [{"id": "chatless", "prompt": "import os\n", "seed": 99, "ignore_eos": True}]
+REQUESTS = [
+    {"prompt": f"def f{i}(x):\n    ", "max_tokens": 8 + i % 5, **({"temperature": 0} if i % 3 == 0 else {"top_k": 20})}
+    for i in range(10)
+] + [{"id": "chatless", "prompt": "import os\n", "seed": 99, "ignore_eos": True}]
 
 
 def write_requests(path, requests=REQUESTS):
@@ -24,8 +26,22 @@ def write_requests(path, requests=REQUESTS):
 
 
 def run(tmp_path, output, *extra):
-    return main(["generate-batch", "--input", str(write_requests(tmp_path / "in.jsonl")), "--output", str(output),
-                 "--max-tokens", "12", "--max-batch", "4", "--invariant", "--json", *extra])
+    return main(
+        [
+            "generate-batch",
+            "--input",
+            str(write_requests(tmp_path / "in.jsonl")),
+            "--output",
+            str(output),
+            "--max-tokens",
+            "12",
+            "--max-batch",
+            "4",
+            "--invariant",
+            "--json",
+            *extra,
+        ]
+    )
 
 
 def test_results_come_in_input_order_and_equal_each_request_alone(tmp_path, capsys):
@@ -36,9 +52,16 @@ def test_results_come_in_input_order_and_equal_each_request_alone(tmp_path, caps
     assert lines[-1]["id"] == "chatless" and len(lines[-1]["token_ids"]) == 12 and lines[-1]["stop_reason"] == "length"
     assert all(r["record_id"] == summary["record_id"] for r in lines)
     record = json.loads((tmp_path / "out.jsonl.record.json").read_text())
-    assert record["record_id"] == summary["record_id"] and record["gamma_policy"] == "fixed 4" and record["verify"] == "block"
+    assert (
+        record["record_id"] == summary["record_id"]
+        and record["gamma_policy"] == "fixed 4"
+        and record["verify"] == "block"
+    )
     pair = load_pair(*default_pair_dirs(), invariant=True)
-    alone = [next(generate_batch(pair, [r], BatchJobConfig(max_tokens=12, slots=1), first_line=i)) for i, r in enumerate(REQUESTS)]
+    alone = [
+        next(generate_batch(pair, [r], BatchJobConfig(max_tokens=12, slots=1), first_line=i))
+        for i, r in enumerate(REQUESTS)
+    ]
     assert [r["token_ids"] for r in lines] == [r["token_ids"] for r in alone]
     assert all(0 <= r["speculation"]["acceptance_rate"] <= 1 for r in lines)
 
@@ -58,13 +81,16 @@ def test_a_killed_job_resumes_to_the_same_output(tmp_path, capsys):
     assert run(tmp_path, cut) == 0 and cut.read_text() == whole  # nothing left to do: nothing duplicated
 
 
-@pytest.mark.parametrize("line, words", [
-    ({"prompt": "x", "temprature": 1}, "line 2: unknown field 'temprature'"),
-    ({"prompt": "x", "messages": []}, "line 2: give exactly one of prompt and messages"),
-    ({"prompt": "x", "max_tokens": 0}, "line 2: max_tokens must be an integer"),
-    ({"prompt": "x", "top_p": 0}, "line 2: top_p"),
-    ({"prompt": "x", "verify": "blocks"}, "line 2: verify must be one of block, token"),
-])
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ({"prompt": "x", "temprature": 1}, "line 2: unknown field 'temprature'"),
+        ({"prompt": "x", "messages": []}, "line 2: give exactly one of prompt and messages"),
+        ({"prompt": "x", "max_tokens": 0}, "line 2: max_tokens must be an integer"),
+        ({"prompt": "x", "top_p": 0}, "line 2: top_p"),
+        ({"prompt": "x", "verify": "blocks"}, "line 2: verify must be one of block, token"),
+    ],
+)
 def test_a_bad_request_is_refused_before_any_work(tmp_path, capsys, line, words):
     source = write_requests(tmp_path / "in.jsonl", [{"prompt": "ok"}, line])
     code = main(["generate-batch", "--input", str(source), "--output", str(tmp_path / "out.jsonl")])

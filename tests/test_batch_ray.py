@@ -15,13 +15,19 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from exactspec.jobs.batch import BatchJobConfig, generate_batch  # noqa: E402
 from exactspec.cli import main  # noqa: E402
+from exactspec.jobs.batch import BatchJobConfig, generate_batch  # noqa: E402
 from exactspec.jobs.distributed import ray_results  # noqa: E402
-from exactspec.loading import PairSpec  # noqa: E402
-from exactspec.loading import default_pair_dirs, load_pair  # noqa: E402
+from exactspec.loading import (  # noqa: E402
+    PairSpec,  # noqa: E402
+    default_pair_dirs,
+    load_pair,
+)
 
-REQUESTS = [{"prompt": f"class C{i}:\n    def ", "max_tokens": 10, **({"temperature": 0} if i % 4 == 0 else {})} for i in range(16)]
+REQUESTS = [
+    {"prompt": f"class C{i}:\n    def ", "max_tokens": 10, **({"temperature": 0} if i % 4 == 0 else {})}
+    for i in range(16)
+]
 CONFIG = BatchJobConfig(max_tokens=10, slots=4)
 
 
@@ -55,7 +61,9 @@ def test_a_killed_worker_does_not_change_the_output(cluster):
     os.kill(pids[0], signal.SIGKILL)
     collected += list(results)
     assert [r["line"] for r in collected] == list(range(len(REQUESTS)))
-    assert [(r["token_ids"], r["text"], r["stop_reason"]) for r in collected] == [(r["token_ids"], r["text"], r["stop_reason"]) for r in local]
+    assert [(r["token_ids"], r["text"], r["stop_reason"]) for r in collected] == [
+        (r["token_ids"], r["text"], r["stop_reason"]) for r in local
+    ]
 
 
 def test_the_command_on_ray_writes_what_the_local_command_writes(cluster, tmp_path):
@@ -73,7 +81,9 @@ def test_certify_on_ray_merges_shards_into_one_verdict(cluster, tmp_path):
 
     pair = load_pair(*default_pair_dirs())
     prompts = default_prompts(pair.tokenizer)
-    config = CertifyConfig(configs=("T=1",), sequences=96, max_tokens=24, self_check=True, mutants=("argmax_draft_sampled_ratio",))
+    config = CertifyConfig(
+        configs=("T=1",), sequences=96, max_tokens=24, self_check=True, mutants=("argmax_draft_sampled_ratio",)
+    )
     target, draft = default_pair_dirs()
     sampler = RaySampler(PairSpec(str(target), str(draft)), prompts, config, workers=2)
     try:
@@ -84,5 +94,7 @@ def test_certify_on_ray_merges_shards_into_one_verdict(cluster, tmp_path):
     assert report["passed"] and report["tokens"] == local["tokens"] == 96 * 24
     assert report["self_check"]["argmax_draft_sampled_ratio"]["rejected"]
     # the same seeded sequences, batched differently: the same law, so acceptance rates agree up to sampling noise
-    for ray_rate, local_rate in zip(report["per_config"]["T=1"]["acceptance_by_position"], local["per_config"]["T=1"]["acceptance_by_position"]):
+    for ray_rate, local_rate in zip(
+        report["per_config"]["T=1"]["acceptance_by_position"], local["per_config"]["T=1"]["acceptance_by_position"]
+    ):
         assert abs(ray_rate - local_rate) < 0.1

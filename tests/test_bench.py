@@ -11,9 +11,10 @@ import pytest
 pytest.importorskip("transformers")
 
 from conftest import save_tiny_checkpoint, tiny_tokenizer_json
+
 from exactspec.bench.arms import BenchConfig
-from exactspec.cli import main
 from exactspec.bench.workloads import third_party_sources, workload_prompts
+from exactspec.cli import main
 
 
 def test_code_prompts_come_from_third_party_packages_not_the_standard_library():
@@ -41,15 +42,42 @@ def test_bench_cli_runs_every_arm_and_writes_report_and_plots(tmp_path, capsys):
     target = save_tiny_checkpoint(tmp_path / "target", vocab_rows=300, layers=2, seed=0, tokenizer_json=tokenizer)
     draft = save_tiny_checkpoint(tmp_path / "draft", vocab_rows=300, layers=1, seed=1, tokenizer_json=tokenizer)
     out = tmp_path / "out"
-    args = ["bench", "--target", str(target), "--draft", str(draft), "--workloads", "grounded", "--modes", "greedy,sample",
-            "--gammas", "1,2", "--prompts", "1", "--max-new-tokens", "6", "--repeats", "2", "--output-dir", str(out), "--json",
-            "--record", str(tmp_path / "record.json")]
+    args = [
+        "bench",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--workloads",
+        "grounded",
+        "--modes",
+        "greedy,sample",
+        "--gammas",
+        "1,2",
+        "--prompts",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--repeats",
+        "2",
+        "--output-dir",
+        str(out),
+        "--json",
+        "--record",
+        str(tmp_path / "record.json"),
+    ]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     record = json.loads((tmp_path / "record.json").read_text())
-    assert record["kind"] == "bench" and record["figures"]["results"] == report["results"] and record["draft"]["weights_sha256"]
+    assert (
+        record["kind"] == "bench"
+        and record["figures"]["results"] == report["results"]
+        and record["draft"]["weights_sha256"]
+    )
     names = ["plain", "draft g=1", "draft g=2", "adaptive", "lookup", "hf plain", "hf assisted g=4"]
-    assert [(r["mode"], r["arm"]) for r in report["results"]] == [(mode, arm) for mode in ("greedy", "sample") for arm in names]
+    assert [(r["mode"], r["arm"]) for r in report["results"]] == [
+        (mode, arm) for mode in ("greedy", "sample") for arm in names
+    ]
     plain, draft_row = report["results"][:2]
     assert plain["speedup"] == 1.0 and plain["spread"][0] <= plain["tokens_per_second"] <= plain["spread"][1]
     assert draft_row["vs_hf_assisted"] == draft_row["tokens_per_second"] / report["results"][6]["tokens_per_second"]
@@ -68,8 +96,27 @@ def test_bench_rules_compares_the_rules_on_the_same_rounds(tmp_path, capsys):
     tokenizer = tiny_tokenizer_json()
     target = save_tiny_checkpoint(tmp_path / "target", vocab_rows=300, layers=2, seed=0, tokenizer_json=tokenizer)
     draft = save_tiny_checkpoint(tmp_path / "draft", vocab_rows=300, layers=1, seed=1, tokenizer_json=tokenizer)
-    args = ["bench", "--rules", "--target", str(target), "--draft", str(draft), "--workloads", "grounded,code", "--gammas", "3",
-            "--prompts", "2", "--max-new-tokens", "24", "--repeats", "1", "--output-dir", str(tmp_path / "out"), "--json"]
+    args = [
+        "bench",
+        "--rules",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--workloads",
+        "grounded,code",
+        "--gammas",
+        "3",
+        "--prompts",
+        "2",
+        "--max-new-tokens",
+        "24",
+        "--repeats",
+        "1",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--json",
+    ]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     for row in report["results"]:
@@ -82,7 +129,10 @@ def test_bench_rules_compares_the_rules_on_the_same_rounds(tmp_path, capsys):
     for rule in ("block_tokens_per_round", "token_tokens_per_round"):
         assert pooled[rule] == pytest.approx(sum(r[rule] * r["rounds"] for r in rows) / pooled["rounds"])
     table = format_rules_table(report)
-    assert f"{report['backend']} runtime ({report['precision']}), threads: {report['threads']}" in table and report["backend"] != "auto"
+    assert (
+        f"{report['backend']} runtime ({report['precision']}), threads: {report['threads']}" in table
+        and report["backend"] != "auto"
+    )
     assert table.splitlines()[-1].split()[:2] == ["pooled", str(pooled["rounds"])]
     assert main(["bench", "--rules", "--target", str(target), "--draft", "lookup"]) == 2
 
@@ -110,12 +160,35 @@ def test_ctrl_c_keeps_the_arms_finished_so_far(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(bench, "_arms", arms_with_an_interrupt)
     out = tmp_path / "out"
-    args = ["bench", "--target", str(target), "--draft", str(draft), "--workloads", "grounded,code", "--modes", "greedy",
-            "--gammas", "1,2", "--prompts", "1", "--max-new-tokens", "4", "--repeats", "3", "--no-hf", "--output-dir", str(out), "--json"]
+    args = [
+        "bench",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--workloads",
+        "grounded,code",
+        "--modes",
+        "greedy",
+        "--gammas",
+        "1,2",
+        "--prompts",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--repeats",
+        "3",
+        "--no-hf",
+        "--output-dir",
+        str(out),
+        "--json",
+    ]
     assert main(args) == 130
     report = json.loads(capsys.readouterr().out)
     rows = report["results"]
-    assert report["interrupted"] and {row["workload"] for row in rows} == {"grounded"}  # the second workload never started
+    assert report["interrupted"] and {row["workload"] for row in rows} == {
+        "grounded"
+    }  # the second workload never started
     assert [row["arm"] for row in rows] == ["plain", "draft g=1", "draft g=2", "adaptive", "lookup"]
     # two repetitions before the interrupted arm, one from it on (low == high only for a single measurement)
     assert [row["repeats"] for row in rows] == [2, 2, 2, 1, 1]

@@ -9,10 +9,11 @@ import pytest
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 
-from exactspec.bench import llamacpp_kernels  # noqa: E402
-from exactspec.bench.llamacpp_kernels import main, run_arm  # noqa: E402
 from test_gguf import random_hf_weights, write_llama_gguf  # noqa: E402
 from test_llamacpp import spm_metadata  # noqa: E402
+
+from exactspec.bench import llamacpp_kernels  # noqa: E402
+from exactspec.bench.llamacpp_kernels import main, run_arm  # noqa: E402
 
 
 def test_both_arms_are_timed_for_every_size(tmp_path, capsys):
@@ -30,8 +31,11 @@ def test_an_arm_that_crashes_or_fails_is_reported(tmp_path, monkeypatch):
 
 
 def test_bad_options_are_one_line_errors(tmp_path, capsys):
-    for args, message in ((["--sizes", "1,x"], "--sizes 1,x"), (["--target", str(tmp_path / "absent.gguf")], "no such file"),
-                          (["--calls", "0"], "must be >= 1")):
+    for args, message in (
+        (["--sizes", "1,x"], "--sizes 1,x"),
+        (["--target", str(tmp_path / "absent.gguf")], "no such file"),
+        (["--calls", "0"], "must be >= 1"),
+    ):
         assert main(args) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1

@@ -34,12 +34,20 @@ def test_ratios_are_taken_within_a_mode_and_workload_only():
 def test_the_table_has_one_titled_block_per_group_and_a_dash_for_missing_figures():
     rows = _rows()
     add_ratios(rows, "speedup", "plain")
-    columns = (Column("arm", "arm", "s", 12), Column("tok/s", "tokens_per_second", ".1f"), Column("spread", "spread", "spread", 8),
-               Column("speedup", "speedup", suffix="x", width=9))
+    columns = (
+        Column("arm", "arm", "s", 12),
+        Column("tok/s", "tokens_per_second", ".1f"),
+        Column("spread", "spread", "spread", 8),
+        Column("speedup", "speedup", suffix="x", width=9),
+    )
     table = format_rows(["header line"], rows, columns, notes={("sample", "code"): " (interrupted)"})
     lines = table.splitlines()
     assert lines[0] == "header line"
-    assert [line for line in lines if line.startswith("==")] == ["== code / greedy ==", "== code / sample == (interrupted)", "== chat / sample =="]
+    assert [line for line in lines if line.startswith("==")] == [
+        "== code / greedy ==",
+        "== code / sample == (interrupted)",
+        "== chat / sample ==",
+    ]
     assert "draft g=4       22.0   20-30    2.00x" in lines
     assert lines[lines.index("== code / sample == (interrupted)") + 2].rstrip().endswith("-")
 
@@ -48,7 +56,13 @@ def test_write_report_writes_json_table_and_one_plot_per_entry(tmp_path):
     rows = _rows()
     report = {"results": rows}
     seen = []
-    written = write_report(report, tmp_path / "new", "peers", "the table", {"extra": lambda r, path, plt: (seen.append(len(r)), path.write_bytes(b"png"))})
+    written = write_report(
+        report,
+        tmp_path / "new",
+        "peers",
+        "the table",
+        {"extra": lambda r, path, plt: (seen.append(len(r)), path.write_bytes(b"png"))},
+    )
     assert [p.name for p in written] == ["peers.json", "peers.txt", "peers.png", "extra.png"]
     assert json.loads(written[0].read_text()) == report and written[1].read_text() == "the table\n"
     assert written[2].stat().st_size > 1000 and seen == [4]

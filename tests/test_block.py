@@ -24,19 +24,23 @@ import math
 
 import pytest
 import torch
-from scipy import stats
-
 from conftest import engine_outcomes
+from scipy import stats
+from test_exactness import ALPHA, CONFIGS, SIZES, g_test_p_value
+
 from exactspec.certification.mutants import MUTANTS, block_variant
-from exactspec.decoding.block import (block_expected_accepted, block_thresholds, tokenwise_expected_accepted,
-                                      verify_block_with_uniforms)
+from exactspec.decoding.block import (
+    block_expected_accepted,
+    block_thresholds,
+    tokenwise_expected_accepted,
+    verify_block_with_uniforms,
+)
 from exactspec.decoding.engine import BatchEngine, EngineConfig
 from exactspec.decoding.sampling import SamplingParams, block_probs
 from exactspec.decoding.verify import verify_with_uniforms
 from exactspec.models.markov import MarkovLM
 from exactspec.models.runtime import SequenceSlots
 from exactspec.proposers import DraftModelProposer
-from test_exactness import ALPHA, CONFIGS, SIZES, g_test_p_value
 
 PROMPT, NEW_TOKENS, GAMMA, SLOTS = (1, 0), 5, 3, 64
 POWER = 0.99
@@ -56,15 +60,26 @@ BLOCK_MUTANTS = {
 def models(vocab: int = 4, order: int = 2, scale: float = 1.5, noise: float = 0.8, seed: int = 11):
     """A target and a draft that is the target plus noise (at the defaults test_exactness's pair)."""
     target = MarkovLM.random(vocab, order, seed=seed, scale=scale)
-    noise_table = MarkovLM.random(vocab, order, seed=seed + 1 if (vocab, order) == (4, 2) else seed + 100, scale=noise).table
+    noise_table = MarkovLM.random(
+        vocab, order, seed=seed + 1 if (vocab, order) == (4, 2) else seed + 100, scale=noise
+    ).table
     return target, MarkovLM(target.table + noise_table, order)
 
 
 # --------------------------------------------------------------------------- exact laws
 
 
-def round_law(p_rows: list[torch.Tensor], q_rows: list[torch.Tensor], tokens: tuple[int, ...], *, cap=True,
-              denominator=True, last=True, shared_uniform=False, weighted_residual=True) -> list[tuple[int, float, torch.Tensor]]:
+def round_law(
+    p_rows: list[torch.Tensor],
+    q_rows: list[torch.Tensor],
+    tokens: tuple[int, ...],
+    *,
+    cap=True,
+    denominator=True,
+    last=True,
+    shared_uniform=False,
+    weighted_residual=True,
+) -> list[tuple[int, float, torch.Tensor]]:
     """[(tau, P(tau), law of the committed draw)] for one draft under the rule with the given switches;
     ``p_rows``: g + 1 target distributions, ``q_rows``: g draft distributions (float64, (V,) each)."""
     gamma = len(tokens)
@@ -114,7 +129,9 @@ def generation_law(target: MarkovLM, draft: MarkovLM, params: SamplingParams, st
     def probs(model: MarkovLM, prefix: tuple[int, ...]) -> torch.Tensor:
         key = (id(model), prefix)
         if key not in cache:
-            cache[key] = block_probs(model.next_logits(list(prefix)).unsqueeze(0), list(prefix), [], len(PROMPT), params)[0]
+            cache[key] = block_probs(
+                model.next_logits(list(prefix)).unsqueeze(0), list(prefix), [], len(PROMPT), params
+            )[0]
         return cache[key]
 
     law: dict = collections.defaultdict(float)
@@ -202,12 +219,20 @@ def test_one_drafted_token_is_the_token_wise_rule_and_two_are_not():
     generator = torch.Generator().manual_seed(3)
     for _ in range(50):
         tokens, q, p = random_rows(generator, 5, 1)
-        u, s = torch.rand((1, 1), dtype=torch.float64, generator=generator), torch.rand((1,), dtype=torch.float64, generator=generator)
-        assert torch.equal(verify_block_with_uniforms(tokens, q, p, u, s).tokens, verify_with_uniforms(tokens, q, p, u, s).tokens)
+        u, s = (
+            torch.rand((1, 1), dtype=torch.float64, generator=generator),
+            torch.rand((1,), dtype=torch.float64, generator=generator),
+        )
+        assert torch.equal(
+            verify_block_with_uniforms(tokens, q, p, u, s).tokens, verify_with_uniforms(tokens, q, p, u, s).tokens
+        )
     differ = 0
     for _ in range(200):
         tokens, q, p = random_rows(generator, 5, 2)
-        u, s = torch.rand((1, 2), dtype=torch.float64, generator=generator), torch.rand((1,), dtype=torch.float64, generator=generator)
+        u, s = (
+            torch.rand((1, 2), dtype=torch.float64, generator=generator),
+            torch.rand((1,), dtype=torch.float64, generator=generator),
+        )
         block, token = verify_block_with_uniforms(tokens, q, p, u, s), verify_with_uniforms(tokens, q, p, u, s)
         differ += int(block.num_accepted[0]) > int(token.num_accepted[0])
     assert differ > 0
@@ -235,7 +260,9 @@ def test_the_block_rule_accepts_more_in_expectation(gamma):
         block = block + weight * block_expected_accepted(torch.tensor([tokens]), q, p)[0]
         token = token + weight * tokenwise_expected_accepted(torch.tensor([tokens]), q, p)[0]
         point = torch.tensor([tokens])
-        assert torch.allclose(block_expected_accepted(point, None, p), tokenwise_expected_accepted(point, None, p), atol=1e-12)
+        assert torch.allclose(
+            block_expected_accepted(point, None, p), tokenwise_expected_accepted(point, None, p), atol=1e-12
+        )
     assert abs(float(block[0] - token[0])) < 1e-12
     assert (block[1:] > token[1:] + 1e-3).all(), (block, token)
 
@@ -250,8 +277,9 @@ def test_the_expected_accepted_length_is_the_mean_of_the_rule_s_draws():
     for cut in range(1, 5):
         u = torch.rand((n, cut), dtype=torch.float64, generator=generator)
         s = torch.rand((n,), dtype=torch.float64, generator=generator)
-        tau = verify_block_with_uniforms(tokens[:, :cut].expand(n, cut), q[:, :cut].expand(n, cut, 6),
-                                         p[:, : cut + 1].expand(n, cut + 1, 6), u, s).num_accepted.double()
+        tau = verify_block_with_uniforms(
+            tokens[:, :cut].expand(n, cut), q[:, :cut].expand(n, cut, 6), p[:, : cut + 1].expand(n, cut + 1, 6), u, s
+        ).num_accepted.double()
         assert abs(float(tau.mean()) - float(expected[cut - 1])) < 5 * float(tau.std()) / math.sqrt(n)
 
 
@@ -260,20 +288,25 @@ def test_the_mutant_harness_at_its_defaults_is_the_rule():
     generator = torch.Generator().manual_seed(5)
     for seed in range(30):
         tokens, q, p = random_rows(generator, 5, 3)
-        assert torch.equal(block_variant(tokens, q, p, torch.Generator().manual_seed(seed)).tokens,
-                           verify_block_with_uniforms(tokens, q, p, *draws(seed, 3)).tokens)
+        assert torch.equal(
+            block_variant(tokens, q, p, torch.Generator().manual_seed(seed)).tokens,
+            verify_block_with_uniforms(tokens, q, p, *draws(seed, 3)).tokens,
+        )
 
 
 def draws(seed: int, gamma: int):
     generator = torch.Generator().manual_seed(seed)
-    return torch.rand((1, gamma), dtype=torch.float64, generator=generator), torch.rand((1,), dtype=torch.float64, generator=generator)
+    return torch.rand((1, gamma), dtype=torch.float64, generator=generator), torch.rand(
+        (1,), dtype=torch.float64, generator=generator
+    )
 
 
 # --------------------------------------------------------------------------- through the engine
 
 
-def engine_sample(target: MarkovLM, draft: MarkovLM, params: SamplingParams, n: int, engine_class=BatchEngine,
-                  stops=frozenset()) -> dict:
+def engine_sample(
+    target: MarkovLM, draft: MarkovLM, params: SamplingParams, n: int, engine_class=BatchEngine, stops=frozenset()
+) -> dict:
     slots = lambda model: SequenceSlots([MarkovLM(model.table, model.order) for _ in range(SLOTS)])  # noqa: E731
     engine = engine_class(slots(target), DraftModelProposer(slots(draft)), EngineConfig(gamma=GAMMA))
     return dict(collections.Counter(engine_outcomes(engine, PROMPT, n, params, NEW_TOKENS, GAMMA, stops=stops)))

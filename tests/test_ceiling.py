@@ -21,7 +21,9 @@ def test_the_ceiling_that_rises_names_what_stops_speculation():
     assert ceilings["flat verification (c'(n) = c'(1))"] == {"gamma": 2, "speedup": pytest.approx(1.75 * 10 / 14)}
     assert ceilings["no capture (c' = c)"]["gamma"] == 0
     assert ceilings["free draft step and flat verification"] == {"gamma": 2, "speedup": pytest.approx(1.75 * 10 / 12)}
-    assert figures["break_even_acceptance"] is None and figures["capture_ms"] == 2.0 and figures["verify_ratio"] == 32 / 12
+    assert (
+        figures["break_even_acceptance"] is None and figures["capture_ms"] == 2.0 and figures["verify_ratio"] == 32 / 12
+    )
 
 
 def test_the_prediction_counts_the_capture_against_plain_decoding():

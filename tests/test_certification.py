@@ -8,8 +8,17 @@ import numpy as np
 import torch
 
 from exactspec.certification.pit import (
-    TestResult, binned_uniform, holm, keyed_pit_values, ks_critical_value, ks_uniform, p_order_masses, pit_values, ratio_pit_values,
-    recency_pit_values, token_goodness_of_fit,
+    TestResult,
+    binned_uniform,
+    holm,
+    keyed_pit_values,
+    ks_critical_value,
+    ks_uniform,
+    p_order_masses,
+    pit_values,
+    ratio_pit_values,
+    recency_pit_values,
+    token_goodness_of_fit,
 )
 
 
@@ -18,7 +27,9 @@ def draws(probs: torch.Tensor, n: int, seed: int) -> torch.Tensor:  # probs (n, 
 
 
 def laws(n: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
-    return torch.softmax(2 * torch.randn((n, vocab), generator=torch.Generator().manual_seed(seed), dtype=torch.float64), -1)
+    return torch.softmax(
+        2 * torch.randn((n, vocab), generator=torch.Generator().manual_seed(seed), dtype=torch.float64), -1
+    )
 
 
 def test_pit_is_uniform_under_the_law_and_not_under_a_shifted_one():
@@ -36,7 +47,9 @@ def test_pit_is_uniform_under_the_law_and_not_under_a_shifted_one():
 def test_goodness_of_fit_rejects_a_shifted_law_and_passes_the_true_one():
     p = laws(1)[0]
     wrong = torch.roll(p, 1)
-    counts = lambda law: {int(t): int(c) for t, c in zip(*np.unique(draws(law.expand(3000, -1), 3000, 5).numpy(), return_counts=True))}  # noqa: E731
+    counts = lambda law: {
+        int(t): int(c) for t, c in zip(*np.unique(draws(law.expand(3000, -1), 3000, 5).numpy(), return_counts=True))
+    }  # noqa: E731
     assert token_goodness_of_fit("true", [(counts(p), p)]).p_value > 1e-3
     assert token_goodness_of_fit("wrong", [(counts(wrong), p)]).p_value < 1e-6
     impossible = torch.zeros_like(p)
@@ -55,7 +68,9 @@ def test_keyed_pit_is_uniform_under_the_law_in_any_fixed_order_and_sees_a_flatte
     p = laws(n, seed=3)
     flattened = torch.softmax(p.log() / 1.1, -1)
     uniforms = torch.rand((n,), dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    shuffled = torch.rand((n, p.shape[1]), generator=torch.Generator().manual_seed(5))  # any order fixed before the draw
+    shuffled = torch.rand(
+        (n, p.shape[1]), generator=torch.Generator().manual_seed(5)
+    )  # any order fixed before the draw
     for keys in (p, shuffled, (p > 0.05).double()):  # the last has ties, randomized together
         assert ks_uniform("good", keyed_pit_values(p, keys, draws(p, n, 6), uniforms).numpy()).p_value > 1e-3
     by_p = ks_uniform("by p", keyed_pit_values(p, p, draws(flattened, n, 6), uniforms).numpy())
@@ -77,7 +92,9 @@ def test_the_fast_orders_equal_the_keyed_definition_ties_included():
     uniforms = torch.rand((n,), dtype=torch.float64, generator=generator)
     prefix = torch.randint(0, 60, (30,), generator=generator).tolist()  # overlaps the tokens' ids
     below, tied = p_order_masses(probs, tokens)
-    torch.testing.assert_close(below + uniforms * tied, keyed_pit_values(probs, probs, tokens, uniforms), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        below + uniforms * tied, keyed_pit_values(probs, probs, tokens, uniforms), rtol=0, atol=1e-12
+    )
     # recency: unseen tokens by p (keys in [0, 1]), then seen ones by last position (keys >= 2)
     last = torch.full((vocab,), -1.0, dtype=torch.float64)
     recency_keys = torch.empty_like(probs)
@@ -86,10 +103,16 @@ def test_the_fast_orders_equal_the_keyed_definition_ties_included():
             recency_keys[i - len(prefix)] = torch.where(last >= 0, 2 + last, probs[i - len(prefix)])
         last[token] = i
     assert 0 < int((recency_keys.gather(1, tokens[:, None]) >= 2).sum()) < n  # both cases occur
-    torch.testing.assert_close(recency_pit_values(probs, tokens, uniforms, prefix, (below, tied), probs.sum(-1)),
-                               keyed_pit_values(probs, recency_keys, tokens, uniforms), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        recency_pit_values(probs, tokens, uniforms, prefix, (below, tied), probs.sum(-1)),
+        keyed_pit_values(probs, recency_keys, tokens, uniforms),
+        rtol=0,
+        atol=1e-12,
+    )
     # q / p: 8 recorded tokens per row (the first of them with q = 0), every other token at q = 0
-    q_ids = torch.stack([(lambda perm: perm[perm != token][:8])(torch.randperm(vocab, generator=generator)) for token in tokens])
+    q_ids = torch.stack(
+        [(lambda perm: perm[perm != token][:8])(torch.randperm(vocab, generator=generator)) for token in tokens]
+    )
     q_ids[::3, 1] = tokens[::3]  # the drawn token recorded, with q > 0, in a third of the rows
     q_ids[1::6, 0] = tokens[1::6]  # and with q = 0 in others
     q_values = torch.rand((n, 8), dtype=torch.float64, generator=generator) / 8

@@ -12,26 +12,47 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from tqdm import tqdm
 
-from exactspec.certification.certify import CertifyConfig, LocalSampler, _RecordsDraftProbs, _sample, certify, default_prompts
+from exactspec.certification.certify import (
+    CertifyConfig,
+    LocalSampler,
+    _RecordsDraftProbs,
+    _sample,
+    certify,
+    default_prompts,
+)
 from exactspec.certification.mutants import MUTANTS
 from exactspec.cli import main
-from exactspec.loading import default_pair_dirs, load_pair
-from exactspec.decoding.sampling import SamplingParams
 from exactspec.decoding.engine import BatchEngine
+from exactspec.decoding.sampling import SamplingParams
+from exactspec.loading import default_pair_dirs, load_pair
 
 
 def test_the_command_passes_the_real_engine_and_writes_its_outputs(tmp_path):
-    code = main(["certify", "--configs", "T=0.8 top_k=50", "--sequences", "160", "--max-tokens", "32", "--output-dir", str(tmp_path), "--json"])
+    code = main(
+        [
+            "certify",
+            "--configs",
+            "T=0.8 top_k=50",
+            "--sequences",
+            "160",
+            "--max-tokens",
+            "32",
+            "--output-dir",
+            str(tmp_path),
+            "--json",
+        ]
+    )
     report = json.loads((tmp_path / "certify.json").read_text())
     assert code == 0 and report["passed"], [t for t in report["tests"] if t["rejected"]]
     assert report["precision"] == "float32, call-size dependent"
     assert report["greedy"]["equal"] == report["greedy"]["prompts"]
     assert report["numerics_max_logit_difference"] < 1e-4
     assert all(0.3 < rate <= 1 for c in report["per_config"].values() for rate in c["acceptance_by_position"])
-    assert (tmp_path / "certify.png").stat().st_size > 10_000 and "verdict: PASS" in (tmp_path / "certify.txt").read_text()
+    assert (tmp_path / "certify.png").stat().st_size > 10_000 and "verdict: PASS" in (
+        tmp_path / "certify.txt"
+    ).read_text()
 
 
 @pytest.mark.slow  # 4 x 10,240 shipped-pair tokens (100 s); the same bugs are rejected in the quick run by test_exactness
@@ -46,9 +67,15 @@ def test_the_self_check_rejects_the_known_wrong_samplers():
     for name in mutants:
         check = report["self_check"][name]
         assert check["rejected"] and check["smallest_adjusted_p"] < 1e-6, (name, check)
-        assert check.get("tests_adjusted_p", check["smallest_adjusted_p"]) < 1e-6, (name, check)  # the statistics alone too
+        assert check.get("tests_adjusted_p", check["smallest_adjusted_p"]) < 1e-6, (
+            name,
+            check,
+        )  # the statistics alone too
     # the two whose draft is not drawn from the q the verifier gets are caught by the draw replay as well
-    assert all(report["self_check"][name]["by"].startswith("draw replay") for name in ("unprocessed_q", "argmax_draft_sampled_ratio"))
+    assert all(
+        report["self_check"][name]["by"].startswith("draw replay")
+        for name in ("unprocessed_q", "argmax_draft_sampled_ratio")
+    )
 
 
 def recorded_draws(engine_class: type[BatchEngine], params: SamplingParams, sequences: int) -> dict:
@@ -57,7 +84,14 @@ def recorded_draws(engine_class: type[BatchEngine], params: SamplingParams, sequ
     from test_serving_engine import tiny_feature_engine
 
     engine = tiny_feature_engine(type("Recording", (_RecordsDraftProbs, engine_class), {}))
-    _sample(engine, [[1, 2]], params, CertifyConfig(configs=("T=1",), sequences=sequences, max_tokens=5), 0, tqdm(disable=True))
+    _sample(
+        engine,
+        [[1, 2]],
+        params,
+        CertifyConfig(configs=("T=1",), sequences=sequences, max_tokens=5),
+        0,
+        tqdm(disable=True),
+    )
     return engine.draws
 
 
@@ -75,16 +109,37 @@ def test_the_draw_replay_catches_the_precision_mismatch_that_the_statistics_cann
     """Drafts drawn from bfloat16-rounded logits and checked with the float32 q: about 0.002 TV per drafted token on
     the shipped pair, but with the same uniform the two inverse CDFs part at a sizeable share of draws."""
     pair = load_pair(*default_pair_dirs())
-    sampler = LocalSampler(pair, default_prompts(pair.tokenizer), CertifyConfig(configs=("T=1",), sequences=40, max_tokens=32))
+    sampler = LocalSampler(
+        pair, default_prompts(pair.tokenizer), CertifyConfig(configs=("T=1",), sequences=40, max_tokens=32)
+    )
     real, wrong = sampler("T=1", None, 1, 1)["draws"], sampler("T=1", "precision_mismatch", 1, 1)["draws"]
     assert real["mismatched"] == 0 < real["replayed"] and wrong["mismatched"] > 0
 
 
 def test_the_command_runs_only_the_mutants_it_is_given(tmp_path):
-    code = main(["certify", "--configs", "T=1", "--sequences", "40", "--max-tokens", "16", "--self-check", "--mutants", "argmax_draft_sampled_ratio",
-                 "--output-dir", str(tmp_path), "--json"])
+    code = main(
+        [
+            "certify",
+            "--configs",
+            "T=1",
+            "--sequences",
+            "40",
+            "--max-tokens",
+            "16",
+            "--self-check",
+            "--mutants",
+            "argmax_draft_sampled_ratio",
+            "--output-dir",
+            str(tmp_path),
+            "--json",
+        ]
+    )
     report = json.loads((tmp_path / "certify.json").read_text())
-    assert code == 0 and list(report["self_check"]) == ["argmax_draft_sampled_ratio"] and report["self_check"]["argmax_draft_sampled_ratio"]["applies"]
+    assert (
+        code == 0
+        and list(report["self_check"]) == ["argmax_draft_sampled_ratio"]
+        and report["self_check"]["argmax_draft_sampled_ratio"]["applies"]
+    )
 
 
 def test_bad_arguments_are_one_line_errors(capsys, tmp_path):
@@ -93,8 +148,13 @@ def test_bad_arguments_are_one_line_errors(capsys, tmp_path):
     empty = tmp_path / "prompts.txt"
     empty.write_text("\n")
     assert main(["certify", "--prompts-file", str(empty), "--output-dir", str(tmp_path)]) == 2
-    assert main(["certify", "--sequences", "2", "--max-tokens", "4", "--output-dir", str(tmp_path)]) == 2  # nothing to test
-    assert main(["certify", "--self-check", "--mutants", "residual_from_p,no_such_bug", "--output-dir", str(tmp_path)]) == 2
+    assert (
+        main(["certify", "--sequences", "2", "--max-tokens", "4", "--output-dir", str(tmp_path)]) == 2
+    )  # nothing to test
+    assert (
+        main(["certify", "--self-check", "--mutants", "residual_from_p,no_such_bug", "--output-dir", str(tmp_path)])
+        == 2
+    )
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 5 and all(line.startswith("exactspec: error:") for line in errors)
     with pytest.raises(ValueError, match="mutants must be among"):
@@ -105,7 +165,10 @@ def test_mutants_apply_only_to_the_drafting_that_has_their_rule():
     from exactspec.certification.certify import drafting
     from exactspec.certification.mutants import MUTANTS, applies
 
-    assert drafting(load_pair(default_pair_dirs()[0], None)) == "lookup" and drafting(load_pair(*default_pair_dirs())) == "draft model"
+    assert (
+        drafting(load_pair(default_pair_dirs()[0], None)) == "lookup"
+        and drafting(load_pair(*default_pair_dirs())) == "draft model"
+    )
     assert [name for name, m in MUTANTS.items() if applies(m, "lookup")] == ["penalties_once_per_round"]
     assert all(applies(m, "draft model") and applies(m, "feature draft") for m in MUTANTS.values())
 
@@ -115,10 +178,10 @@ def test_scoring_with_the_prompt_run_once_equals_a_whole_sequence_forward(monkey
     logits of a cache-free forward of their own whole sequence (float32, 1e-5); a mask that lets a position see
     its own continuation's later tokens is caught."""
     import torch
+    from test_feature_draft import tiny_target
 
     import exactspec.certification.certify as certify_module
     from exactspec.certification.certify import shared_prompt_logits
-    from test_feature_draft import tiny_target
 
     decoder, prompt = tiny_target(), [1, 2, 0]
     continuations = [[3, 1, 2, 2], [0], [2, 3]]
@@ -130,7 +193,9 @@ def test_scoring_with_the_prompt_run_once_equals_a_whole_sequence_forward(monkey
         return all(torch.allclose(shared[b, : len(w)], w, atol=1e-5) for b, w in enumerate(whole))
 
     assert check()
-    monkeypatch.setattr(certify_module, "continuation_mask", lambda p, w, device: torch.ones((w, p + w), dtype=torch.bool))
+    monkeypatch.setattr(
+        certify_module, "continuation_mask", lambda p, w, device: torch.ones((w, p + w), dtype=torch.bool)
+    )
     assert not check()
 
 

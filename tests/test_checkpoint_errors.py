@@ -32,8 +32,10 @@ def invalid_json(path):
 
 def missing_field(path):
     edit_config(path, lambda c: c.pop("hidden_size"))
-    return {"lean": f"{path / 'config.json'}: config lacks the required field(s) 'hidden_size'",
-            "hf": f"transformers cannot use {path / 'config.json'}"}
+    return {
+        "lean": f"{path / 'config.json'}: config lacks the required field(s) 'hidden_size'",
+        "hf": f"transformers cannot use {path / 'config.json'}",
+    }
 
 
 def truncated_weights(path):
@@ -44,8 +46,10 @@ def truncated_weights(path):
 
 def wrong_shapes(path):
     edit_config(path, lambda c: c.update(intermediate_size=100))
-    return {"lean": f"{path / 'model.safetensors'}: a weight does not match the shapes its config describes",
-            "hf": f"transformers cannot load the weights in {path}"}
+    return {
+        "lean": f"{path / 'model.safetensors'}: a weight does not match the shapes its config describes",
+        "hf": f"transformers cannot load the weights in {path}",
+    }
 
 
 def missing_tokenizer(path):
@@ -61,11 +65,20 @@ def unreadable_tokenizer(path):
 
 def missing_shard(path):
     (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
-    (path / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}}
-    ))
-    return {"lean": f"lists model-00002-of-00002.safetensors, which is not in {path}",
-            "hf": f"transformers cannot load the weights in {path}"}
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "model.norm.weight": "model-00001-of-00002.safetensors",
+                    "lm_head.weight": "model-00002-of-00002.safetensors",
+                }
+            }
+        )
+    )
+    return {
+        "lean": f"lists model-00002-of-00002.safetensors, which is not in {path}",
+        "hf": f"transformers cannot load the weights in {path}",
+    }
 
 
 def not_llama(path):
@@ -73,7 +86,16 @@ def not_llama(path):
     return {"lean": "expected a Llama checkpoint (model_type 'llama'), got model_type 'gpt2'"}
 
 
-BREAKAGES = [invalid_json, missing_field, truncated_weights, wrong_shapes, missing_tokenizer, unreadable_tokenizer, missing_shard, not_llama]
+BREAKAGES = [
+    invalid_json,
+    missing_field,
+    truncated_weights,
+    wrong_shapes,
+    missing_tokenizer,
+    unreadable_tokenizer,
+    missing_shard,
+    not_llama,
+]
 
 
 @pytest.mark.parametrize("breakage", BREAKAGES, ids=lambda b: b.__name__)
@@ -84,6 +106,8 @@ def test_a_broken_checkpoint_is_one_line_naming_the_problem(tmp_path, capsys, br
     message = expected if isinstance(expected, str) else expected.get(backend)
     if message is None:
         pytest.skip(f"{breakage.__name__} is not an error for the {backend} backend")
-    code = main(["generate", "x", "--target", str(path), "--no-speculation", "--backend", backend, "--max-new-tokens", "2"])
+    code = main(
+        ["generate", "x", "--target", str(path), "--no-speculation", "--backend", backend, "--max-new-tokens", "2"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1 and err.startswith("exactspec: error:"), err

@@ -74,7 +74,10 @@ def test_cost_best_gamma_searches(capsys):
         (["explain", "--target", "a,b", "--draft", "0.5,0.5"], "comma-separated numbers"),
         (["cost", "--alpha", "0.5", "--target-ms", "-1", "--draft-ms", "1"], "--target-ms must be a positive"),
         (["cost", "--alpha", "1.5", "--target-ms", "1", "--draft-ms", "1"], "--alpha must be in"),
-        (["cost", "--alpha", "0.5", "--target-ms", "1", "--draft-ms", "1", "--gamma", "-2"], "argument --gamma: must be an integer >= 0"),
+        (
+            ["cost", "--alpha", "0.5", "--target-ms", "1", "--draft-ms", "1", "--gamma", "-2"],
+            "argument --gamma: must be an integer >= 0",
+        ),
         (["cost", "--alpha", "x"], "invalid float value"),
         (["nonsense"], "invalid choice"),
     ],
@@ -86,7 +89,11 @@ def test_bad_arguments_give_one_line_and_exit_code_2(capsys, args, message):
 
 
 def test_console_entry_point_runs_as_a_module():
-    done = subprocess.run([sys.executable, "-m", "exactspec", "cost", "--alpha", "2", "--target-ms", "1", "--draft-ms", "1"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "exactspec", "cost", "--alpha", "2", "--target-ms", "1", "--draft-ms", "1"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and done.stderr.startswith("exactspec: error:") and "Traceback" not in done.stderr
 
 
@@ -94,12 +101,14 @@ def test_a_librarys_warning_is_one_line_on_stderr():
     """The library warns where it works around something (llama.cpp's crashing AMX kernels): on the command line that
     is one line naming exactspec, not Python's file, line number and source line (in a process of its own: pytest
     records warnings instead of showing them)."""
-    script = ("import warnings, exactspec.cli.cache as command\n"
-              "def warn_then_run(args):\n"
-              "    warnings.warn('something to know', RuntimeWarning)\n"
-              "    return {'entries': []}\n"
-              "command.run = warn_then_run\n"
-              "from exactspec.cli import main\n"
-              "raise SystemExit(main(['cache', '--json']))\n")
+    script = (
+        "import warnings, exactspec.cli.cache as command\n"
+        "def warn_then_run(args):\n"
+        "    warnings.warn('something to know', RuntimeWarning)\n"
+        "    return {'entries': []}\n"
+        "command.run = warn_then_run\n"
+        "from exactspec.cli import main\n"
+        "raise SystemExit(main(['cache', '--json']))\n"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stderr == "exactspec: warning: something to know\n"

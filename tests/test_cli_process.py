@@ -27,7 +27,8 @@ def one_line_error(capsys, args, message):
 def test_ctrl_c_keeps_the_partial_output_prints_the_summary_and_exits_130():
     process = subprocess.Popen(
         [*EXACTSPEC, "generate", "def parse_args(", "--max-new-tokens", "900", "--ignore-eos", "--gamma", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         # a shell's background job ignores SIGINT and a child inherits that: give it Ctrl-C as a terminal would
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
@@ -46,7 +47,8 @@ def test_ctrl_c_keeps_the_partial_output_prints_the_summary_and_exits_130():
 def test_a_closed_pipe_ends_quietly():
     process = subprocess.Popen(
         [*EXACTSPEC, "generate", "def parse_args(", "--max-new-tokens", "900", "--ignore-eos"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     process.stdout.read(4)
     process.stdout.close()  # like `| head -c 4`
@@ -56,7 +58,11 @@ def test_a_closed_pipe_ends_quietly():
 
 
 def test_seed_range_and_a_random_seed_that_is_reported_and_reproducible(capsys):
-    one_line_error(capsys, ["generate", "x", "--seed", "99999999999999999999999"], "argument --seed: must be an integer in [0, 2^64 - 1]")
+    one_line_error(
+        capsys,
+        ["generate", "x", "--seed", "99999999999999999999999"],
+        "argument --seed: must be an integer in [0, 2^64 - 1]",
+    )
     one_line_error(capsys, ["generate", "x", "--seed", "-2"], "or -1 for a random seed")
     args = ["generate", "class Stack:", "--max-new-tokens", "12", "--ignore-eos", "--gamma", "3", "--json"]
     first = json.loads((main([*args, "--seed", "-1"]), capsys.readouterr().out)[1])
@@ -77,12 +83,17 @@ def test_seed_range_and_a_random_seed_that_is_reported_and_reproducible(capsys):
         (["generate", "x", "--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got '0'"),
         (["bench", "--gammas", "abc"], "argument --gammas: must be comma-separated integers >= 1, got 'abc'"),
         (["bench", "--gammas", "2,0"], "argument --gammas: must be comma-separated integers >= 1"),
-        (["bench", "--workloads", "poetry"], "argument --workloads: must be comma-separated names from heldout, code, grounded"),
+        (
+            ["bench", "--workloads", "poetry"],
+            "argument --workloads: must be comma-separated names from heldout, code, grounded",
+        ),
         (["bench", "--modes", "fast"], "argument --modes: must be comma-separated names"),
         (["bench", "--repeats", "0"], "argument --repeats: must be an integer >= 1"),
         (["serve", "--port", "99999"], "argument --port: must be an integer from 1 to 65535, got '99999'"),
-        (["cost", "--best-gamma", "--max-gamma=-1", "--alpha", "0.5", "--target-ms", "1", "--draft-ms", "0.1"],
-         "argument --max-gamma: must be an integer >= 0, got '-1'"),
+        (
+            ["cost", "--best-gamma", "--max-gamma=-1", "--alpha", "0.5", "--target-ms", "1", "--draft-ms", "0.1"],
+            "argument --max-gamma: must be an integer >= 0, got '-1'",
+        ),
     ],
 )
 def test_bad_values_name_their_flag(capsys, args, message):
@@ -92,22 +103,55 @@ def test_bad_values_name_their_flag(capsys, args, message):
 def test_an_unwritable_output_dir_is_refused_before_the_run(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    one_line_error(capsys, ["bench", "--output-dir", str(blocker / "out")], f"--output-dir {blocker / 'out'}: cannot write there (Not a directory)")
+    one_line_error(
+        capsys,
+        ["bench", "--output-dir", str(blocker / "out")],
+        f"--output-dir {blocker / 'out'}: cannot write there (Not a directory)",
+    )
     if os.geteuid() != 0:  # root may write anywhere; the check above covers that case
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
         one_line_error(capsys, ["bench", "--output-dir", str(locked / "out")], "cannot write there (Permission denied)")
 
 
-@pytest.mark.parametrize("args", [
-    ["bench", "--no-hf", "--workloads", "code", "--modes", "greedy", "--repeats", "1", "--prompts", "1", "--max-new-tokens", "4", "--output-dir", "/proc/nope"],
-    ["certify", "--sequences", "2", "--output-dir", "/proc/nope"],
-    ["train-draft", "--target", "smollm2-135m-instruct", "--out", "/proc/nope"],
-    ["generate", "x", "--record", "/proc/nope.json"],
-    ["bench", "--record", "/proc/nope.json"],
-    ["generate-batch", "--input", "in.jsonl", "--output", "/proc/nope.jsonl"],
-    ["audit", "--endpoint", "http://127.0.0.1:9", "--model", "m", "--target-weights", "x", "--output", "/proc/nope.json"],
-], ids=lambda args: f"{args[0]} {args[-2]}")
+@pytest.mark.parametrize(
+    "args",
+    [
+        [
+            "bench",
+            "--no-hf",
+            "--workloads",
+            "code",
+            "--modes",
+            "greedy",
+            "--repeats",
+            "1",
+            "--prompts",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--output-dir",
+            "/proc/nope",
+        ],
+        ["certify", "--sequences", "2", "--output-dir", "/proc/nope"],
+        ["train-draft", "--target", "smollm2-135m-instruct", "--out", "/proc/nope"],
+        ["generate", "x", "--record", "/proc/nope.json"],
+        ["bench", "--record", "/proc/nope.json"],
+        ["generate-batch", "--input", "in.jsonl", "--output", "/proc/nope.jsonl"],
+        [
+            "audit",
+            "--endpoint",
+            "http://127.0.0.1:9",
+            "--model",
+            "m",
+            "--target-weights",
+            "x",
+            "--output",
+            "/proc/nope.json",
+        ],
+    ],
+    ids=lambda args: f"{args[0]} {args[-2]}",
+)
 def test_every_file_a_command_writes_is_checked_before_the_work_even_as_root(capsys, args):
     """``os.access`` says yes to root on /proc: each command tries to write there before any work (nothing printed on
     stdout, one line on stderr naming the flag)."""
@@ -126,7 +170,12 @@ def test_a_file_that_fails_after_the_work_is_one_line_after_the_figures(tmp_path
 
     monkeypatch.setattr(records, "write_record", full_disk)
     record = tmp_path / "run.json"
-    assert main(["generate", "def parse_args(", "--max-new-tokens", "4", "--ignore-eos", "--json", "--record", str(record)]) == 2
+    assert (
+        main(
+            ["generate", "def parse_args(", "--max-new-tokens", "4", "--ignore-eos", "--json", "--record", str(record)]
+        )
+        == 2
+    )
     captured = capsys.readouterr()
     assert json.loads(captured.out)["tokens"] == 4  # the figures of the work that was done
     assert captured.err == f"exactspec: error: --record {record}: No space left on device\n" and not record.exists()
@@ -154,7 +203,18 @@ def test_prompt_from_stdin_or_a_file_and_threads(tmp_path):
     import subprocess
     import sys
 
-    common = [sys.executable, "-m", "exactspec", "generate", "--max-new-tokens", "8", "--temperature", "0", "--ignore-eos", "--json"]
+    common = [
+        sys.executable,
+        "-m",
+        "exactspec",
+        "generate",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+    ]
     prompt = "def parse_args(argv):\n    "
     (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
     runs = [
@@ -165,7 +225,11 @@ def test_prompt_from_stdin_or_a_file_and_threads(tmp_path):
     results = [json.loads(run.stdout) for run in runs]
     assert all(r["prompt"] == prompt for r in results) and len({r["text"] for r in results}) == 1
     assert results[1]["threads"] == 1
-    for args, message in (([], "exactly one of them"), (["x", "--prompt-file", "p"], "exactly one of them"),
-                          (["--prompt-file", str(tmp_path / "absent.txt")], "--prompt-file"), (["x", "--threads", "0"], "argument --threads")):
+    for args, message in (
+        ([], "exactly one of them"),
+        (["x", "--prompt-file", "p"], "exactly one of them"),
+        (["--prompt-file", str(tmp_path / "absent.txt")], "--prompt-file"),
+        (["x", "--threads", "0"], "argument --threads"),
+    ):
         done = subprocess.run([*common, *args], capture_output=True, text=True)
         assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr

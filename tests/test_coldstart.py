@@ -7,11 +7,11 @@ import torch
 
 from exactspec import GenerationConfig, SpeculativeDecoder
 from exactspec.decoding.coldstart import ColdStart, cold_start
-from exactspec.loading import default_pair_dirs, load_pair
 from exactspec.decoding.policy import AdaptiveGamma
 from exactspec.decoding.priors import PolicyCache, shipped_prior
-from exactspec.proposers import DraftModelProposer, LookupOrDraft
 from exactspec.decoding.sampling import GREEDY
+from exactspec.loading import default_pair_dirs, load_pair
+from exactspec.proposers import DraftModelProposer, LookupOrDraft
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +28,21 @@ def test_the_policy_starts_from_calibrated_costs_and_the_shipped_prior_then_the_
     started = cold_start(decoder, prompt, GREEDY, target_dir, draft_dir, cache)
     assert isinstance(started, ColdStart) and isinstance(decoder.policy, AdaptiveGamma)
     priors = decoder.policy.priors
-    assert sorted(priors.target_ms) == list(range(1, 10)) and priors.draft_step_ms[1] > 0  # every call size gamma <= 8 uses
+    assert (
+        sorted(priors.target_ms) == list(range(1, 10)) and priors.draft_step_ms[1] > 0
+    )  # every call size gamma <= 8 uses
     assert priors.source == "shipped" and priors.acceptance["draft"] == shipped_prior(draft_dir, target_dir, "greedy")
-    assert started.record["prior_source"] == "shipped" and started.record["calibration"]["target_ms"] == priors.target_ms
+    assert (
+        started.record["prior_source"] == "shipped" and started.record["calibration"]["target_ms"] == priors.target_ms
+    )
 
     generation = decoder.generate(prompt, GenerationConfig(max_new_tokens=96))
     started.remember(generation.stats)  # the next run of the pair starts from this one
     again = SpeculativeDecoder(pair.target, pair.proposer(), GREEDY)
     assert cold_start(again, prompt, GREEDY, target_dir, draft_dir, cache).record["prior_source"] == "cache"
-    assert cold_start(again, prompt, GREEDY, target_dir, draft_dir, None).record["prior_source"] == "shipped"  # no cache
+    assert (
+        cold_start(again, prompt, GREEDY, target_dir, draft_dir, None).record["prior_source"] == "shipped"
+    )  # no cache
 
 
 def test_a_draft_combined_with_lookup_gets_estimates_per_source_and_is_not_cached(pair, tmp_path):
@@ -45,7 +51,9 @@ def test_a_draft_combined_with_lookup_gets_estimates_per_source_and_is_not_cache
     prompt = pair.tokenizer.encode_prompt("import os\n")
     cache = PolicyCache(tmp_path)
     started = cold_start(decoder, prompt, GREEDY, target_dir, draft_dir, cache)
-    assert decoder.policy.sources["lookup"].step_ms(1) == 0.0 < decoder.policy.sources["draft"].step_ms(1)  # lookup: next to nothing
+    assert (
+        decoder.policy.sources["lookup"].step_ms(1) == 0.0 < decoder.policy.sources["draft"].step_ms(1)
+    )  # lookup: next to nothing
     started.remember(decoder.generate(prompt, GenerationConfig(max_new_tokens=16)).stats)
     assert list(cache.entries()) == []  # its rounds mix two sources' acceptance
 

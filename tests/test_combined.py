@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import engine_counts
+from test_exactness import ALPHA, SIZES, g_test_p_value
+from test_feature_draft import GAMMA, NEW_TOKENS, PROMPT, SLOTS, VOCAB, exact_law, tiny_draft, tiny_target
 
 from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
-from conftest import engine_counts
 from exactspec.decoding.engine import BatchEngine, EngineConfig
+from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.models.feature_runtime import FeatureDraftRuntime
 from exactspec.models.lean import LeanModel, LeanRuntime
-from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.proposers import Draft, DraftRequest, LookupOrDraft
 from exactspec.proposers.base import processed_q
 from exactspec.proposers.feature_draft import FeatureDraftProposer
-from test_exactness import ALPHA, SIZES, g_test_p_value
-from test_feature_draft import GAMMA, NEW_TOKENS, PROMPT, SLOTS, VOCAB, exact_law, tiny_draft, tiny_target
 
 
 class Recorder:
@@ -45,6 +45,7 @@ def test_routes_to_lookup_only_on_a_long_enough_repeat():
     proposer = LookupOrDraft(Recorder(), min_match=3, max_ngram=4)
     assert proposer.route([1, 2, 3, 4, 1, 2]) == "draft"  # a 2-token repeat is not enough
     assert proposer.route([1, 2, 3, 4, 1, 2, 3]) == "lookup"
+
     def proposed(context):
         (draft,) = proposer.propose([DraftRequest(0, context, 1, 2, SamplingParams(), torch.Generator())], processed_q)
         return draft.tokens
@@ -73,9 +74,15 @@ def test_engine_asks_and_teaches_the_policy_per_source():
 
     policy = Counting(AdaptiveConfig(max_gamma=2, initial_gamma=2))
     recorder = Recorder(token=3)
-    recorder.on_call = lambda: seen.__setitem__("draft_calls_under_lookup", seen.get("draft_calls_under_lookup", 0) + (policy.asked != ["draft"]))
-    decoder = SpeculativeDecoder(LeanModel(tiny_target()), LookupOrDraft(recorder, min_match=2, max_ngram=3),
-                                 SamplingParams(temperature=0.0), policy=policy)
+    recorder.on_call = lambda: seen.__setitem__(
+        "draft_calls_under_lookup", seen.get("draft_calls_under_lookup", 0) + (policy.asked != ["draft"])
+    )
+    decoder = SpeculativeDecoder(
+        LeanModel(tiny_target()),
+        LookupOrDraft(recorder, min_match=2, max_ngram=3),
+        SamplingParams(temperature=0.0),
+        policy=policy,
+    )
     decoder.generate([1, 2, 1, 2, 1], GenerationConfig(max_new_tokens=12))
     assert seen["lookup"] >= 1 and seen["draft"] >= 1
     assert recorder.calls >= 1 and seen["draft_calls_under_lookup"] == 0
@@ -86,7 +93,10 @@ class LookupAsSampled(LookupOrDraft):
 
     def propose(self, requests, draft_rule):
         uniform = lambda n: torch.full((n, VOCAB), 1.0 / VOCAB, dtype=torch.float64)  # noqa: E731
-        return [Draft(d.tokens, uniform(len(d.tokens))) if d.probs is None and d.tokens else d for d in super().propose(requests, draft_rule)]
+        return [
+            Draft(d.tokens, uniform(len(d.tokens))) if d.probs is None and d.tokens else d
+            for d in super().propose(requests, draft_rule)
+        ]
 
 
 def combined_counts(params: SamplingParams, n: int, proposer_class=LookupOrDraft):

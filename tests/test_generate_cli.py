@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 from conftest import save_tiny_checkpoint, tiny_tokenizer_json
+
 from exactspec.cli import main
 
 
@@ -31,14 +32,44 @@ def generate(capsys, *args):
 
 def test_streams_text_and_ends_with_a_one_line_summary(pair, capsys):
     target, draft = pair
-    code, out, err = generate(capsys, "def parse_args(", "--target", str(target), "--draft", str(draft), "--max-new-tokens", "12", "--ignore-eos")
+    code, out, err = generate(
+        capsys,
+        "def parse_args(",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+    )
     assert code == 0 and out.strip()
-    assert err.count("\n") == 1 and "12 tokens" in err and "tokens/s" in err and "acceptance" in err and "tokens/round" in err
+    assert (
+        err.count("\n") == 1
+        and "12 tokens" in err
+        and "tokens/s" in err
+        and "acceptance" in err
+        and "tokens/round" in err
+    )
 
 
 def test_json_output_and_greedy_equals_plain_across_backends(pair, capsys):
     target, draft = pair
-    common = ["import os", "--target", str(target), "--draft", str(draft), "--temperature", "0", "--max-new-tokens", "16", "--ignore-eos", "--json", "--dtype", "float32"]
+    common = [
+        "import os",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "16",
+        "--ignore-eos",
+        "--json",
+        "--dtype",
+        "float32",
+    ]
     texts = []
     for extra in ([], ["--no-speculation"], ["--backend", "hf"], ["--backend", "hf", "--gamma", "2"]):
         code, out, _ = generate(capsys, *common, *extra)
@@ -50,7 +81,21 @@ def test_json_output_and_greedy_equals_plain_across_backends(pair, capsys):
 
 def test_a_seed_reproduces_a_stochastic_run(pair, capsys):
     target, draft = pair
-    args = ["x = ", "--target", str(target), "--draft", str(draft), "--max-new-tokens", "20", "--ignore-eos", "--json", "--top-p", "0.9", "--gamma", "3"]
+    args = [
+        "x = ",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--max-new-tokens",
+        "20",
+        "--ignore-eos",
+        "--json",
+        "--top-p",
+        "0.9",
+        "--gamma",
+        "3",
+    ]
     first = json.loads(generate(capsys, *args, "--seed", "3")[1])["text"]
     again = json.loads(generate(capsys, *args, "--seed", "3")[1])["text"]
     other = json.loads(generate(capsys, *args, "--seed", "4")[1])["text"]
@@ -72,7 +117,11 @@ def test_verify_names_the_rule_and_json_compares_both_on_the_same_rounds(pair, c
         assert expected["rounds"] > 3 and expected["token"] != expected["block"]
         assert 1 <= min(expected["token"], expected["block"]) and max(expected["token"], expected["block"]) <= 4
     single = json.loads(generate(capsys, *args, "--gamma", "1")[1])["expected_tokens_per_round"]
-    assert single["rounds"] > 3 and single["token"] == pytest.approx(single["block"], abs=1e-9) and 1 <= single["token"] <= 2
+    assert (
+        single["rounds"] > 3
+        and single["token"] == pytest.approx(single["block"], abs=1e-9)
+        and 1 <= single["token"] <= 2
+    )
     code, _, err = generate(capsys, *args, "--verify", "blocks")
     assert code == 2 and "invalid choice" in err
 
@@ -88,7 +137,10 @@ def test_errors_are_one_line_with_exit_code_2(pair, capsys, tmp_path):
         (["--target", str(target), "--draft", str(mismatched)], "tokenizers differ at"),
         (["--draft", str(draft)], "--draft needs --target"),
         (["--target", str(target), "--draft", str(draft), "--top-p", "0"], "--top-p must be in"),
-        (["--target", str(target), "--draft", str(draft), "--max-new-tokens", "1000"], "exceeds the target model's 256 positions"),
+        (
+            ["--target", str(target), "--draft", str(draft), "--max-new-tokens", "1000"],
+            "exceeds the target model's 256 positions",
+        ),
         (["--target", str(target), "--draft", str(draft), "--backend", "vllm"], "invalid choice"),
     ]
     for args, message in cases:
@@ -120,16 +172,33 @@ def test_a_hub_id_is_read_from_the_local_hugging_face_cache_and_never_downloaded
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    code, out, err = generate(capsys, "def f(", "--target", "tiny-org/tiny-llama", "--no-speculation", "--max-new-tokens", "4", "--ignore-eos", "--json")
+    code, out, err = generate(
+        capsys,
+        "def f(",
+        "--target",
+        "tiny-org/tiny-llama",
+        "--no-speculation",
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+        "--json",
+    )
     assert code == 0 and json.loads(out)["tokens"] == 4, err
     code, out, err = generate(capsys, "def f(", "--target", "tiny-org/absent", "--draft", str(draft))
-    assert code == 2 and err.count("\n") == 1 and "never downloads" in err and "huggingface-cli download tiny-org/absent" in err
+    assert (
+        code == 2
+        and err.count("\n") == 1
+        and "never downloads" in err
+        and "huggingface-cli download tiny-org/absent" in err
+    )
 
 
 def test_a_target_without_a_draft_speculates_by_prompt_lookup(pair, capsys):
     target, _ = pair
     for args in (["--target", str(target)], ["--target", str(target), "--draft", "lookup"]):
-        record = json.loads(generate(capsys, "def f(x):\n    return x\n", *args, "--json", "--max-new-tokens", "16", "--ignore-eos")[1])
+        record = json.loads(
+            generate(capsys, "def f(x):\n    return x\n", *args, "--json", "--max-new-tokens", "16", "--ignore-eos")[1]
+        )
         assert record["mode"].startswith("speculative (prompt lookup)") and record["tokens"] == 16
 
 
@@ -138,7 +207,20 @@ def test_threads_default_to_one_for_a_small_target_and_follow_the_flag(pair, cap
     before = torch.get_num_threads()
     try:
         for flags, expected in (([], 1), (["--threads", "2"], 2)):
-            record = json.loads(generate(capsys, "def f(", "--target", str(target), "--draft", str(draft), "--json", "--max-new-tokens", "4", *flags)[1])
+            record = json.loads(
+                generate(
+                    capsys,
+                    "def f(",
+                    "--target",
+                    str(target),
+                    "--draft",
+                    str(draft),
+                    "--json",
+                    "--max-new-tokens",
+                    "4",
+                    *flags,
+                )[1]
+            )
             assert record["threads"] == expected
     finally:
         torch.set_num_threads(before)
@@ -157,9 +239,29 @@ def test_device_is_checked_before_loading(pair, capsys):
 def test_generate_on_cuda_matches_cpu_greedy(pair, capsys):
     """The same float32 greedy tokens on the GPU as on the CPU (the tiny pair has no near-ties at this length)."""
     target, draft = pair
-    runs = [json.loads(generate(capsys, "def f(", "--target", str(target), "--draft", str(draft), "--json", "--temperature", "0",
-                                "--dtype", "float32", "--max-new-tokens", "16", "--ignore-eos", "--device", device)[1])
-            for device in ("cpu", "cuda")]
+    runs = [
+        json.loads(
+            generate(
+                capsys,
+                "def f(",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--json",
+                "--temperature",
+                "0",
+                "--dtype",
+                "float32",
+                "--max-new-tokens",
+                "16",
+                "--ignore-eos",
+                "--device",
+                device,
+            )[1]
+        )
+        for device in ("cpu", "cuda")
+    ]
     assert runs[0]["text"] == runs[1]["text"]
 
 
@@ -182,7 +284,17 @@ def test_download_fetches_a_missing_hub_id_only_when_asked(pair, capsys, monkeyp
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     code, _, err = generate(capsys, "def f(", "--target", "tiny-org/tiny", "--no-speculation", "--max-new-tokens", "2")
     assert code == 2 and "pass --download" in err and fetched == []
-    code, out, err = generate(capsys, "def f(", "--target", "tiny-org/tiny", "--download", "--no-speculation", "--max-new-tokens", "2", "--json")
+    code, out, err = generate(
+        capsys,
+        "def f(",
+        "--target",
+        "tiny-org/tiny",
+        "--download",
+        "--no-speculation",
+        "--max-new-tokens",
+        "2",
+        "--json",
+    )
     assert code == 0 and json.loads(out)["tokens"] == 2 and fetched == ["tiny-org/tiny"], err
     code, _, err = generate(capsys, "def f(", "--target", "tiny-org/offline", "--download", "--no-speculation")
     assert code == 2 and err.count("\n") == 1 and "could not download tiny-org/offline" in err

@@ -14,7 +14,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter  # noqa: E402
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from exactspec.models.gguf import llama_config, read_gguf  # noqa: E402
 from exactspec.models.lean import LeanModel  # noqa: E402
@@ -24,18 +25,34 @@ EPS, THETA = 1e-5, 500.0
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 #: float32 tolerance of lean-vs-transformers logits on identical weights (logits of size ~10; observed 0 on CPU).
 ATOL = 1e-5
-_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 IDS = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(7)).tolist()
 
 
-def hf_config(tie: bool, **extra) -> "transformers.LlamaConfig":
+def hf_config(tie: bool, **extra) -> transformers.LlamaConfig:
     """The tiny Llama (64 hidden, a multiple of the 32-weight blocks) in transformers' terms."""
     return transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=CONTEXT,
-        rms_norm_eps=EPS, rope_theta=THETA, tie_word_embeddings=tie, **extra,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=CONTEXT,
+        rms_norm_eps=EPS,
+        rope_theta=THETA,
+        tie_word_embeddings=tie,
+        **extra,
     )
 
 
@@ -55,13 +72,19 @@ def random_hf_weights(tie: bool, seed: int = 0) -> dict[str, torch.Tensor]:
 def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute: rotate_half halves -> interleaved pairs per head."""
     w = w.numpy()
-    return torch.from_numpy(np.ascontiguousarray(
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)))
+    return torch.from_numpy(
+        np.ascontiguousarray(
+            w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        )
+    )
 
 
 def gguf_name(hf_name: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf_name in fixed:
         return fixed[hf_name]
     _, _, layer, *module, _ = hf_name.split(".")
@@ -80,7 +103,7 @@ def gguf_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def quantized(w: torch.Tensor, type_name: str) -> tuple[np.ndarray, "Q"]:
+def quantized(w: torch.Tensor, type_name: str) -> tuple[np.ndarray, Q]:
     """The stored data of one tensor as llama.cpp writes it (norms, 1-D, always F32)."""
     qtype = Q[type_name] if w.dim() == 2 else Q.F32
     return gguf.quants.quantize(w.float().numpy(), qtype), qtype
@@ -99,8 +122,9 @@ def llama_metadata(writer: GGUFWriter, arch: str = "llama") -> None:
     writer.add_uint32(f"{arch}.rope.dimension_count", HIDDEN // HEADS)
 
 
-def write_gguf(path, tensors: dict[str, tuple[np.ndarray, "Q"]], arch: str = "llama", extra_metadata=(),
-               metadata=llama_metadata):
+def write_gguf(
+    path, tensors: dict[str, tuple[np.ndarray, Q]], arch: str = "llama", extra_metadata=(), metadata=llama_metadata
+):
     """A GGUF file through gguf.GGUFWriter; ``extra_metadata``: (key, value, GGUFValueType) triples."""
     writer = GGUFWriter(path, arch)
     metadata(writer, arch)
@@ -120,7 +144,9 @@ def write_llama_gguf(path, state: dict[str, torch.Tensor], type_name: str = "F32
     return write_gguf(path, {name: quantized(w, type_name) for name, w in gguf_tensors(state).items()}, **kwargs)
 
 
-def reference_weights(state: dict[str, torch.Tensor], type_name: str, permuted: bool = False) -> dict[str, torch.Tensor]:
+def reference_weights(
+    state: dict[str, torch.Tensor], type_name: str, permuted: bool = False
+) -> dict[str, torch.Tensor]:
     """What the file holds, in Hugging Face layout, computed by gguf alone: quantize + dequantize each HF matrix.
 
     Quantization works row by row (blocks of 32 along a row), so quantizing the HF rows equals quantizing the
@@ -163,6 +189,7 @@ def typed_file(request, tmp_path_factory, untied_state):
 
 # ---- tensors --------------------------------------------------------------------------------
 
+
 def test_tensors_equal_gguf_dequantize_bit_for_bit(typed_file):
     """Every tensor read by exactspec equals gguf's own reader + dequantize of the stored bytes, exactly."""
     type_name, path = typed_file
@@ -184,13 +211,19 @@ def test_metadata_and_config(typed_file):
     """The llama.* metadata becomes the LlamaConfig transformers would use."""
     _, path = typed_file
     cfg = llama_config(read_gguf(path))
-    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (VOCAB, HIDDEN, INTERMEDIATE, LAYERS)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (
+        VOCAB,
+        HIDDEN,
+        INTERMEDIATE,
+        LAYERS,
+    )
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size) == (HEADS, KV_HEADS, HIDDEN // HEADS)
     assert cfg.max_position_embeddings == CONTEXT and cfg.rope_theta == THETA and cfg.rope_scaling is None
     assert cfg.rms_norm_eps == pytest.approx(EPS, rel=1e-6) and cfg.tie_word_embeddings is False
 
 
 # ---- the model ------------------------------------------------------------------------------
+
 
 def test_logits_equal_transformers_on_the_dequantized_weights(typed_file, untied_state):
     """The lean model loaded from the GGUF file computes transformers' logits on the same (dequantized) weights."""
@@ -239,7 +272,10 @@ def test_untied_head_uses_output_weight(tmp_path, untied_state):
 
 def test_linear_rope_scaling_matches_transformers(tmp_path, untied_state):
     """llama.rope.scaling.type 'linear' with a factor is read and applied as transformers applies it."""
-    extra = [("llama.rope.scaling.type", "linear", GGUFValueType.STRING), ("llama.rope.scaling.factor", 4.0, GGUFValueType.FLOAT32)]
+    extra = [
+        ("llama.rope.scaling.type", "linear", GGUFValueType.STRING),
+        ("llama.rope.scaling.factor", 4.0, GGUFValueType.FLOAT32),
+    ]
     path = write_llama_gguf(tmp_path / "linear.gguf", untied_state, "F32", extra_metadata=extra)
     out = LeanModel.from_pretrained(path).prefill(IDS)
     weights = reference_weights(untied_state, "F32")
@@ -250,7 +286,8 @@ def test_linear_rope_scaling_matches_transformers(tmp_path, untied_state):
 
 # ---- refusals -------------------------------------------------------------------------------
 
-def _f32(state: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, "Q"]]:
+
+def _f32(state: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, Q]]:
     return {name: quantized(w, "F32") for name, w in gguf_tensors(state).items()}
 
 
@@ -261,7 +298,9 @@ def test_other_types_are_dequantized_as_the_gguf_package_does(tmp_path, type_nam
     qtype = Q[type_name]
     per_block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = np.random.default_rng(0).integers(0, 256, (3, 2 * block_bytes), dtype=np.uint8)  # 3 rows of 2 blocks
-    path = write_gguf(tmp_path / "k.gguf", {"output_norm.weight": quantized(torch.ones(8), "F32"), "token_embd.weight": (raw, qtype)})
+    path = write_gguf(
+        tmp_path / "k.gguf", {"output_norm.weight": quantized(torch.ones(8), "F32"), "token_embd.weight": (raw, qtype)}
+    )
     file = read_gguf(path)
     assert file.tensors["token_embd.weight"].shape == (3, 2 * per_block)
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
@@ -275,7 +314,9 @@ def test_a_type_nothing_reads_is_refused_by_name(tmp_path, monkeypatch):
     monkeypatch.setattr(reader, "_gguf_type", lambda type_id: None)
     raw = np.zeros((4, gguf.GGML_QUANT_SIZES[Q.Q6_K][1]), dtype=np.uint8)
     file = read_gguf(write_gguf(tmp_path / "k.gguf", {"token_embd.weight": (raw, Q.Q6_K)}))
-    with pytest.raises(ValueError, match=r"token_embd\.weight is Q6_K, which exactspec does not read .*Q4_0.*pip install gguf"):
+    with pytest.raises(
+        ValueError, match=r"token_embd\.weight is Q6_K, which exactspec does not read .*Q4_0.*pip install gguf"
+    ):
         file.tensor("token_embd.weight")
 
 
@@ -285,15 +326,30 @@ def test_a_model_with_a_type_nothing_reads_fails_to_load_by_name(tmp_path, monke
 
     monkeypatch.setattr(reader, "_gguf_type", lambda type_id: None)
     hidden = 256
-    cfg = dict(vocab_size=16, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=1, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=32)
+    cfg = dict(
+        vocab_size=16,
+        hidden_size=hidden,
+        intermediate_size=hidden,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg, tie_word_embeddings=True))
-    tensors = {name: quantized(w, "F32") for name, w in gguf_tensors(model.state_dict()).items() if name != "output.weight"}
+    tensors = {
+        name: quantized(w, "F32") for name, w in gguf_tensors(model.state_dict()).items() if name != "output.weight"
+    }
     tensors["blk.0.ffn_down.weight"] = (np.zeros((hidden, 210), dtype=np.uint8), Q.Q6_K)  # one 256-weight block a row
 
     def metadata(writer, arch):
-        for key, value in [("block_count", 1), ("context_length", 32), ("embedding_length", hidden),
-                           ("feed_forward_length", hidden), ("attention.head_count", 4), ("attention.head_count_kv", 2)]:
+        for key, value in [
+            ("block_count", 1),
+            ("context_length", 32),
+            ("embedding_length", hidden),
+            ("feed_forward_length", hidden),
+            ("attention.head_count", 4),
+            ("attention.head_count_kv", 2),
+        ]:
             writer.add_uint32(f"llama.{key}", value)
         writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
         writer.add_uint32("llama.vocab_size", 16)
@@ -328,7 +384,10 @@ def test_unknown_tensor_is_refused(tmp_path, untied_state):
 
 def test_yarn_rope_scaling_is_refused(tmp_path, untied_state):
     """YaRN rotary scaling is not implemented: refused by name rather than ignored."""
-    extra = [("llama.rope.scaling.type", "yarn", GGUFValueType.STRING), ("llama.rope.scaling.factor", 4.0, GGUFValueType.FLOAT32)]
+    extra = [
+        ("llama.rope.scaling.type", "yarn", GGUFValueType.STRING),
+        ("llama.rope.scaling.factor", 4.0, GGUFValueType.FLOAT32),
+    ]
     path = write_gguf(tmp_path / "yarn.gguf", _f32(untied_state), extra_metadata=extra)
     with pytest.raises(ValueError, match="rope scaling 'yarn' is not implemented"):
         LeanModel.from_pretrained(path)
@@ -364,6 +423,7 @@ def test_file_not_starting_with_gguf_is_refused(tmp_path, untied_state):
 
 def test_custom_alignment_is_honoured(tmp_path, untied_state):
     """general.alignment moves where tensor data starts; the tensors still read as gguf reads them."""
+
     def metadata(writer, arch):
         llama_metadata(writer, arch)
         writer.add_custom_alignment(64)
@@ -378,10 +438,17 @@ def test_custom_alignment_is_honoured(tmp_path, untied_state):
 
 def test_weight_shape_that_contradicts_the_metadata_is_refused(tmp_path, untied_state):
     """llama.vocab_size larger than token_embd's rows: a ValueError naming the file, not a RuntimeError."""
+
     def metadata(writer, arch):
-        for key, value in [("block_count", LAYERS), ("context_length", CONTEXT), ("embedding_length", HIDDEN),
-                           ("feed_forward_length", INTERMEDIATE), ("attention.head_count", HEADS),
-                           ("attention.head_count_kv", KV_HEADS), ("vocab_size", VOCAB + 44)]:
+        for key, value in [
+            ("block_count", LAYERS),
+            ("context_length", CONTEXT),
+            ("embedding_length", HIDDEN),
+            ("feed_forward_length", INTERMEDIATE),
+            ("attention.head_count", HEADS),
+            ("attention.head_count_kv", KV_HEADS),
+            ("vocab_size", VOCAB + 44),
+        ]:
             writer.add_uint32(f"llama.{key}", value)
         writer.add_float32("llama.attention.layer_norm_rms_epsilon", EPS)
 

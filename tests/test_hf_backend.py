@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("transformers")
 
 from conftest import save_tiny_checkpoint
+
 from exactspec.models import LanguageModel
 from exactspec.models.hf import HFModel
 from exactspec.models.lean import LeanModel
@@ -49,7 +50,9 @@ def test_missing_directory_is_a_clear_error_and_no_download(tmp_path):
 def test_a_checkpoint_that_is_not_a_causal_lm_is_refused(tmp_path):
     import transformers
 
-    config = transformers.ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, image_size=8, patch_size=4)
+    config = transformers.ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, image_size=8, patch_size=4
+    )
     transformers.ViTModel(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="'vit' checkpoint, which is not a causal language model"):
         HFModel.from_pretrained(tmp_path)

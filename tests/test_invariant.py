@@ -4,7 +4,6 @@ check itself is shown to catch a single changed bit."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,7 +76,9 @@ def test_chunked_attention_is_causal_softmax_attention(queries, end):
     got = chunked_attention(q, k_cache, v_cache, pos, end)
     real = end - pos  # rows past the history's end are padding, as in a padded call
     mask = torch.ones(end, end, dtype=torch.bool).tril()[pos:end]
-    want = F.scaled_dot_product_attention(q[:, :, :real], k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, enable_gqa=True)
+    want = F.scaled_dot_product_attention(
+        q[:, :, :real], k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, enable_gqa=True
+    )
     assert torch.allclose(got[:, :, :real], want, atol=1e-5, rtol=1e-5)
 
 
@@ -103,14 +104,17 @@ def test_smollm2_greedy_speculative_equals_greedy_plain_in_bfloat16():
     greedy tokens exactly."""
     from exactspec.chat import chat_messages
     from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
-    from exactspec.proposers import PromptLookupProposer
     from exactspec.decoding.sampling import SamplingParams
+    from exactspec.proposers import PromptLookupProposer
     from exactspec.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer.from_path(SMOLLM2)
     model = LeanModel.from_pretrained(SMOLLM2, dtype=torch.bfloat16, max_len=512, weights="q4", invariant=True)
     greedy = SamplingParams(temperature=0)
-    for question in ("List the first ten prime numbers, comma separated.", "Write a Python function that adds two numbers."):
+    for question in (
+        "List the first ten prime numbers, comma separated.",
+        "Write a Python function that adds two numbers.",
+    ):
         prompt = tokenizer.encode_chat(chat_messages(question))
         config = GenerationConfig(max_new_tokens=48, gamma=8)
         plain = SpeculativeDecoder(model, None, greedy).generate(prompt, config).tokens

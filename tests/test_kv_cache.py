@@ -10,7 +10,9 @@ from exactspec.models.kv_cache import ATTENTION_CHUNK, MAX_BLOCK, KVCache, slot_
 
 
 def cache(slots: int = 3, max_len: int = 10) -> KVCache:
-    return KVCache(layers=2, slots=slots, kv_heads=2, head_size=4, max_len=max_len, dtype=torch.float32, device=torch.device("cpu"))
+    return KVCache(
+        layers=2, slots=slots, kv_heads=2, head_size=4, max_len=max_len, dtype=torch.float32, device=torch.device("cpu")
+    )
 
 
 def test_capacity_leaves_padding_room_in_whole_chunks():

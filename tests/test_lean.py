@@ -21,9 +21,16 @@ ATOL = 1e-4
 def _hf_model(tie: bool, seed: int = 0):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rope_theta=500.0, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=500.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
     )
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # HF init is near-zero std; widen it so the test has teeth
@@ -85,8 +92,8 @@ def test_rollback_then_forward_equals_fresh_prefill(checkpoint):
     for k in (29, 17, 5, 0):
         a.rollback(k)
         assert a.length == k
-        got = a.forward(ids[k:k + 6])
-        want = b.prefill(ids[:k + 6])[k:]
+        got = a.forward(ids[k : k + 6])
+        want = b.prefill(ids[: k + 6])[k:]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         a.rollback(k)
 
@@ -149,17 +156,30 @@ def test_error_paths(tmp_path, checkpoint):
 
 
 def test_random_init_decoder_runs():
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-                      max_position_embeddings=32)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        max_position_embeddings=32,
+    )
     dec = LlamaDecoder(cfg)
     dec.init_weights(torch.Generator().manual_seed(0))
     assert dec.lm_head.weight is dec.embed.weight
     model = LeanModel(dec)
     assert model.prefill([1, 2, 3]).shape == (3, 50)
     with pytest.raises(ValueError, match="multiple"):
-        LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                    num_attention_heads=3, num_key_value_heads=2)
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=3,
+            num_key_value_heads=2,
+        )
 
 
 def test_a_sharded_checkpoint_loads_like_the_single_file(checkpoint, tmp_path):

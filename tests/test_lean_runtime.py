@@ -13,8 +13,16 @@ from exactspec.models.llama_config import LlamaConfig
 
 
 def small_model() -> LeanModel:
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     decoder = LlamaDecoder(cfg)
     decoder.init_weights(torch.Generator().manual_seed(0), std=0.3)
     return LeanModel(decoder.eval())
@@ -61,7 +69,11 @@ def test_a_mask_that_ignores_each_rows_position_is_caught(monkeypatch):
     """Power of the test above: letting every query see keys up to the batch's last position reads stale keys."""
     import exactspec.models.lean as module
 
-    monkeypatch.setattr(module, "ragged_causal_mask", lambda positions, end: torch.ones(positions.shape[0], 1, positions.shape[1], end, dtype=torch.bool))
+    monkeypatch.setattr(
+        module,
+        "ragged_causal_mask",
+        lambda positions, end: torch.ones(positions.shape[0], 1, positions.shape[1], end, dtype=torch.bool),
+    )
     with pytest.raises(AssertionError):
         test_rollback_is_per_sequence_and_stale_keys_are_never_read()
 
@@ -92,8 +104,12 @@ def test_invariant_mode_gives_each_row_the_bits_it_gets_alone():
     out = batched.forward([(0, [11, 12, 13]), (2, [14])])
     batched.rollback(0, 6)
     again = batched.forward([(0, [15, 16]), (1, [17, 18, 19, 20])])
-    for got, history, new in ((out[0], prompts[0], [11, 12, 13]), (out[1], prompts[2], [14]),
-                              (again[0], prompts[0] + [11], [15, 16]), (again[1], prompts[1], [17, 18, 19, 20])):
+    for got, history, new in (
+        (out[0], prompts[0], [11, 12, 13]),
+        (out[1], prompts[2], [14]),
+        (again[0], prompts[0] + [11], [15, 16]),
+        (again[1], prompts[1], [17, 18, 19, 20]),
+    ):
         assert torch.equal(got, alone(solo, history, new))
 
 
@@ -134,6 +150,8 @@ def test_outputs_return_the_logits_of_each_rows_last_positions(mode):
             assert torch.equal(g, tail)
         else:
             tolerance = 0.05 if model.dtype == torch.bfloat16 else 1e-5
-            assert torch.allclose(g, tail, atol=tolerance) and (k == 0 or not torch.allclose(g, e[:k], atol=tolerance) or k == len(e))
+            assert torch.allclose(g, tail, atol=tolerance) and (
+                k == 0 or not torch.allclose(g, e[:k], atol=tolerance) or k == len(e)
+            )
     with pytest.raises(ValueError, match="outputs must give each of the"):
         part.forward([(0, [1, 2])], [3])

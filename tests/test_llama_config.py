@@ -13,14 +13,28 @@ from exactspec.models.llama_config import FIXED_VALUES, IGNORED_KEYS, READ_KEYS,
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4  # float32 logits against transformers, as in test_lean.py
-BASE = dict(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+BASE = dict(
+    vocab_size=61,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 500.0},
     "linear": {"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0},
     # original_max_position_embeddings 16: wavelengths of this head size fall on both sides of 16/1 and 16/4
-    "llama3": {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
 }
 
 
@@ -52,16 +66,27 @@ def test_rope_scaling_matches_transformers_and_matters(tmp_path, rope):
 
 
 def test_rope_settings_of_transformers_4_are_read_too():
-    legacy = {**BASE, "model_type": "llama", "rope_theta": 500.0, "rope_scaling": {**ROPES["llama3"], "rope_theta": None}}
+    legacy = {
+        **BASE,
+        "model_type": "llama",
+        "rope_theta": 500.0,
+        "rope_scaling": {**ROPES["llama3"], "rope_theta": None},
+    }
     del legacy["rope_scaling"]["rope_theta"]
     config = LlamaConfig.from_dict(legacy)
-    assert config.rope_theta == 500.0 and config.rope_scaling.rope_type == "llama3" and config.rope_scaling.factor == 8.0
-    assert LlamaConfig.from_dict({**legacy, "rope_scaling": {"type": "linear", "factor": 2.0}}).rope_scaling.factor == 2.0
+    assert (
+        config.rope_theta == 500.0 and config.rope_scaling.rope_type == "llama3" and config.rope_scaling.factor == 8.0
+    )
+    assert (
+        LlamaConfig.from_dict({**legacy, "rope_scaling": {"type": "linear", "factor": 2.0}}).rope_scaling.factor == 2.0
+    )
 
 
 def test_every_key_transformers_writes_is_classified():
     written = transformers.LlamaConfig(**BASE).to_dict()
-    assert set(written) <= READ_KEYS | IGNORED_KEYS | set(FIXED_VALUES), set(written) - READ_KEYS - IGNORED_KEYS - set(FIXED_VALUES)
+    assert set(written) <= READ_KEYS | IGNORED_KEYS | set(FIXED_VALUES), (
+        set(written) - READ_KEYS - IGNORED_KEYS - set(FIXED_VALUES)
+    )
     assert not (READ_KEYS & IGNORED_KEYS) and not (set(FIXED_VALUES) & (READ_KEYS | IGNORED_KEYS))
     LlamaConfig.from_dict(written)
 
@@ -70,7 +95,10 @@ def test_every_key_transformers_writes_is_classified():
     "change,message",
     [
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic' is not implemented"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.2}}, "rope setting(s) attention_factor"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.2}},
+            "rope setting(s) attention_factor",
+        ),
         ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, "rope type 'longrope' is not implemented"),
         ({"hidden_act": "gelu"}, "hidden_act = 'gelu' is not implemented by the lean backend"),
         ({"attention_bias": True}, "attention_bias = True is not implemented"),
@@ -87,8 +115,16 @@ def test_settings_the_decoder_does_not_implement_are_refused(change, message):
 
 @pytest.mark.parametrize(
     "key,value",
-    [("initializer_range", 0.5), ("attention_dropout", 0.3), ("use_cache", False), ("pad_token_id", 7),
-     ("pretraining_tp", 2), ("torch_dtype", "float16"), ("temperature", 0.2), ("architectures", ["Other"])],
+    [
+        ("initializer_range", 0.5),
+        ("attention_dropout", 0.3),
+        ("use_cache", False),
+        ("pad_token_id", 7),
+        ("pretraining_tp", 2),
+        ("torch_dtype", "float16"),
+        ("temperature", 0.2),
+        ("architectures", ["Other"]),
+    ],
 )
 def test_ignored_keys_do_not_change_transformers_logits_either(tmp_path, key, value):
     """What the lean backend ignores, transformers' own forward pass ignores too (same weights, eval mode)."""

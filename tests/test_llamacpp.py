@@ -34,6 +34,10 @@ pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
+from conftest import sequence_law  # noqa: E402
+from test_exactness import ALPHA, SIZES, g_test_p_value, replacement_from_target  # noqa: E402
+from test_gguf import VOCAB, llama_metadata, random_hf_weights, write_llama_gguf  # noqa: E402
+
 import exactspec.decoding.engine as engine_module  # noqa: E402
 from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder  # noqa: E402
 from exactspec.decoding.engine import SequenceRequest  # noqa: E402
@@ -42,9 +46,6 @@ from exactspec.loading import LoadedPair  # noqa: E402
 from exactspec.models.lean import LeanModel  # noqa: E402
 from exactspec.models.llamacpp import LlamaCppModel, LlamaCppRuntime  # noqa: E402
 from exactspec.speculator import build_engine  # noqa: E402
-from conftest import sequence_law  # noqa: E402
-from test_exactness import ALPHA, SIZES, g_test_p_value, replacement_from_target  # noqa: E402
-from test_gguf import VOCAB, llama_metadata, random_hf_weights, write_llama_gguf  # noqa: E402
 
 #: llama.cpp against itself (the same kernels and float16 KV cache, another call shape).
 ATOL = 1e-3
@@ -79,8 +80,10 @@ def files(tmp_path_factory):
     target = random_hf_weights(tie=False, seed=0)
     noise = random_hf_weights(tie=False, seed=1)
     draft = {name: w + 0.15 * noise[name] if w.dim() == 2 else w for name, w in target.items()}
-    return (write_llama_gguf(directory / "target.gguf", target, metadata=spm_metadata),
-            write_llama_gguf(directory / "draft.gguf", draft, metadata=spm_metadata))
+    return (
+        write_llama_gguf(directory / "target.gguf", target, metadata=spm_metadata),
+        write_llama_gguf(directory / "draft.gguf", draft, metadata=spm_metadata),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +114,15 @@ def test_a_block_and_a_batch_give_the_logits_of_calls_alone(files):
     one_by_one = torch.cat([runtime.forward([(0, [token])])[0] for token in PROMPT + [11, 12, 13, 14]])
     runtime.rollback(0, 3)
     ragged = runtime.forward([(0, [11, 12]), (1, PROMPT + [11]), (2, [5])])
-    differences = [(alone - one_by_one).abs().max(), (ragged[0] - alone[3:5]).abs().max(), (ragged[1] - alone[:4]).abs().max()]
-    print("llama.cpp, largest logit difference, block vs one token at a time, ragged vs alone:", [f"{d:.1e}" for d in differences])
+    differences = [
+        (alone - one_by_one).abs().max(),
+        (ragged[0] - alone[3:5]).abs().max(),
+        (ragged[1] - alone[:4]).abs().max(),
+    ]
+    print(
+        "llama.cpp, largest logit difference, block vs one token at a time, ragged vs alone:",
+        [f"{d:.1e}" for d in differences],
+    )
     assert max(differences) < ATOL
     assert [len(r) for r in ragged] == [2, 4, 1] and runtime.lengths == [5, 4, 1]
 
@@ -127,7 +137,9 @@ def test_outputs_give_the_last_positions_logits_and_features_stay_whole(files):
     assert [len(g) for g in got] == [1, 0, 1] and part.lengths == [5, 3, 1]
     assert (got[0] - full[0][-1:]).abs().max() < ATOL and (got[2] - full[2]).abs().max() < ATOL
     assert (got[0] - full[0][:1]).abs().max() > 10 * ATOL  # the last position, not the first
-    assert part.forward([(1, [8])], [0])[0].shape == (0, VOCAB) and part.lengths[1] == 4  # no logits at all is a call too
+    assert (
+        part.forward([(1, [8])], [0])[0].shape == (0, VOCAB) and part.lengths[1] == 4
+    )  # no logits at all is a call too
     captured = LlamaCppRuntime(files[0], slots=1, max_len=64, threads=1)
     captured.capture_features([0, 1])
     last = captured.forward([(0, PROMPT + [11, 12])], [2])[0]
@@ -141,8 +153,11 @@ def test_logits_are_computed_at_every_position_only_while_the_last_layer_is_capt
     import llama_cpp
 
     asked, decode = [], llama_cpp.llama_decode
-    monkeypatch.setattr(llama_cpp, "llama_decode", lambda ctx, batch: asked.append(sum(batch.logits[i] for i in range(batch.n_tokens)))
-                        or decode(ctx, batch))
+    monkeypatch.setattr(
+        llama_cpp,
+        "llama_decode",
+        lambda ctx, batch: asked.append(sum(batch.logits[i] for i in range(batch.n_tokens))) or decode(ctx, batch),
+    )
     full = LlamaCppRuntime(files[0], slots=1, max_len=64, threads=1).forward([(0, PROMPT + [11, 12])])[0]
     features = {}
     for layers in ([0], [0, 1]):
@@ -152,7 +167,10 @@ def test_logits_are_computed_at_every_position_only_while_the_last_layer_is_capt
         assert (last - full[-1:]).abs().max() < ATOL
         features[len(layers)] = runtime.last_features[0]
     assert asked == [5, 1, 5]  # all for the plain call; one with layer 0 alone; every position with the last layer
-    assert features[1].shape == (5, features[2].shape[1] // 2) and (features[1] - features[2][:, : features[1].shape[1]]).abs().max() < ATOL
+    assert (
+        features[1].shape == (5, features[2].shape[1] // 2)
+        and (features[1] - features[2][:, : features[1].shape[1]]).abs().max() < ATOL
+    )
 
 
 def test_rollback_and_a_copied_prefix_continue_as_a_fresh_call(files):
@@ -220,7 +238,10 @@ def test_captured_features_are_the_torch_decoders_layer_outputs(files):
     runtime = LlamaCppRuntime(files[0], slots=6, max_len=128, threads=1)
     runtime.capture_features([0, 1])
     generator = torch.Generator().manual_seed(0)
-    rows = [(slot, torch.randint(3, VOCAB, (n,), generator=generator).tolist()) for slot, n in enumerate([120, 5, 120, 120, 100, 110])]
+    rows = [
+        (slot, torch.randint(3, VOCAB, (n,), generator=generator).tolist())
+        for slot, n in enumerate([120, 5, 120, 120, 100, 110])
+    ]
     runtime.forward(rows)
     assert [f.shape for f in runtime.last_features] == [(len(ids), 2 * 64) for _, ids in rows]
     for (_, ids), got in zip(rows, runtime.last_features):
@@ -283,8 +304,10 @@ def test_greedy_speculative_equals_plain_greedy(target, draft):
 
 def _run(engine, requests):
     results = [[] for _ in requests]
-    handles = [engine.submit(r, lambda events, out=out: out.extend(e.token for e in events), lambda h: None)
-               for r, out in zip(requests, results)]
+    handles = [
+        engine.submit(r, lambda events, out=out: out.extend(e.token for e in events), lambda h: None)
+        for r, out in zip(requests, results)
+    ]
     while any(h.finish_reason is None for h in handles):
         engine.step()
     return results
@@ -293,24 +316,35 @@ def _run(engine, requests):
 def test_a_seeded_request_draws_the_same_tokens_alone_and_among_others(target, draft):
     pair = LoadedPair(target, draft, tokenizer=None)  # build_engine reads no text
     mine = SequenceRequest(tuple(PROMPT), SamplingParams(), 20, seed=77, speculation="draft", gamma=GAMMA)
-    others = [SequenceRequest((1, 50 + i, 60 + i), SamplingParams(top_p=0.9), 16 + i, seed=i, speculation="draft", gamma=2) for i in range(3)]
+    others = [
+        SequenceRequest((1, 50 + i, 60 + i), SamplingParams(top_p=0.9), 16 + i, seed=i, speculation="draft", gamma=2)
+        for i in range(3)
+    ]
     alone = _run(build_engine(pair, slots=4, max_len=64, calibrated=False), [mine])[0]
     crowded = _run(build_engine(pair, slots=4, max_len=64, calibrated=False), others[:2] + [mine] + others[2:])[2]
-    solo = SpeculativeDecoder(target, draft, SamplingParams()).generate(PROMPT, GenerationConfig(max_new_tokens=20, gamma=GAMMA, seed=77))
+    solo = SpeculativeDecoder(target, draft, SamplingParams()).generate(
+        PROMPT, GenerationConfig(max_new_tokens=20, gamma=GAMMA, seed=77)
+    )
     assert alone == crowded == solo.tokens
 
 
 def exact_law(model: LlamaCppModel) -> dict[tuple[int, ...], float]:
     """P(new tokens = s) from the runtime's logits of each prefix computed alone, through the pipeline."""
-    return sequence_law(lambda prefix: block_probs(model.prefill(prefix)[-1:], prefix, [], len(PROMPT), PARAMS)[0], PROMPT, NEW_TOKENS)
+    return sequence_law(
+        lambda prefix: block_probs(model.prefill(prefix)[-1:], prefix, [], len(PROMPT), PARAMS)[0], PROMPT, NEW_TOKENS
+    )
 
 
-def sample_counts(decoder: SpeculativeDecoder, n: int, verify: str = "block") -> tuple[dict[tuple[int, ...], int], float]:
+def sample_counts(
+    decoder: SpeculativeDecoder, n: int, verify: str = "block"
+) -> tuple[dict[tuple[int, ...], int], float]:
     """Outcome counts over seeds 0..n-1, and the acceptance rate over all their rounds."""
     counts: dict[tuple[int, ...], int] = {}
     accepted = drafted = 0
     for seed in range(n):
-        generation = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=seed, verify=verify))
+        generation = decoder.generate(
+            PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=seed, verify=verify)
+        )
         counts[tuple(generation.tokens)] = counts.get(tuple(generation.tokens), 0) + 1
         accepted, drafted = accepted + generation.stats.accepted, drafted + generation.stats.drafted
     return counts, accepted / drafted
@@ -356,7 +390,9 @@ def test_certify_runs_on_llama_cpp_and_its_self_check_rejects_the_residual_from_
     2e-31; alpha 1e-3)."""
     from exactspec.certification.certify import CertifyConfig, certify
 
-    config = CertifyConfig(configs=("T=1",), sequences=128, max_tokens=12, self_check=True, mutants=("residual_from_p",), slots=32)
+    config = CertifyConfig(
+        configs=("T=1",), sequences=128, max_tokens=12, self_check=True, mutants=("residual_from_p",), slots=32
+    )
     report = certify(LoadedPair(target, draft, tokenizer=None), [PROMPT, [1, 40, 41, 42]], config, progress=False)
     assert report["passed"] and report["precision"].startswith("llama.cpp") and report["greedy"]["equal"] == 2
     assert report["self_check"]["residual_from_p"]["rejected"]
@@ -394,7 +430,10 @@ def test_train_drafts_answers_run_on_llama_cpp(tmp_path):
     except FileNotFoundError as error:
         pytest.skip(str(error))
     prompts, out = [Prompt.user("Name a colour."), Prompt.user("What is 2 + 2?")], tmp_path / "answers.jsonl"
-    assert generate_answers(smollm2, prompts, out, time.monotonic() + 600, slots=2, max_new_tokens=4, backend="llamacpp") == 2
+    assert (
+        generate_answers(smollm2, prompts, out, time.monotonic() + 600, slots=2, max_new_tokens=4, backend="llamacpp")
+        == 2
+    )
     tokenizer = TextTokenizer.from_path(smollm2)
     for row in read_answers(out):
         assert row["ids"][: row["answer_start"]] == tokenizer.encode_chat(chat_messages(row["prompt"]))
@@ -418,7 +457,9 @@ def test_a_k_quant_file_reads_in_torch_as_llama_cpp_runs_it(tmp_path):
         pytest.skip(str(error))
     path = requantize(source, tmp_path / "smollm2-q4_k_m.gguf", "Q4_K_M")
     assert {"Q4_K", "Q6_K", "Q5_0"} <= {t.type_name for t in read_gguf(path).tensors.values()}
-    ids = TextTokenizer.from_path(source).encode_prompt("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(")
+    ids = TextTokenizer.from_path(source).encode_prompt(
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci("
+    )
     ours = LeanModel.from_pretrained(path, dtype=torch.float32, weights="dense", max_len=128).prefill(ids)
     theirs = LlamaCppModel.from_file(path, max_len=128).prefill(ids)
     agreement = (ours.argmax(-1) == theirs.argmax(-1)).float().mean()

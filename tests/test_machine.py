@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_gguf import random_hf_weights, write_llama_gguf
 
 from exactspec import machine
 from exactspec.cli import main
 from exactspec.loading import PairSpec
 from exactspec.machine import Candidate, MachineCache, Measurement, candidates, choose, predicted_ms_per_token
-from test_gguf import random_hf_weights, write_llama_gguf
 
 MAX_GAMMA = 8
 
@@ -35,14 +35,19 @@ def test_candidates_are_every_runtime_of_the_stored_weights_narrowed_by_the_flag
     monkeypatch.setattr(machine, "native_bfloat16", lambda device: False)
     auto = PairSpec(gguf, backend="auto", dtype="auto")
     found = candidates(auto, cores=4, llama_cpp=True)
-    assert {(c.backend, c.weights, c.dtype) for c in found} == {("llamacpp", "auto", "float32"), ("lean", "dense", "float32")}
+    assert {(c.backend, c.weights, c.dtype) for c in found} == {
+        ("llamacpp", "auto", "float32"),
+        ("lean", "dense", "float32"),
+    }
     # (no emulated bfloat16 dense; no q4: the file stores no 4-bit blocks, see the next test)
     assert sorted({c.threads for c in found}) == [1, 2, 4]
     assert {c.backend for c in candidates(auto, cores=4, llama_cpp=False)} == {"lean"}
     named = PairSpec(gguf, backend="auto", dtype="float32", threads=2)  # a dtype named: torch's runtime, that dtype
     assert candidates(named, cores=4, llama_cpp=True) == [Candidate("lean", "dense", "float32", 2)]
     monkeypatch.setattr(machine, "native_bfloat16", lambda device: True)
-    assert ("lean", "dense", "bfloat16") in {(c.backend, c.weights, c.dtype) for c in candidates(auto, cores=1, llama_cpp=True)}
+    assert ("lean", "dense", "bfloat16") in {
+        (c.backend, c.weights, c.dtype) for c in candidates(auto, cores=1, llama_cpp=True)
+    }
     for dtype in ("float32", "bfloat16"):  # llama.cpp named with a dtype: the dtype of its torch side, on any CPU
         both = PairSpec(gguf, backend="llamacpp", dtype=dtype, threads=2)
         assert candidates(both, cores=4, llama_cpp=True) == [Candidate("llamacpp", "auto", dtype, 2)]
@@ -98,18 +103,24 @@ def test_the_choice_follows_the_measured_costs(gguf, monkeypatch, tmp_path):
     for name, rates in prior.items():
         monkeypatch.setattr(machine, "acceptance_prior", lambda *args, rates=rates: (rates, "test"))
         for speculate in (False, True):
-            spec = PairSpec(gguf, "lookup" if not speculate else None, speculate, backend="auto", dtype="auto").resolved()
+            spec = PairSpec(
+                gguf, "lookup" if not speculate else None, speculate, backend="auto", dtype="auto"
+            ).resolved()
             chosen, choice = choose(spec, cache=cache)
             picked[name, speculate] = (chosen.backend, chosen.threads)
             assert choice.chosen.backend == chosen.backend and len(choice.measurements) == len(choice.predicted_ms)
     assert picked["good", False] == picked["useless", False] == ("llamacpp", 2)
     assert picked["good", True] == ("lean", 2) and picked["useless", True] == ("llamacpp", 2)
     measured_once = len(calls)
-    assert measured_once == len(candidates(PairSpec(gguf, backend="auto", dtype="auto")))  # then every choice from the cache
+    assert measured_once == len(
+        candidates(PairSpec(gguf, backend="auto", dtype="auto"))
+    )  # then every choice from the cache
     assert choose(spec, cache=cache)[1].source == "cached" and len(calls) == measured_once
     file = cache.entries()[0]
     damaged = json.loads(file.read_text())
-    damaged[next(iter(damaged))] = "not a measurement"  # a hand-edited or truncated entry is measured again, not a crash
+    damaged[next(iter(damaged))] = (
+        "not a measurement"  # a hand-edited or truncated entry is measured again, not a crash
+    )
     file.write_text(json.dumps(damaged))
     assert choose(spec, cache=cache)[1].source == "measured now" and len(calls) == measured_once + 1
     monkeypatch.setattr(machine, "machine_signature", lambda device: {"cpu": "another"})
@@ -121,7 +132,9 @@ def test_a_shipped_draft_that_would_never_draft_gives_way_to_prompt_lookup(gguf,
     """On a runtime whose c(n) is steep a poor draft's best gamma is 0: it would never draft, yet it costs every call
     (llama.cpp's feature capture), so prompt lookup runs instead, and the cold start measures lookup's own costs.
     A good draft, or one the user named, is kept."""
-    monkeypatch.setattr(machine, "measure", lambda spec, candidate, max_gamma, params: Measurement(candidate, costs(10.0, 4.0), 1.0))
+    monkeypatch.setattr(
+        machine, "measure", lambda spec, candidate, max_gamma, params: Measurement(candidate, costs(10.0, 4.0), 1.0)
+    )
     monkeypatch.setattr(machine, "llama_cpp_available", lambda: True)
     draft = tmp_path / "draft"
     draft.mkdir()
@@ -131,14 +144,21 @@ def test_a_shipped_draft_that_would_never_draft_gives_way_to_prompt_lookup(gguf,
     for name, rates in {"poor": (0.36, 0.3), "good": (0.95,) * 8}.items():
         monkeypatch.setattr(machine, "acceptance_prior", lambda *args, rates=rates: (rates, "test"))
         for may_drop in (True, False):
-            chosen, choice = choose(spec, cache=MachineCache(tmp_path / f"cache-{name}-{may_drop}"), may_drop_draft=may_drop)
+            chosen, choice = choose(
+                spec, cache=MachineCache(tmp_path / f"cache-{name}-{may_drop}"), may_drop_draft=may_drop
+            )
             outcomes[name, may_drop] = chosen.draft, choice
     dropped_spec, dropped = outcomes["poor", True]
     assert dropped_spec == "lookup" and dropped.draft_dropped and dropped.calibration is None
     assert "best gamma 0" in dropped.as_dict()["drafting"] and "c(2)/c(1) = 1.40" in dropped.drafting
     for kept in (("poor", False), ("good", True), ("good", False)):
         kept_spec, choice = outcomes[kept]
-        assert kept_spec == draft and not choice.draft_dropped and choice.calibration is not None and choice.drafting is None
+        assert (
+            kept_spec == draft
+            and not choice.draft_dropped
+            and choice.calibration is not None
+            and choice.drafting is None
+        )
 
 
 def test_a_real_measurement_fills_every_call_size():
@@ -149,7 +169,11 @@ def test_a_real_measurement_fills_every_call_size():
     specs = [PairSpec(default_pair_dirs()[0], speculate=False, backend="auto", dtype="auto", threads=1)]
     try:
         if machine.llama_cpp_available():
-            specs.append(PairSpec(PACKAGED_MODELS["smollm2"].path(), speculate=False, backend="llamacpp", dtype="float32", threads=1))
+            specs.append(
+                PairSpec(
+                    PACKAGED_MODELS["smollm2"].path(), speculate=False, backend="llamacpp", dtype="float32", threads=1
+                )
+            )
     except FileNotFoundError:
         pass
     for spec in specs:

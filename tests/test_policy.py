@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import SyntheticClock
+
 from exactspec import GREEDY, GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
 from exactspec.decoding.costmodel import best_gamma, expected_tokens_per_round
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, CostCurve, PolicyPriors
@@ -21,11 +21,14 @@ def feed(policy: AdaptiveGamma, rounds: int, alpha_pattern, draft_ms: float, tar
         accepted = 0
         while accepted < gamma and alpha_pattern(r, accepted):
             accepted += 1
-        policy.observe(RoundRecord(gamma, accepted, accepted + 1, gamma * draft_ms / 1000, target_ms_of(gamma + 1) / 1000, 0.0))
+        policy.observe(
+            RoundRecord(gamma, accepted, accepted + 1, gamma * draft_ms / 1000, target_ms_of(gamma + 1) / 1000, 0.0)
+        )
 
 
 def test_matches_the_cost_model_optimum_for_iid_acceptance():
     """With acceptance alpha at every position and flat verify cost, the choice is costmodel.best_gamma."""
+
     def policy(draft_ms: float) -> AdaptiveGamma:
         return AdaptiveGamma(priors=PolicyPriors({n: 1.0 for n in range(1, 10)}, draft_ms, (0.8,)))
 
@@ -40,7 +43,9 @@ def test_a_useless_draft_drops_to_plain_decoding_and_probes_rarely():
     choices = []
     for _ in range(400):
         choices.append(policy.next_gamma())
-        policy.observe(RoundRecord(choices[-1], 0, 1, choices[-1] * 0.0003, (2.0 + 0.05 * (choices[-1] + 1)) / 1000, 0.0))
+        policy.observe(
+            RoundRecord(choices[-1], 0, 1, choices[-1] * 0.0003, (2.0 + 0.05 * (choices[-1] + 1)) / 1000, 0.0)
+        )
     probes = sum(g > 0 for g in choices)
     assert probes <= 400 / 64 + 1  # the wait has grown to at least 64 plain rounds
 
@@ -92,6 +97,7 @@ def test_cost_curve_fits_a_line_and_never_slopes_down():
 
 # ---- a batch: call costs by rows, draft steps by sequences -------------------------------------
 
+
 def batch_policy(per_call_ms: float, per_row_ms: float, draft_step_ms: float, alpha: float) -> AdaptiveGamma:
     """Costs observed as the engine reports them (seconds): target calls of many row counts, draft steps alone and
     for 16 sequences at once; acceptance alpha at every position, from a prior."""
@@ -121,7 +127,10 @@ def test_batch_rates_follow_the_cost_model():
 def test_acceptance_is_learnt_per_source():
     policy = AdaptiveGamma(priors=PolicyPriors(acceptance={"draft": (0.9,), "lookup": (0.9,)}))
     for _ in range(100):
-        policy.observe_round("lookup", RoundRecord(drafted=4, accepted=0, committed=1, draft_seconds=0.0, target_seconds=0.01, verify_seconds=0.0))
+        policy.observe_round(
+            "lookup",
+            RoundRecord(drafted=4, accepted=0, committed=1, draft_seconds=0.0, target_seconds=0.01, verify_seconds=0.0),
+        )
     assert policy.acceptance("lookup")[0] < 0.2 and policy.acceptance("draft")[0] == 0.9
 
 
@@ -136,6 +145,7 @@ def test_each_source_chooses_from_its_own_estimates():
 
 
 # ---- cold start: priors from calibration and acceptance ----------------------------------------
+
 
 def cost_model_optimum(alpha: float, draft_ms: float, target_ms_of, max_gamma: int = 8) -> int:
     """argmax_g E[tokens](g) / (g * draft_ms + T(g + 1)) for i.i.d. acceptance alpha (Leviathan et al., Thm 3.8)."""
@@ -183,9 +193,15 @@ def test_cold_start_on_a_pair_with_known_acceptance_runs_at_the_optimum_from_the
     for name in ("priors", "cold"):
         chosen = []
         for seed in range(3):
-            priors = PolicyPriors({n: target_ms_of(n) for n in range(1, 10)}, draft_ms, (alpha,)) if name == "priors" else PolicyPriors()
+            priors = (
+                PolicyPriors({n: target_ms_of(n) for n in range(1, 10)}, draft_ms, (alpha,))
+                if name == "priors"
+                else PolicyPriors()
+            )
             clock = SyntheticClock(AdaptiveGamma(priors=priors), draft_ms, target_ms_of)
-            SpeculativeDecoder(target, draft, SamplingParams(), policy=clock).generate([1], GenerationConfig(max_new_tokens=200, seed=seed))
+            SpeculativeDecoder(target, draft, SamplingParams(), policy=clock).generate(
+                [1], GenerationConfig(max_new_tokens=200, seed=seed)
+            )
             chosen += clock.chosen[:5]
             if name == "priors":
                 assert clock.chosen[0] == optimum
@@ -222,7 +238,9 @@ def test_a_prior_that_says_useless_starts_plain_and_probes_late():
     choices = []
     for _ in range(70):
         choices.append(policy.next_gamma())
-        policy.observe(RoundRecord(choices[-1], 0, 1, choices[-1] * 0.0005, (5.0 + 0.05 * (choices[-1] + 1)) / 1000, 0.0))
+        policy.observe(
+            RoundRecord(choices[-1], 0, 1, choices[-1] * 0.0005, (5.0 + 0.05 * (choices[-1] + 1)) / 1000, 0.0)
+        )
     assert choices.index(2) == 64 and set(choices) == {0, 2}
     without = AdaptiveGamma()  # no prior: the first choice is a guess, the first probe comes after 8 plain rounds
     assert without.next_gamma() == AdaptiveConfig().initial_gamma

@@ -8,9 +8,9 @@ import shutil
 import pytest
 
 from exactspec.cli import main
-from exactspec.loading import default_pair_dirs
 from exactspec.decoding.priors import PRIOR_FILE, PolicyCache, acceptance_prior, fingerprint, shipped_prior
 from exactspec.decoding.sampling import GREEDY, SamplingParams
+from exactspec.loading import default_pair_dirs
 
 
 @pytest.fixture
@@ -56,7 +56,10 @@ def test_the_cache_adds_counts_caps_them_and_serves_well_observed_positions(tmp_
     assert cache.load("pair", "sampled") is None and cache.load("other", "greedy") is None
     cache.save("pair", "greedy", reached=[1000], accepted=[0])  # a long run: old counts fade, capped at MAX_COUNT
     rate = cache.load("pair", "greedy")[0]
-    assert rate == pytest.approx(14 / 1020, rel=1e-3) and json.loads(cache.entries()[0].read_text())["greedy"]["reached"][0] == PolicyCache.MAX_COUNT
+    assert (
+        rate == pytest.approx(14 / 1020, rel=1e-3)
+        and json.loads(cache.entries()[0].read_text())["greedy"]["reached"][0] == PolicyCache.MAX_COUNT
+    )
     cache.entries()[0].write_text('{"greedy": {"reached": [5], "accepted": [9]}}')  # damaged: accepted > reached
     assert cache.load("pair", "greedy") is None
     assert cache.clear() == 1 and cache.entries() == []
@@ -71,7 +74,10 @@ def test_the_cache_comes_before_the_shipped_prior(pair_copy, tmp_path):
     assert acceptance_prior(target, draft, GREEDY, cache) == ((0.95, 0.5), "cache")
     assert acceptance_prior(target, draft, SamplingParams(), cache)[1] == "shipped"  # another mode
     # the block rule keeps its own entries; a token-wise prior stands in until it has one
-    assert acceptance_prior(target, draft, SamplingParams(), cache, "block") == (shipped_prior(draft, target, "sampled"), "shipped token-wise")
+    assert acceptance_prior(target, draft, SamplingParams(), cache, "block") == (
+        shipped_prior(draft, target, "sampled"),
+        "shipped token-wise",
+    )
     cache.save(fingerprint(target, draft), "sampled-block", [20, 20], [18, 12])
     assert acceptance_prior(target, draft, SamplingParams(), cache, "block") == ((0.9, 0.6), "cache")
     assert acceptance_prior(target, draft, SamplingParams(), cache)[1] == "shipped"
@@ -84,7 +90,9 @@ def test_generate_auto_calibrates_records_its_priors_and_remembers_the_pair(tmp_
     args = ["generate", "def parse_args(", "--max-new-tokens", "40", "--ignore-eos", "--temperature", "0", "--json"]
     assert main([*args, "--no-policy-cache"]) == 0
     first = json.loads(capsys.readouterr().out)["policy"]
-    assert first["prior_source"] == "shipped" and sorted(map(int, first["calibration"]["target_ms"])) == list(range(1, 10))
+    assert first["prior_source"] == "shipped" and sorted(map(int, first["calibration"]["target_ms"])) == list(
+        range(1, 10)
+    )
     assert first["calibration"]["draft_step_ms"] > 0 and not PolicyCache().entries()  # --no-policy-cache wrote nothing
     assert main(args) == 0 and json.loads(capsys.readouterr().out)["policy"]["prior_source"] == "shipped"
     assert main(args) == 0

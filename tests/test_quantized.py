@@ -52,7 +52,9 @@ def test_smollm2_q4_is_the_same_model_as_dense_within_bfloat16_rounding():
     reference = LeanModel.from_pretrained(SMOLLM2, dtype=torch.float32, max_len=64).prefill(tokens)
     dense = LeanModel.from_pretrained(SMOLLM2, dtype=torch.bfloat16, max_len=64, weights="dense").prefill(tokens)
     q4_model = LeanModel.from_pretrained(SMOLLM2, dtype=torch.bfloat16, max_len=64, weights="q4")
-    assert all(isinstance(layer.w2, Int4Linear) and isinstance(layer.wqkv, Int4Linear) for layer in q4_model.decoder.layers)
+    assert all(
+        isinstance(layer.w2, Int4Linear) and isinstance(layer.wqkv, Int4Linear) for layer in q4_model.decoder.layers
+    )
     q4 = q4_model.prefill(tokens)
     q4_error, dense_error = (q4 - reference).abs().mean().item(), (dense - reference).abs().mean().item()
     assert q4_error < 2 * dense_error  # no worse than dense bfloat16, against the float32 model

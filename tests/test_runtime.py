@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_feature_draft import tiny_target
 
 from exactspec import MarkovLM
 from exactspec.models.lean import LeanModel, LeanRuntime
 from exactspec.models.runtime import Runtime, SequenceSlots, as_runtime
-from test_feature_draft import tiny_target
 
 
 def markov(seed: int = 0) -> MarkovLM:

@@ -91,7 +91,9 @@ def _full_width_penalties(logits, prefix, block, prompt_length, params):  # (n, 
         context = prefix + block[:j]
         row = logits[j].clone()
         counts = torch.bincount(torch.tensor(context), minlength=row.numel()).to(torch.float64)
-        generated = torch.bincount(torch.tensor(context[prompt_length:], dtype=torch.int64), minlength=row.numel()).double()
+        generated = torch.bincount(
+            torch.tensor(context[prompt_length:], dtype=torch.int64), minlength=row.numel()
+        ).double()
         penalised = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
         row = torch.where(counts > 0, penalised, row)
         row = row - params.presence_penalty * (generated > 0).to(torch.float64) - params.frequency_penalty * generated
@@ -127,18 +129,33 @@ def test_a_vocabulary_subset_gives_the_full_vocabularys_law_of_logits_that_are_m
     logits[:, inside[40]] = logits[:, inside[7]] = logits.max() + 1  # a tie at the top, for greedy
     masked = torch.full_like(logits, -torch.inf).index_copy(1, token_ids, logits[:, token_ids])
     prefix, block = [inside[3], outside[0], inside[3], outside[5], inside[9]], [inside[9], outside[2]]
-    settings = [SamplingParams(), SamplingParams(temperature=0.7, top_k=20), SamplingParams(top_k=200), SamplingParams(top_p=0.8),
-                SamplingParams(temperature=1.3, min_p=0.1), GREEDY,
-                SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
-                SamplingParams(logit_bias={inside[11]: 4.0, outside[1]: 50.0, inside[3]: -2.0}),
-                SamplingParams(banned_token_ids=frozenset({inside[7], outside[3]}), allowed_token_ids=frozenset(inside[:60] + outside[:9]))]
+    settings = [
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_k=20),
+        SamplingParams(top_k=200),
+        SamplingParams(top_p=0.8),
+        SamplingParams(temperature=1.3, min_p=0.1),
+        GREEDY,
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+        SamplingParams(logit_bias={inside[11]: 4.0, outside[1]: 50.0, inside[3]: -2.0}),
+        SamplingParams(
+            banned_token_ids=frozenset({inside[7], outside[3]}), allowed_token_ids=frozenset(inside[:60] + outside[:9])
+        ),
+    ]
     for params in settings:
         expected = block_probs(masked, prefix, block, 2, params)
         subset = block_probs(logits[:, token_ids], prefix, block, 2, params, token_ids=token_ids)
         assert subset.shape == (3, len(token_ids))
         torch.testing.assert_close(full_width(subset, token_ids, vocab), expected, rtol=0, atol=1e-15, msg=str(params))
     with pytest.raises(ValueError, match="every token is excluded"):
-        block_probs(logits[:1, token_ids], prefix, [], 2, SamplingParams(allowed_token_ids=frozenset(outside)), token_ids=token_ids)
+        block_probs(
+            logits[:1, token_ids],
+            prefix,
+            [],
+            2,
+            SamplingParams(allowed_token_ids=frozenset(outside)),
+            token_ids=token_ids,
+        )
 
 
 def test_everything_banned_is_an_error():
@@ -198,10 +215,21 @@ def test_extreme_settings_at_the_bounds_stay_finite():
     """At the accepted bounds, float32-extreme logits still give a valid distribution (no inf - inf)."""
     logits = torch.tensor([[3.4e38, -3.4e38, 0.0, 1.0, -1.0]])
     for params in (
-        SamplingParams(temperature=1 / MAX_MAGNITUDE, repetition_penalty=MAX_MAGNITUDE, presence_penalty=-MAX_MAGNITUDE,
-                       frequency_penalty=MAX_MAGNITUDE, logit_bias={1: MAX_MAGNITUDE, 2: -MAX_MAGNITUDE}),
-        SamplingParams(temperature=MAX_MAGNITUDE, repetition_penalty=1 / MAX_MAGNITUDE, presence_penalty=MAX_MAGNITUDE,
-                       frequency_penalty=-MAX_MAGNITUDE, top_p=0.5, min_p=0.1),
+        SamplingParams(
+            temperature=1 / MAX_MAGNITUDE,
+            repetition_penalty=MAX_MAGNITUDE,
+            presence_penalty=-MAX_MAGNITUDE,
+            frequency_penalty=MAX_MAGNITUDE,
+            logit_bias={1: MAX_MAGNITUDE, 2: -MAX_MAGNITUDE},
+        ),
+        SamplingParams(
+            temperature=MAX_MAGNITUDE,
+            repetition_penalty=1 / MAX_MAGNITUDE,
+            presence_penalty=MAX_MAGNITUDE,
+            frequency_penalty=-MAX_MAGNITUDE,
+            top_p=0.5,
+            min_p=0.1,
+        ),
     ):
         out = probs(params, logits, prefix=[0, 1, 3, 3, 4], prompt_length=2)
         assert torch.isfinite(out).all() and float(out.sum()) == pytest.approx(1.0)
@@ -231,22 +259,31 @@ def test_order_matches_transformers_logits_processors_on_random_logits():
         bias = {prefix[0]: 2.5, prefix[1]: -1.5, (prefix[2] + 1) % vocab: 1.0}
         banned = [t for t in range(3) if t not in bias]
         params = SamplingParams(
-            temperature=0.7, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.8,
-            logit_bias=bias, banned_token_ids=frozenset(banned),
+            temperature=0.7,
+            top_k=20,
+            top_p=0.9,
+            min_p=0.02,
+            repetition_penalty=1.8,
+            logit_bias=bias,
+            banned_token_ids=frozenset(banned),
         )
         ours = block_probs(logits, prefix, [], len(prefix), params)[0]
-        processors = hf.LogitsProcessorList([
-            hf.SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()]),
-            hf.RepetitionPenaltyLogitsProcessor(1.8),
-            hf.SuppressTokensLogitsProcessor(banned),
-            hf.TemperatureLogitsWarper(0.7),
-            hf.TopKLogitsWarper(20),
-            hf.TopPLogitsWarper(0.9),
-            hf.MinPLogitsWarper(0.02),
-        ])
+        processors = hf.LogitsProcessorList(
+            [
+                hf.SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()]),
+                hf.RepetitionPenaltyLogitsProcessor(1.8),
+                hf.SuppressTokensLogitsProcessor(banned),
+                hf.TemperatureLogitsWarper(0.7),
+                hf.TopKLogitsWarper(20),
+                hf.TopPLogitsWarper(0.9),
+                hf.MinPLogitsWarper(0.02),
+            ]
+        )
         theirs = processors(torch.tensor([prefix]), logits.clone()).softmax(-1)[0]
         assert torch.allclose(ours, theirs, atol=1e-12), trial
         plain = SamplingParams(repetition_penalty=1.8, logit_bias=bias)
         old = _bias_after_penalty(logits.clone(), prefix, bias, 1.8)[0]
-        mismatched_with_old_order += not torch.allclose(block_probs(logits, prefix, [], len(prefix), plain)[0], old, atol=1e-6)
+        mismatched_with_old_order += not torch.allclose(
+            block_probs(logits, prefix, [], len(prefix), plain)[0], old, atol=1e-6
+        )
     assert mismatched_with_old_order >= 30  # the test tells the two orders apart

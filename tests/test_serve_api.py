@@ -22,8 +22,8 @@ httpx = pytest.importorskip("httpx")
 import uvicorn  # noqa: E402
 
 from exactspec import GREEDY, GenerationConfig, SpeculativeDecoder  # noqa: E402
-from exactspec.loading import default_pair_dirs, load_pair  # noqa: E402
 from exactspec.jobs.records import model_identity, run_record  # noqa: E402
+from exactspec.loading import default_pair_dirs, load_pair  # noqa: E402
 from exactspec.serving.api import ServerSettings, create_app  # noqa: E402
 from exactspec.speculator import build_engine  # noqa: E402
 
@@ -43,8 +43,19 @@ def pair():
 def server(pair):
     engine = build_engine(pair, slots=8, max_len=512)
     record_base = run_record("serve", [], *default_pair_dirs(), None, "test", "fixed 4", None, "float32", {})
-    app = create_app(engine, pair.tokenizer, ServerSettings(MODEL, api_key=KEY, max_tokens=256, max_n=4, max_sequences=24,
-                                                            max_request_bytes=20_000, record_base=record_base))
+    app = create_app(
+        engine,
+        pair.tokenizer,
+        ServerSettings(
+            MODEL,
+            api_key=KEY,
+            max_tokens=256,
+            max_n=4,
+            max_sequences=24,
+            max_request_bytes=20_000,
+            record_base=record_base,
+        ),
+    )
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
     instance = uvicorn.Server(config)
     thread = threading.Thread(target=instance.run, daemon=True)
@@ -72,10 +83,16 @@ def test_completion_streamed_and_not_equals_plain_greedy(client, pair):
     expected = plain_greedy(pair, PROMPT, 24)
     result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
     assert result.choices[0].text == expected and result.choices[0].finish_reason == "length"
-    assert result.usage.completion_tokens == 24 and result.usage.prompt_tokens == len(pair.tokenizer.encode_prompt(PROMPT))
+    assert result.usage.completion_tokens == 24 and result.usage.prompt_tokens == len(
+        pair.tokenizer.encode_prompt(PROMPT)
+    )
     figures = result.choices[0].model_extra["speculation"]
     assert figures["target_calls"] <= 24 and 0 <= figures["acceptance_rate"] <= 1
-    pieces = [chunk.choices[0].text for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True) if chunk.choices]
+    pieces = [
+        chunk.choices[0].text
+        for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+        if chunk.choices
+    ]
     assert "".join(pieces) == expected and len(pieces) > 1
 
 
@@ -83,8 +100,14 @@ def test_chat_streamed_and_not(client):
     messages = [{"role": "user", "content": "write a loop"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
     assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens == 16
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content and chunks[-1].usage.completion_tokens == 16
@@ -92,8 +115,15 @@ def test_chat_streamed_and_not(client):
 
 def test_eight_concurrent_seeded_streams_equal_their_solo_runs(client):
     def ask(seed: int) -> str:
-        stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=1.0, seed=seed, stream=True,
-                                           extra_body={"speculation": ["draft", "lookup", "off", "auto"][seed % 4]})
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=32,
+            temperature=1.0,
+            seed=seed,
+            stream=True,
+            extra_body={"speculation": ["draft", "lookup", "off", "auto"][seed % 4]},
+        )
         return "".join(c.choices[0].text for c in stream if c.choices)
 
     solo = [ask(seed) for seed in range(8)]
@@ -107,9 +137,19 @@ def test_sampling_parameters_logprobs_stop_and_n(client, pair):
     stop = expected[6:9]
     stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
     assert stopped.choices[0].text == expected[: expected.index(stop)] and stopped.choices[0].finish_reason == "stop"
-    scored = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.7, logprobs=2,
-                                       extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2}, seed=3, n=3,
-                                       presence_penalty=0.5, frequency_penalty=0.2, logit_bias={"5": -100})
+    scored = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0.7,
+        logprobs=2,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2},
+        seed=3,
+        n=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+        logit_bias={"5": -100},
+    )
     assert len(scored.choices) == 3
     for choice in scored.choices:
         lp = choice.logprobs
@@ -121,42 +161,66 @@ def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}  # no key needed
     metrics = httpx.get(server["url"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    for name in ("exactspec_tokens_per_second", "exactspec_acceptance_rate", "exactspec_mean_accepted_length",
-                 "exactspec_queue_depth", "exactspec_batch_size", 'exactspec_speculation_decisions_total{decision="on"}'):
+    for name in (
+        "exactspec_tokens_per_second",
+        "exactspec_acceptance_rate",
+        "exactspec_mean_accepted_length",
+        "exactspec_queue_depth",
+        "exactspec_batch_size",
+        'exactspec_speculation_decisions_total{decision="on"}',
+    ):
         assert name in metrics
     generated = [line for line in metrics.splitlines() if line.startswith("exactspec_generated_tokens_total ")]
     assert float(generated[0].split()[1]) > 0
 
 
-@pytest.mark.parametrize("body, status, words", [
-    ("{not json", 400, "not valid JSON"),
-    ({"model": "other", "prompt": "x"}, 404, "does not exist"),
-    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
-    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
-    ({"model": MODEL, "prompt": "x", "speculation": "fast"}, 400, "speculation"),
-    ({"model": MODEL, "prompt": "x", "verify": "blocks"}, 400, "verify"),
-    ({"model": MODEL, "prompt": "x", "tempreature": 1}, 400, "tempreature"),
-    ({"model": MODEL, "prompt": "x", "max_tokens": 1000}, 400, "limit of 256"),
-    ({"model": MODEL, "prompt": "x " * 600}, 400, "context window"),
-    ({"model": MODEL, "prompt": "x " * 300, "max_tokens": 256}, 400, "exceeds the context window of 512"),
-    ({"model": MODEL, "prompt": "x", "n": 5}, 400, "n 5 exceeds"),
-    ({"model": MODEL, "prompt": [1, 99999]}, 400, "token ids"),
-    ({"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
-    ({"model": MODEL, "prompt": "y" * 30_000}, 413, "exceeds 20000"),
-    ({"model": MODEL, "prompt": "x", "stream": True, "return_token_ids": True}, 400, "not with stream"),
-])
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ("{not json", 400, "not valid JSON"),
+        ({"model": "other", "prompt": "x"}, 404, "does not exist"),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"model": MODEL, "prompt": "x", "speculation": "fast"}, 400, "speculation"),
+        ({"model": MODEL, "prompt": "x", "verify": "blocks"}, 400, "verify"),
+        ({"model": MODEL, "prompt": "x", "tempreature": 1}, 400, "tempreature"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 1000}, 400, "limit of 256"),
+        ({"model": MODEL, "prompt": "x " * 600}, 400, "context window"),
+        ({"model": MODEL, "prompt": "x " * 300, "max_tokens": 256}, 400, "exceeds the context window of 512"),
+        ({"model": MODEL, "prompt": "x", "n": 5}, 400, "n 5 exceeds"),
+        ({"model": MODEL, "prompt": [1, 99999]}, 400, "token ids"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "y" * 30_000}, 413, "exceeds 20000"),
+        ({"model": MODEL, "prompt": "x", "stream": True, "return_token_ids": True}, 400, "not with stream"),
+    ],
+)
 def test_bad_requests_get_openai_style_errors(server, body, status, words):
     data = body if isinstance(body, str) else json.dumps(body)
-    response = httpx.post(server["url"] + "/v1/completions", content=data, headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    response = httpx.post(
+        server["url"] + "/v1/completions",
+        content=data,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert response.status_code == status
     error = response.json()["error"]
     assert words in error["message"] and error["type"]
 
 
 def test_token_ids_and_the_run_record_on_request(server, pair):
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "n": 2, "seed": 5, "top_k": 30, "speculation": "draft",
-            "return_token_ids": True, "return_record": True}
-    response = httpx.post(server["url"] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}).json()
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "n": 2,
+        "seed": 5,
+        "top_k": 30,
+        "speculation": "draft",
+        "return_token_ids": True,
+        "return_record": True,
+    }
+    response = httpx.post(
+        server["url"] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    ).json()
     choices, record = response["choices"], response["record"]
     assert choices[0]["prompt_token_ids"] == pair.tokenizer.encode_prompt(PROMPT)
     assert [pair.tokenizer.decode(c["token_ids"]) for c in choices] == [c["text"] for c in choices]
@@ -165,7 +229,9 @@ def test_token_ids_and_the_run_record_on_request(server, pair):
     assert record["target"] == model_identity(default_pair_dirs()[0]) and record["kind"] == "served request"
     assert record["verify"] == "block" and record["draw_order_version"] == 2
     body.update(verify="token", n=1)
-    record = httpx.post(server["url"] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}).json()["record"]
+    record = httpx.post(
+        server["url"] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    ).json()["record"]
     assert record["verify"] == "token" and record["draw_order_version"] == 1 and "first rejection" in record["residual"]
 
 
@@ -177,8 +243,12 @@ def test_a_missing_or_wrong_key_is_refused(server):
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(server, client):
     engine = server["engine"]
-    with httpx.stream("POST", server["url"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": MODEL, "prompt": PROMPT, "max_tokens": 250, "stream": True, "temperature": 0}) as response:
+    with httpx.stream(
+        "POST",
+        server["url"] + "/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 250, "stream": True, "temperature": 0},
+    ) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
     cancelled_before = engine.metrics.finished["cancelled"]
@@ -187,26 +257,41 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server, client):
             break
         time.sleep(0.05)
     assert engine.batch_size == 0 and engine.metrics.finished["cancelled"] >= 1
-    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).usage.completion_tokens == 4
+    assert (
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).usage.completion_tokens == 4
+    )
 
 
 def test_a_request_that_fails_inside_the_model_gets_500_and_the_server_goes_on(client, monkeypatch):
     import exactspec.decoding.engine as module
 
     real = module.block_probs
-    monkeypatch.setattr(module, "block_probs", lambda logits, prefix, block, n, params, **columns: (
-        (_ for _ in ()).throw(RuntimeError("injected fault")) if params.top_k == 7 else real(logits, prefix, block, n, params, **columns)))
+    monkeypatch.setattr(
+        module,
+        "block_probs",
+        lambda logits, prefix, block, n, params, **columns: (
+            (_ for _ in ()).throw(RuntimeError("injected fault"))
+            if params.top_k == 7
+            else real(logits, prefix, block, n, params, **columns)
+        ),
+    )
     with pytest.raises(openai.InternalServerError, match="injected fault"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"top_k": 7})
-    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0).usage.completion_tokens == 8
+    assert (
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0).usage.completion_tokens == 8
+    )
 
 
 def test_sigterm_finishes_cleanly(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "exactspec", "serve", "--port", str(port), "--max-batch", "2"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "exactspec", "serve", "--port", str(port), "--max-batch", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for _ in range(300):
             try:
@@ -217,8 +302,12 @@ def test_sigterm_finishes_cleanly(tmp_path):
         done = {}
 
         def stream():
-            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                              json={"model": "exactspec-default", "prompt": PROMPT, "max_tokens": 600, "stream": True}) as response:
+            with httpx.stream(
+                "POST",
+                f"http://127.0.0.1:{port}/v1/completions",
+                timeout=60,
+                json={"model": "exactspec-default", "prompt": PROMPT, "max_tokens": 600, "stream": True},
+            ) as response:
                 done["lines"] = [line for line in response.iter_lines() if line]
 
         reader = threading.Thread(target=stream)
@@ -234,10 +323,13 @@ def test_sigterm_finishes_cleanly(tmp_path):
             process.kill()
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--host", "0.0.0.0"], "give it an --api-key"),
-    (["--backend", "hf"], "--backend hf is for generate"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--host", "0.0.0.0"], "give it an --api-key"),
+        (["--backend", "hf"], "--backend hf is for generate"),
+    ],
+)
 def test_serve_refuses_unsafe_or_unsupported_settings_in_one_line(flags, words, capsys):
     from exactspec.cli import main
 

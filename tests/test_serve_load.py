@@ -15,7 +15,22 @@ from exactspec.bench import loadtest  # noqa: E402
 
 
 def test_a_short_load_test_passes_and_reports(capsys):
-    code = loadtest.main(["--spawn", "--clients", "4", "--seconds", "4", "--max-tokens", "16", "--threads", "1", "--temperature", "0", "--json"])
+    code = loadtest.main(
+        [
+            "--spawn",
+            "--clients",
+            "4",
+            "--seconds",
+            "4",
+            "--max-tokens",
+            "16",
+            "--threads",
+            "1",
+            "--temperature",
+            "0",
+            "--json",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert code == 0, report
     assert report["completed"] >= 4 and report["errors"] == [] and report["mismatches"] == []

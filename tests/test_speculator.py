@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from exactspec import GenerationConfig, SpeculativeDecoder
-from exactspec.loading import LOOKUP, PairSpec, default_pair_dirs
 from exactspec.decoding.priors import PolicyCache
 from exactspec.decoding.sampling import GREEDY, SamplingParams
+from exactspec.loading import LOOKUP, PairSpec, default_pair_dirs
 from exactspec.speculator import Speculator
 
 PROMPT = "def parse_args(argv):\n"
@@ -32,7 +32,9 @@ def test_auto_starts_from_the_shipped_prior_then_the_cache_and_keeps_its_policy(
     params = SamplingParams(temperature=0.7)
     first = speculator.generate(PROMPT, max_new_tokens=24, sampling=params, seed=1)
     second = speculator.generate(PROMPT, max_new_tokens=24, sampling=params, seed=2)
-    assert first.policy["prior_source"] == "shipped token-wise"  # the cache was empty; the draft ships token-wise figures
+    assert (
+        first.policy["prior_source"] == "shipped token-wise"
+    )  # the cache was empty; the draft ships token-wise figures
     assert second.policy is first.policy  # one cold start per sampling setting: the policy keeps learning
     fresh = Speculator(speculator.spec, speculator.pair, speculator.policy_cache)
     assert fresh.generate(PROMPT, max_new_tokens=8, sampling=params, seed=3).policy["prior_source"] == "cache"

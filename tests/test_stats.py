@@ -30,6 +30,14 @@ def test_acceptance_is_broken_down_by_the_source_that_drafted():
     for drafted, accepted, source in ((2, 1, "draft"), (3, 3, "lookup"), (2, 0, "draft"), (0, 0, "draft")):
         stats.observe(RoundRecord(drafted, accepted, accepted + 1, 0.0, 0.0, 0.0, source=source))
     sources = stats.by_source()
-    assert sources["draft"] == {"rounds": 2, "drafted": 4, "accepted": 1, "acceptance_by_position": [0.5, 0.0], "tokens_per_round": 1.5}
-    assert sources["lookup"]["acceptance_by_position"] == [1.0, 1.0, 1.0] and sources["lookup"]["tokens_per_round"] == 4.0
+    assert sources["draft"] == {
+        "rounds": 2,
+        "drafted": 4,
+        "accepted": 1,
+        "acceptance_by_position": [0.5, 0.0],
+        "tokens_per_round": 1.5,
+    }
+    assert (
+        sources["lookup"]["acceptance_by_position"] == [1.0, 1.0, 1.0] and sources["lookup"]["tokens_per_round"] == 4.0
+    )
     assert set(sources) == {"draft", "lookup"} and stats.summary()["acceptance_by_source"] == sources

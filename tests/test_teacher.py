@@ -3,35 +3,53 @@ shards training draws from."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-
 from conftest import save_tiny_checkpoint, tiny_tokenizer_json
+
 from exactspec.models.lean import LeanModel
-from exactspec.training.teacher import (SHARD_SEQUENCES, TEACHER_BATCH, TOP_K, ShardPool, TeacherSequence, lean_teacher,
-                                        load_shards, shard_paths, stored_keys, stored_layers, teacher_pass)
+from exactspec.training.teacher import (
+    SHARD_SEQUENCES,
+    TEACHER_BATCH,
+    TOP_K,
+    ShardPool,
+    TeacherSequence,
+    lean_teacher,
+    load_shards,
+    shard_paths,
+    stored_keys,
+    stored_layers,
+    teacher_pass,
+)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = save_tiny_checkpoint(tmp_path_factory.mktemp("teacher") / "target", vocab_rows=300, layers=2, seed=0,
-                                tokenizer_json=tiny_tokenizer_json())
+    path = save_tiny_checkpoint(
+        tmp_path_factory.mktemp("teacher") / "target",
+        vocab_rows=300,
+        layers=2,
+        seed=0,
+        tokenizer_json=tiny_tokenizer_json(),
+    )
     return LeanModel.from_pretrained(path, dtype=torch.float32)
 
 
 def _sequences(lengths, seed=0, prefix="s"):
     generator = torch.Generator().manual_seed(seed)
-    return [TeacherSequence(f"{prefix}{i}", torch.randint(1, 300, (n,), generator=generator).tolist(), n // 3, "docs")
-            for i, n in enumerate(lengths)]
+    return [
+        TeacherSequence(f"{prefix}{i}", torch.randint(1, 300, (n,), generator=generator).tolist(), n // 3, "docs")
+        for i, n in enumerate(lengths)
+    ]
 
 
 def test_the_teacher_reads_sequences_in_padded_batches_as_it_reads_each_alone(model, tmp_path):
     lengths = [5, 40, 17, 3, 29, 40, 11, 23, 8, 35, 2, 19]  # more than one batch, lengths mixed across batches
     assert len(lengths) > TEACHER_BATCH
     sequences = _sequences(lengths)
-    assert teacher_pass(lean_teacher(model, (0, 1)), (0, 1), sequences, tmp_path / "shards", float("inf")) == len(lengths)
+    assert teacher_pass(lean_teacher(model, (0, 1)), (0, 1), sequences, tmp_path / "shards", float("inf")) == len(
+        lengths
+    )
     rows = load_shards(tmp_path / "shards")
     assert [r["ids"].tolist() for r in rows] == [s.ids for s in sequences]  # the shard keeps the input order
     for row, sequence in zip(rows, sequences):
@@ -40,7 +58,9 @@ def test_the_teacher_reads_sequences_in_padded_batches_as_it_reads_each_alone(mo
         top = logits[0].softmax(-1).topk(TOP_K)
         assert (row["key"], row["source"], row["loss_from"]) == (sequence.key, "docs", sequence.loss_from)
         assert row["features"].shape == (len(sequence.ids), 2 * model.cfg.hidden_size)
-        torch.testing.assert_close(row["features"].float(), features[0].to(torch.bfloat16).float(), atol=0.02, rtol=0.01)
+        torch.testing.assert_close(
+            row["features"].float(), features[0].to(torch.bfloat16).float(), atol=0.02, rtol=0.01
+        )
         torch.testing.assert_close(row["top_probs"].float(), top.values.half().float(), atol=1e-3, rtol=1e-3)
         assert (row["top_ids"][:, 0] == top.indices[:, 0]).all()  # the most likely token, position by position
 
@@ -62,7 +82,9 @@ def test_a_rerun_reads_only_new_sequences_and_rewrites_a_cut_shard(model, tmp_pa
     assert teacher_pass(counting, (0,), grown, shards, float("inf")) == len(grown) and sum(calls) == 3
     rows = load_shards(shards)
     assert sorted(r["key"] for r in rows) == sorted(s.key for s in grown)  # each once: the cut shard was replaced
-    assert teacher_pass(counting, (0,), _sequences([4], seed=2, prefix="late"), shards, deadline=0.0) == len(grown)  # past it
+    assert teacher_pass(counting, (0,), _sequences([4], seed=2, prefix="late"), shards, deadline=0.0) == len(
+        grown
+    )  # past it
 
 
 def test_the_pool_holds_at_most_its_capacity_and_draws_the_same_sets_when_resumed(model, tmp_path):
@@ -97,7 +119,10 @@ def test_a_reader_takes_its_own_layers_of_the_stored_ones_and_a_pass_of_other_la
     pool = ShardPool.within(shards, memory_bytes=1e12, layers=(1,))
     assert all(torch.equal(r["features"], f["features"][:, width:]) for r, f in zip(pool.rows_for(0), whole))
     size = shard_paths(shards)[0].stat().st_size  # one shard: half of its features is about half of it in memory
-    assert ShardPool.within(shards, 1.1 * size).capacity == 1 and ShardPool.within(shards, 1.1 * size, layers=(1,)).capacity == 2
+    assert (
+        ShardPool.within(shards, 1.1 * size).capacity == 1
+        and ShardPool.within(shards, 1.1 * size, layers=(1,)).capacity == 2
+    )
     with pytest.raises(ValueError, match=r"hold target layers \[0, 1\], not \[2\]"):
         load_shards(shards, (2,))
     with pytest.raises(ValueError, match=r"holds features of target layers \[0, 1\], not \[0\]"):

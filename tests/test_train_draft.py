@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 from conftest import save_tiny_checkpoint, tiny_tokenizer_json
+
 from exactspec.cli import main
 from exactspec.models.eagle import FeatureDraft
 from exactspec.training.draft_data import read_answers
@@ -22,8 +23,13 @@ CHAT_TEMPLATE = "{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['cont
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    path = save_tiny_checkpoint(tmp_path_factory.mktemp("train_draft") / "target", vocab_rows=300, layers=2, seed=0,
-                                tokenizer_json=tiny_tokenizer_json())
+    path = save_tiny_checkpoint(
+        tmp_path_factory.mktemp("train_draft") / "target",
+        vocab_rows=300,
+        layers=2,
+        seed=0,
+        tokenizer_json=tiny_tokenizer_json(),
+    )
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return path
 
@@ -66,7 +72,10 @@ def test_answers_are_drawn_per_prompt_and_sample_and_a_rerun_adds_only_the_missi
     assert sorted(map(answer_key, rows)) == sorted((p.key, i) for p in prompts for i in range(2))
     for row in rows:
         prompt_ids, answer = row["ids"][: row["answer_start"]], row["ids"][row["answer_start"] :]
-        assert prompt_ids == tokenizer.encode_chat(chat_messages(row["prompt"])) and row["source"] == sources[row["prompt"]]
+        assert (
+            prompt_ids == tokenizer.encode_chat(chat_messages(row["prompt"]))
+            and row["source"] == sources[row["prompt"]]
+        )
         assert 1 <= len(answer) <= 6 and (len(answer) == 6 or answer[-1] in tokenizer.eos_token_ids)
         assert not set(answer[:-1]) & set(tokenizer.eos_token_ids)  # an answer ends at its first stop token
     assert generate_answers(target, prompts, out, time.monotonic() - 1, samples=3) == 10  # past the deadline: nothing
@@ -88,10 +97,16 @@ def test_answers_are_sampled_at_the_temperature_asked_and_record_it(target, tmp_
     prompts = [p for p in chat_prompts(0)[0] if len(p.key) < 60][:3]
     for temperature in (0.7, 1.0):
         out = tmp_path / f"answers-{temperature}.jsonl"
-        generate_answers(target, prompts, out, time.monotonic() + 600, samples=2, slots=4, max_new_tokens=4, temperature=temperature)
+        generate_answers(
+            target, prompts, out, time.monotonic() + 600, samples=2, slots=4, max_new_tokens=4, temperature=temperature
+        )
         assert [row["temperature"] for row in read_answers(out)] == [temperature] * 6 and asked[-1] == temperature
     code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "run"), "--answer-temperature", "0"])
-    assert code == 2 and "--answer-temperature 0.0: must be > 0" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    assert (
+        code == 2
+        and "--answer-temperature 0.0: must be > 0" in capsys.readouterr().err
+        and not (tmp_path / "run").exists()
+    )
 
 
 def test_answers_of_an_earlier_run_are_taken_once_and_another_targets_are_refused(target, tmp_path, capsys):
@@ -118,18 +133,54 @@ def test_answers_of_an_earlier_run_are_taken_once_and_another_targets_are_refuse
     with pytest.raises(ValueError, match="row 2 is not an answer of this target"):
         import_answers(tampered, out, tokenizer)
     assert out.read_text() == before  # nothing written
-    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new"), "--answers", str(tampered), "--minutes", "1"])
+    code = main(
+        [
+            "train-draft",
+            "--target",
+            str(target),
+            "--out",
+            str(tmp_path / "new"),
+            "--answers",
+            str(tampered),
+            "--minutes",
+            "1",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "row 2 is not an answer" in err and err.count("\n") == 1
-    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new2"), "--answers", str(tmp_path / "none.jsonl")])
+    code = main(
+        [
+            "train-draft",
+            "--target",
+            str(target),
+            "--out",
+            str(tmp_path / "new2"),
+            "--answers",
+            str(tmp_path / "none.jsonl"),
+        ]
+    )
     assert code == 2 and "no such file" in capsys.readouterr().err and not (tmp_path / "new2").exists()
     code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new3"), "--tv-weight", "-1"])
     assert code == 2 and "--tv-weight -1" in capsys.readouterr().err and not (tmp_path / "new3").exists()
-    for flag, value, says in [("--lr", "0", "--lr 0.0: must be > 0"), ("--lr", "nan", "--lr nan"), ("--mlp-units", "0", "--mlp-units")]:
+    for flag, value, says in [
+        ("--lr", "0", "--lr 0.0: must be > 0"),
+        ("--lr", "nan", "--lr nan"),
+        ("--mlp-units", "0", "--mlp-units"),
+    ]:
         code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new5"), flag, value])
         err = capsys.readouterr().err
         assert code == 2 and says in err and err.count("\n") == 1 and not (tmp_path / "new5").exists()
-    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "new4"), "--keep-answers", str(tmp_path / "no" / "kept.gz")])
+    code = main(
+        [
+            "train-draft",
+            "--target",
+            str(target),
+            "--out",
+            str(tmp_path / "new4"),
+            "--keep-answers",
+            str(tmp_path / "no" / "kept.gz"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "--keep-answers" in err and err.count("\n") == 1 and not (tmp_path / "new4").exists()
 
@@ -149,14 +200,29 @@ def test_second_answers_go_to_training_prompts_only(target, tmp_path, monkeypatc
             for sample in range(samples):
                 for prompt in prompts:
                     if (prompt.key, sample) not in done:
-                        sink.write(json.dumps({"prompt": prompt.key, "source": prompt.source, "sample": sample, "ids": [5, 6, 7], "answer_start": 1}) + "\n")
+                        sink.write(
+                            json.dumps(
+                                {
+                                    "prompt": prompt.key,
+                                    "source": prompt.source,
+                                    "sample": sample,
+                                    "ids": [5, 6, 7],
+                                    "answer_start": 1,
+                                }
+                            )
+                            + "\n"
+                        )
 
     monkeypatch.setattr(feature_draft, "generate_answers", fake_answers)
     args = replace(TrainDraftArgs(target, tmp_path, 1.0), answers_per_prompt=2)
-    held_keys = feature_draft._answer_phase(args, TextTokenizer.from_path(target), tmp_path / "answers.jsonl", float("inf"), "lean")
+    held_keys = feature_draft._answer_phase(
+        args, TextTokenizer.from_path(target), tmp_path / "answers.jsonl", float("inf"), "lean"
+    )
     rows = read_answers(tmp_path / "answers.jsonl")
     train, held = chat_prompts(0)
-    assert {p.key for p in held} < held_keys and len(held_keys) > len(held)  # follow-ups of held-out answers are held out
+    assert {p.key for p in held} < held_keys and len(held_keys) > len(
+        held
+    )  # follow-ups of held-out answers are held out
     assert {row["prompt"] for row in rows if row["sample"] == 1} == {row["prompt"] for row in rows} - held_keys
     assert {p.key for p in train} <= {row["prompt"] for row in rows if row["sample"] == 1}
 
@@ -180,8 +246,22 @@ def test_the_answers_kept_in_the_repository_are_smollm2s(tmp_path):
 
 def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.5", "--threads", "1",
-                 "--vocab-subset", "128", "--json"])
+    code = main(
+        [
+            "train-draft",
+            "--target",
+            str(target),
+            "--out",
+            str(out),
+            "--minutes",
+            "0.5",
+            "--threads",
+            "1",
+            "--vocab-subset",
+            "128",
+            "--json",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     card = json.loads(captured.out)
@@ -189,15 +269,33 @@ def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
     assert card["training"]["steps"] > 0 and card["training"]["tokens_seen"] > 0
     assert card["architecture"]["vocab_subset_size"] <= 128 and 0 < card["data"]["vocabulary_subset_coverage"] <= 1
     by_temperature = card["data"]["answers_by_temperature"]
-    assert set(by_temperature) <= {"0.7"} and sum(by_temperature.values()) == card["data"]["chat_answers"]  # the default
+    assert (
+        set(by_temperature) <= {"0.7"} and sum(by_temperature.values()) == card["data"]["chat_answers"]
+    )  # the default
     for values in card["held_out_acceptance_by_position"].values():
         assert len(values) == 4 and all(0 <= v <= 1 for v in values)
     assert FeatureDraft.is_feature_draft(out / "draft")
     answers = len(read_answers(out / "answers.jsonl"))
     assert answers > 0
 
-    code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.5", "--threads", "1",
-                 "--vocab-subset", "128", "--json", "--keep-answers", str(tmp_path / "kept.jsonl.gz")])
+    code = main(
+        [
+            "train-draft",
+            "--target",
+            str(target),
+            "--out",
+            str(out),
+            "--minutes",
+            "0.5",
+            "--threads",
+            "1",
+            "--vocab-subset",
+            "128",
+            "--json",
+            "--keep-answers",
+            str(tmp_path / "kept.jsonl.gz"),
+        ]
+    )
     again = json.loads(capsys.readouterr().out)
     assert code == 0 and again["training"]["steps"] > card["training"]["steps"]  # resumed, not restarted
     assert len(read_answers(out / "answers.jsonl")) >= answers
@@ -205,11 +303,17 @@ def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
     from exactspec.training.draft_data import import_answers
 
     kept = import_answers(tmp_path / "kept.jsonl.gz", tmp_path / "from_kept.jsonl", TextTokenizer.from_path(target))
-    assert read_answers(tmp_path / "from_kept.jsonl") == read_answers(out / "answers.jsonl") and kept > 0  # every answer
+    assert (
+        read_answers(tmp_path / "from_kept.jsonl") == read_answers(out / "answers.jsonl") and kept > 0
+    )  # every answer
     assert [r["steps"] for r in again["runs"]] == [card["training"]["steps"], again["training"]["steps"]]  # both runs
     assert all("finished" in r and r["minutes"] == 0.5 and r["answer_temperature"] == 0.7 for r in again["runs"])
     curve = again["acceptance_curve"]
-    assert len(curve) >= 2 and curve == sorted(curve, key=lambda p: p["tokens_seen"]) and curve[-1]["tokens_seen"] == again["training"]["tokens_seen"]
+    assert (
+        len(curve) >= 2
+        and curve == sorted(curve, key=lambda p: p["tokens_seen"])
+        and curve[-1]["tokens_seen"] == again["training"]["tokens_seen"]
+    )
     by_source = again["held_out_acceptance_by_source"]
     assert by_source["all"]["sampled"] == again["held_out_acceptance_by_position"]["sampled"]
     assert sum(v["sequences"] for k, v in by_source.items() if k != "all") == by_source["all"]["sequences"] > 0
@@ -233,10 +337,27 @@ def test_train_draft_end_to_end_and_resume(target, tmp_path, capsys):
 
     runs = []
     for flags in (["--draft", str(out / "draft")], ["--no-speculation"]):
-        code = main(["generate", "def f(", "--target", str(target), *flags, "--temperature", "0", "--max-new-tokens", "24",
-                     "--ignore-eos", "--json", "--dtype", "float32"])
+        code = main(
+            [
+                "generate",
+                "def f(",
+                "--target",
+                str(target),
+                *flags,
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "24",
+                "--ignore-eos",
+                "--json",
+                "--dtype",
+                "float32",
+            ]
+        )
         runs.append(json.loads(capsys.readouterr().out))
-    assert runs[0]["text"] == runs[1]["text"] and runs[0]["mode"].startswith("speculative (trained draft + prompt lookup)")
+    assert runs[0]["text"] == runs[1]["text"] and runs[0]["mode"].startswith(
+        "speculative (trained draft + prompt lookup)"
+    )
 
 
 def test_a_feature_draft_for_another_target_is_refused(target, tmp_path, capsys):
@@ -268,12 +389,48 @@ def test_the_architecture_ablation_trains_each_variant_for_its_steps_on_one_run(
 
     from exactspec.loading import native_bfloat16
 
-    variants = ["exactspec", "eagle3", "last-layer", "vocab-full", "ttt-1", "train-float32", "loss-ce", "mlp-2x"] + ["train-bfloat16"] * native_bfloat16()
+    variants = ["exactspec", "eagle3", "last-layer", "vocab-full", "ttt-1", "train-float32", "loss-ce", "mlp-2x"] + [
+        "train-bfloat16"
+    ] * native_bfloat16()
     out = tmp_path / "run"
-    assert main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.3", "--threads", "1",
-                 "--vocab-subset", "128"]) == 0
-    monkeypatch.setattr(sys, "argv", ["ablation", str(out), "--target", str(target), "--variants", ",".join(variants),
-                                      "--steps", "3", "--threads", "1", "--repeats", "2", "--compare", str(out / "draft")])
+    assert (
+        main(
+            [
+                "train-draft",
+                "--target",
+                str(target),
+                "--out",
+                str(out),
+                "--minutes",
+                "0.3",
+                "--threads",
+                "1",
+                "--vocab-subset",
+                "128",
+            ]
+        )
+        == 0
+    )
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "ablation",
+            str(out),
+            "--target",
+            str(target),
+            "--variants",
+            ",".join(variants),
+            "--steps",
+            "3",
+            "--threads",
+            "1",
+            "--repeats",
+            "2",
+            "--compare",
+            str(out / "draft"),
+        ],
+    )
     runpy.run_module("exactspec.training.ablation", run_name="__main__")
     report = json.loads((out / "ablation" / "ablation.json").read_text())
     by_name = {r["variant"]: r for r in report["variants"]}
@@ -307,11 +464,41 @@ def test_the_ablation_can_start_every_variant_from_a_trained_draft(target, tmp_p
     import sys
 
     out = tmp_path / "run"
-    assert main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.2", "--threads", "1",
-                 "--vocab-subset", "128"]) == 0
+    assert (
+        main(
+            [
+                "train-draft",
+                "--target",
+                str(target),
+                "--out",
+                str(out),
+                "--minutes",
+                "0.2",
+                "--threads",
+                "1",
+                "--vocab-subset",
+                "128",
+            ]
+        )
+        == 0
+    )
     given = FeatureDraft.load(out / "draft")
-    argv = ["ablation", str(out), "--target", str(target), "--steps", "2", "--threads", "1", "--repeats", "2",
-            "--init-from", str(out / "draft"), "--lr", "1e-12"]  # a step of 1e-12 moves no float32 weight of this size
+    argv = [
+        "ablation",
+        str(out),
+        "--target",
+        str(target),
+        "--steps",
+        "2",
+        "--threads",
+        "1",
+        "--repeats",
+        "2",
+        "--init-from",
+        str(out / "draft"),
+        "--lr",
+        "1e-12",
+    ]  # a step of 1e-12 moves no float32 weight of this size
     monkeypatch.setattr(sys, "argv", argv[:-4] + ["--init-from", str(out), "--out", str(tmp_path / "refused")])
     with pytest.raises(SystemExit, match="is not a feature draft"):
         runpy.run_module("exactspec.training.ablation", run_name="__main__")
@@ -344,7 +531,9 @@ def test_a_run_directory_keeps_its_layout_and_width(tmp_path):
     exactspec_layout = FeatureDraftConfig(64, (0, 1), 8, 4, 2, 96)
     _check_layout(record, exactspec_layout, 96)  # the first run writes it
     _check_layout(record, exactspec_layout, 96)  # the same layout resumes
-    with pytest.raises(ValueError, match="made for the exactspec layout .* rerun it with --layout exactspec --mlp-units 96"):
+    with pytest.raises(
+        ValueError, match="made for the exactspec layout .* rerun it with --layout exactspec --mlp-units 96"
+    ):
         _check_layout(record, FeatureDraftConfig(64, (0, 1), 8, 4, 2, 96, layout="eagle3"), 96)
     with pytest.raises(ValueError, match="with 96 MLP units"):
         _check_layout(record, replace(exactspec_layout, intermediate_size=192), 96)
@@ -371,17 +560,40 @@ def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
     for parameter in start.parameters():
         parameter.data.normal_(0, 0.05)
     start.vocab_ids.copy_(torch.arange(0, 128, 2))
-    start.save(tmp_path / "start", {"training": {"tokens_seen": 12345, "runs_before": [{"minutes": 3.0}]}, "runs": [{"minutes": 7.0}]})
+    start.save(
+        tmp_path / "start",
+        {"training": {"tokens_seen": 12345, "runs_before": [{"minutes": 3.0}]}, "runs": [{"minutes": 7.0}]},
+    )
 
     out = tmp_path / "run"
-    code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.3", "--threads", "1",
-                 "--init-from", str(tmp_path / "start"), "--json"])
+    code = main(
+        [
+            "train-draft",
+            "--target",
+            str(target),
+            "--out",
+            str(out),
+            "--minutes",
+            "0.3",
+            "--threads",
+            "1",
+            "--init-from",
+            str(tmp_path / "start"),
+            "--json",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     card = json.loads(captured.out)
-    assert card["training"]["initialised_from"] == str(tmp_path / "start") and card["training"]["tokens_seen_before"] == 12345
+    assert (
+        card["training"]["initialised_from"] == str(tmp_path / "start")
+        and card["training"]["tokens_seen_before"] == 12345
+    )
     assert card["training"]["tokens_seen"] > 12345 and card["runs"][-1]["init_from"] == str(tmp_path / "start")
-    assert card["training"]["runs_before"] == [{"minutes": 3.0}, {"minutes": 7.0}]  # every run that made the starting draft
+    assert card["training"]["runs_before"] == [
+        {"minutes": 3.0},
+        {"minutes": 7.0},
+    ]  # every run that made the starting draft
     assert torch.equal(FeatureDraft.load(out / "draft").vocab_ids, start.vocab_ids)
     first = card["acceptance_curve"][0]
     assert first["tokens_seen"] == 12345 and first["steps"] == 0
@@ -390,36 +602,118 @@ def test_training_can_start_from_a_trained_draft(target, tmp_path, capsys):
     held = load_shards(out / "held_out", start.cfg.feature_layers)
     assert first["sampled"] == round(held_out_acceptance(start.eval(), held, 1, target_cfg.vocab_size)["sampled"][0], 4)
 
-    code = main(["train-draft", "--target", str(target), "--out", str(out), "--minutes", "0.2", "--threads", "1",
-                 "--init-from", str(tmp_path / "start"), "--tv-weight", "2", "--json"])  # a rerun resumes its checkpoint, and still says where it began
+    code = main(
+        [
+            "train-draft",
+            "--target",
+            str(target),
+            "--out",
+            str(out),
+            "--minutes",
+            "0.2",
+            "--threads",
+            "1",
+            "--init-from",
+            str(tmp_path / "start"),
+            "--tv-weight",
+            "2",
+            "--json",
+        ]
+    )  # a rerun resumes its checkpoint, and still says where it began
     resumed = json.loads(capsys.readouterr().out)
     assert code == 0 and resumed["training"]["steps"] > card["training"]["steps"]
-    assert [r["tv_weight"] for r in resumed["runs"]] == [4.0, 2.0] and resumed["training"]["tv_weight"] == 2.0  # each run's loss
-    assert resumed["training"]["initialised_from"] == str(tmp_path / "start") and resumed["training"]["runs_before"] == [{"minutes": 3.0}, {"minutes": 7.0}]
+    assert [r["tv_weight"] for r in resumed["runs"]] == [4.0, 2.0] and resumed["training"][
+        "tv_weight"
+    ] == 2.0  # each run's loss
+    assert resumed["training"]["initialised_from"] == str(tmp_path / "start") and resumed["training"][
+        "runs_before"
+    ] == [{"minutes": 3.0}, {"minutes": 7.0}]
 
     FeatureDraft(FeatureDraftConfig.for_target(target_cfg, 64, "exactspec")).save(tmp_path / "other")
-    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "run2"), "--minutes", "0.3",
-                 "--init-from", str(tmp_path / "other")])
+    code = main(
+        [
+            "train-draft",
+            "--target",
+            str(target),
+            "--out",
+            str(tmp_path / "run2"),
+            "--minutes",
+            "0.3",
+            "--init-from",
+            str(tmp_path / "other"),
+        ]
+    )
     err = capsys.readouterr().err
-    assert code == 2 and "--init-from" in err and "another shape" in err and "layout exactspec" in err and err.count("\n") == 1
+    assert (
+        code == 2
+        and "--init-from" in err
+        and "another shape" in err
+        and "layout exactspec" in err
+        and err.count("\n") == 1
+    )
     assert not (tmp_path / "run2").exists()  # refused before any work: no directory left behind
 
     units = 2 * start.cfg.intermediate_size  # --mlp-units: the starting draft widened, computing what it computed
-    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "wide"), "--minutes", "0.2", "--threads", "1",
-                 "--init-from", str(tmp_path / "start"), "--mlp-units", str(units), "--json"])
+    code = main(
+        [
+            "train-draft",
+            "--target",
+            str(target),
+            "--out",
+            str(tmp_path / "wide"),
+            "--minutes",
+            "0.2",
+            "--threads",
+            "1",
+            "--init-from",
+            str(tmp_path / "start"),
+            "--mlp-units",
+            str(units),
+            "--json",
+        ]
+    )
     wide = json.loads(capsys.readouterr().out)
     assert code == 0 and wide["architecture"]["intermediate_size"] == units
     assert FeatureDraft.load(tmp_path / "wide" / "draft").cfg.intermediate_size == units
     wide_held = load_shards(tmp_path / "wide" / "held_out", start.cfg.feature_layers)
-    assert wide["acceptance_curve"][0]["sampled"] == round(held_out_acceptance(start.eval(), wide_held, 1, target_cfg.vocab_size)["sampled"][0], 4)
-    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "wide"), "--minutes", "0.2",
-                 "--init-from", str(tmp_path / "start")])  # resuming it at the default width would load the wrong model
+    assert wide["acceptance_curve"][0]["sampled"] == round(
+        held_out_acceptance(start.eval(), wide_held, 1, target_cfg.vocab_size)["sampled"][0], 4
+    )
+    code = main(
+        [
+            "train-draft",
+            "--target",
+            str(target),
+            "--out",
+            str(tmp_path / "wide"),
+            "--minutes",
+            "0.2",
+            "--init-from",
+            str(tmp_path / "start"),
+        ]
+    )  # resuming it at the default width would load the wrong model
     err = capsys.readouterr().err
     assert code == 2 and f"with {units} MLP units" in err and err.count("\n") == 1
-    code = main(["train-draft", "--target", str(target), "--out", str(tmp_path / "narrow"), "--minutes", "0.2",
-                 "--init-from", str(tmp_path / "wide" / "draft")])  # a wider draft is not cut down
+    code = main(
+        [
+            "train-draft",
+            "--target",
+            str(target),
+            "--out",
+            str(tmp_path / "narrow"),
+            "--minutes",
+            "0.2",
+            "--init-from",
+            str(tmp_path / "wide" / "draft"),
+        ]
+    )  # a wider draft is not cut down
     err = capsys.readouterr().err
-    assert code == 2 and f"intermediate_size {units}" in err and err.count("\n") == 1 and not (tmp_path / "narrow").exists()
+    assert (
+        code == 2
+        and f"intermediate_size {units}" in err
+        and err.count("\n") == 1
+        and not (tmp_path / "narrow").exists()
+    )
 
 
 def test_the_data_runtime_is_the_faster_one_measured_here(target, monkeypatch):
@@ -443,12 +737,17 @@ def test_the_data_runtime_is_the_faster_one_measured_here(target, monkeypatch):
 
     monkeypatch.setattr(exactspec.models.base, "is_gguf", lambda path: True)
     monkeypatch.setattr(exactspec.models.llamacpp, "llama_cpp_available", lambda: True)
-    for measured, expected in (({"llamacpp": 900.0, "lean": 300.0}, "llamacpp"), ({"llamacpp": 60.0, "lean": 270.0}, "lean")):
+    for measured, expected in (
+        ({"llamacpp": 900.0, "lean": 300.0}, "llamacpp"),
+        ({"llamacpp": 60.0, "lean": 270.0}, "lean"),
+    ):
         monkeypatch.setattr(feature_draft, "data_rates", lambda *args, measured=measured, **kwargs: measured)
         lines = []
         assert TrainDraftArgs(target, target).data_backend(lines.append) == expected
-        assert lines == [f"data runtime: {expected} (one call decoding 32 slots: llamacpp {measured['llamacpp']:,.0f} tokens/s, "
-                         f"lean {measured['lean']:,.0f} tokens/s)"]
+        assert lines == [
+            f"data runtime: {expected} (one call decoding 32 slots: llamacpp {measured['llamacpp']:,.0f} tokens/s, "
+            f"lean {measured['lean']:,.0f} tokens/s)"
+        ]
 
 
 def test_the_lean_teacher_reads_in_the_weight_form_measured_faster_here(target, monkeypatch):
@@ -472,10 +771,16 @@ def test_the_lean_teacher_reads_in_the_weight_form_measured_faster_here(target, 
     is_q4 = lambda model: any(isinstance(module, Int4Linear) for module in model.decoder.modules())  # noqa: E731
     for rates, expected in (({"q4": 700.0, "dense": 3000.0}, "dense"), ({"q4": 900.0, "dense": 300.0}, "q4")):
         lines = []
-        model, form = fastest_teacher(smollm2, lines.append, rate=lambda model, rates=rates: rates["q4" if is_q4(model) else "dense"])
+        model, form = fastest_teacher(
+            smollm2, lines.append, rate=lambda model, rates=rates: rates["q4" if is_q4(model) else "dense"]
+        )
         assert form == expected and is_q4(model) == (expected == "q4") and model.dtype == torch.bfloat16
-        assert lines == [f"teacher weights: {expected} (a batch of 8 sequences: q4 {rates['q4']:,.0f} tokens/s, dense {rates['dense']:,.0f} tokens/s)"]
-    monkeypatch.setattr(exactspec.loading, "native_bfloat16", lambda device="cpu": False)  # emulated bfloat16: q4, as decoded
+        assert lines == [
+            f"teacher weights: {expected} (a batch of 8 sequences: q4 {rates['q4']:,.0f} tokens/s, dense {rates['dense']:,.0f} tokens/s)"
+        ]
+    monkeypatch.setattr(
+        exactspec.loading, "native_bfloat16", lambda device="cpu": False
+    )  # emulated bfloat16: q4, as decoded
     assert fastest_teacher(smollm2, rate=no_timing)[1] == "q4"
     assert teacher_rate(model, width=8) > 0
 
@@ -488,9 +793,16 @@ def _tiny_draft_and_rows() -> tuple[FeatureDraft, list[dict]]:
     draft.vocab_ids.copy_(torch.arange(20))
     draft.attach_weights(torch.randn(40, 32), torch.randn(40, 32))
     generator = torch.Generator().manual_seed(0)
-    rows = [{"ids": torch.randint(0, 40, (24,), generator=generator), "features": torch.randn(24, 96, generator=generator),
-             "top_ids": torch.randint(0, 40, (24, 4), generator=generator), "top_probs": torch.full((24, 4), 0.25), "loss_from": 2}
-            for _ in range(3)]
+    rows = [
+        {
+            "ids": torch.randint(0, 40, (24,), generator=generator),
+            "features": torch.randn(24, 96, generator=generator),
+            "top_ids": torch.randint(0, 40, (24, 4), generator=generator),
+            "top_probs": torch.full((24, 4), 0.25),
+            "loss_from": 2,
+        }
+        for _ in range(3)
+    ]
     return draft, rows
 
 
@@ -539,9 +851,17 @@ def test_the_total_variation_term_adds_the_rejection_probability_of_one_drafted_
         outputs = draft.forward_train(feats[:, :-1], ids[:, 1:], 2)
     for k, (g, ce, both) in enumerate(zip(outputs, plain, weighted), start=1):
         q = draft.logits(g).detach().float().softmax(-1)
-        rejections = [1 - sum(min(float(probs[b, j + 1, i]), float(q[b, j, int(subset_index[top[b, j + 1, i]])]))
-                              for i in range(4) if subset_index[top[b, j + 1, i]] >= 0)
-                      for b in range(2) for j in range(k - 1, 8) if counted[b, j + 1]]
+        rejections = [
+            1
+            - sum(
+                min(float(probs[b, j + 1, i]), float(q[b, j, int(subset_index[top[b, j + 1, i]])]))
+                for i in range(4)
+                if subset_index[top[b, j + 1, i]] >= 0
+            )
+            for b in range(2)
+            for j in range(k - 1, 8)
+            if counted[b, j + 1]
+        ]
         assert float(both - ce) == pytest.approx(2.5 * sum(rejections) / len(rejections), rel=1e-5)
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="--tv-weight"):

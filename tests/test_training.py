@@ -31,11 +31,24 @@ def test_pipeline_smoke(tmp_path):
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "run"
     args = TrainArgs(
-        out=out, vocab_size=300, seq_len=32, batch_size=4, max_files=8, max_position_embeddings=64,
-        target=ModelShape(2, 32, 64, 2, 1), draft=ModelShape(1, 32, 64, 2, 1),
-        target_minutes=10, draft_minutes=10, target_tokens=128 * 12, draft_tokens=128 * 6,
-        warmup_steps=2, eval_tokens=256, checkpoint_minutes=0.0, progress=False,
-        threads=1, timing_calls=0,
+        out=out,
+        vocab_size=300,
+        seq_len=32,
+        batch_size=4,
+        max_files=8,
+        max_position_embeddings=64,
+        target=ModelShape(2, 32, 64, 2, 1),
+        draft=ModelShape(1, 32, 64, 2, 1),
+        target_minutes=10,
+        draft_minutes=10,
+        target_tokens=128 * 12,
+        draft_tokens=128 * 6,
+        warmup_steps=2,
+        eval_tokens=256,
+        checkpoint_minutes=0.0,
+        progress=False,
+        threads=1,
+        timing_calls=0,
     )
     metrics = run(args)
     for key in ("target_heldout_loss", "draft_heldout_loss", "alpha_stochastic", "argmax_agreement"):

@@ -20,8 +20,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import disjoint_pair, random_distribution
+
 from exactspec.decoding import verify
 from exactspec.decoding.verify import (
     greedy_token,
@@ -107,7 +107,9 @@ def test_target_zero_probability_token_is_never_accepted():
     p = torch.tensor([1.0, 0.0], dtype=torch.float64)
     q = torch.tensor([0.5, 0.5], dtype=torch.float64)
     generator = torch.Generator().manual_seed(2)
-    result = verify_stochastic(torch.ones((2000, 1), dtype=torch.int64), q.expand(2000, 1, 2), p.expand(2000, 2, 2), generator)
+    result = verify_stochastic(
+        torch.ones((2000, 1), dtype=torch.int64), q.expand(2000, 1, 2), p.expand(2000, 2, 2), generator
+    )
     assert (result.num_accepted == 0).all() and (result.tokens[:, 0] == 0).all()
 
 
@@ -116,7 +118,9 @@ def test_tiny_probabilities_do_not_produce_nan():
     q = torch.tensor([1e-300, 1 - 2e-300, 1e-300], dtype=torch.float64)
     assert (output_law(p, q) - p).abs().max() < 1e-15
     generator = torch.Generator().manual_seed(3)
-    result = verify_stochastic(torch.ones((100, 1), dtype=torch.int64), q.expand(100, 1, 3), p.expand(100, 2, 3), generator)
+    result = verify_stochastic(
+        torch.ones((100, 1), dtype=torch.int64), q.expand(100, 1, 3), p.expand(100, 2, 3), generator
+    )
     assert (result.tokens[:, 0] == 0).all()
 
 
@@ -195,7 +199,9 @@ def exact_committed_law(target, draft, vocab: int, gamma: int, point_mass: bool,
                     weights.append(weight * width / (2 if margin < width / 2 else 1))
     result = verifier(
         torch.tensor([r[0] for r in rows], dtype=torch.int64).reshape(len(rows), gamma),
-        None if point_mass else torch.stack([torch.stack(r[1]) if gamma else torch.zeros(0, vocab, dtype=torch.float64) for r in rows]),
+        None
+        if point_mass
+        else torch.stack([torch.stack(r[1]) if gamma else torch.zeros(0, vocab, dtype=torch.float64) for r in rows]),
         torch.stack([torch.stack(r[2]) for r in rows]),
         torch.tensor([r[3] for r in rows], dtype=torch.float64).reshape(len(rows), gamma),
         torch.tensor([r[4] for r in rows], dtype=torch.float64),
@@ -268,7 +274,9 @@ def _shifted_threshold(draft_tokens, draft_probs, target_probs, accept_u, sample
 
 def _residual_only_at_draft(draft_tokens, draft_probs, target_probs, accept_u, sample_u):
     """Mutant: on rejection removes q's mass only at the drafted token, i.e. draws from max(0, p - q(x) 1_x)."""
-    only_drafted = torch.zeros_like(draft_probs).scatter(-1, draft_tokens.unsqueeze(-1), draft_probs.gather(-1, draft_tokens.unsqueeze(-1)))
+    only_drafted = torch.zeros_like(draft_probs).scatter(
+        -1, draft_tokens.unsqueeze(-1), draft_probs.gather(-1, draft_tokens.unsqueeze(-1))
+    )
     result = verify_with_uniforms(draft_tokens, draft_probs, target_probs, accept_u, sample_u)
     rows = torch.arange(draft_tokens.shape[0])
     gamma = draft_tokens.shape[1]
@@ -371,7 +379,16 @@ def _block():
 @pytest.mark.parametrize(
     "mutate,message",
     [
-        (lambda t, q, p: (t, q, p.masked_fill(torch.zeros_like(p, dtype=torch.bool).index_fill(2, torch.tensor([0]), True), float("nan"))), "NaN"),
+        (
+            lambda t, q, p: (
+                t,
+                q,
+                p.masked_fill(
+                    torch.zeros_like(p, dtype=torch.bool).index_fill(2, torch.tensor([0]), True), float("nan")
+                ),
+            ),
+            "NaN",
+        ),
         (lambda t, q, p: (t, q * float("inf"), p), "NaN or infinite"),
         (lambda t, q, p: (t, q, p * torch.tensor([2.0, -1.0, 0.0, 0.0], dtype=torch.float64)), "negative"),
         (lambda t, q, p: (t, q * 0.5, p), "not normalised"),

@@ -67,6 +67,7 @@ def test_padding_ids_are_never_sampled_whatever_the_padding_and_in_plain_decodin
 def test_loaded_models_are_restricted_with_equal_padding_and_alone(tmp_path):
     pytest.importorskip("transformers")
     from conftest import save_tiny_checkpoint, tiny_tokenizer_json
+
     from exactspec.loading import load_pair
 
     tokenizer = tiny_tokenizer_json()

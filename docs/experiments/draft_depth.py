@@ -9,14 +9,16 @@ runtime has no multi-layer draft, so no draft-step cost.
 
     python docs/experiments/draft_depth.py runs/smollm2e OUT --steps 1500 --lr 3e-4 --threads 2
 """
-import argparse, json
+
+import argparse
+import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from carry_on import carry_on, target_and_shipped
 from torch import nn
 
-from carry_on import carry_on, target_and_shipped
 from exactspec.models.eagle import FeatureDraft, ttt_mask
 from exactspec.models.llama import Block
 from exactspec.training.feature_draft import POOL_BYTES
@@ -45,8 +47,13 @@ class DeeperDraft(FeatureDraft):
                 q, key, value = layer.qkv(x, cos, sin)
                 keys[i].append(key)
                 values[i].append(value)
-                y = F.scaled_dot_product_attention(q, torch.cat(keys[i], 2), torch.cat(values[i], 2), attn_mask=mask,
-                                                   enable_gqa=layer.n_kv != layer.n_head)
+                y = F.scaled_dot_product_attention(
+                    q,
+                    torch.cat(keys[i], 2),
+                    torch.cat(values[i], 2),
+                    attn_mask=mask,
+                    enable_gqa=layer.n_kv != layer.n_head,
+                )
                 x = layer.finish(x, y)
             outputs.append(x)
             u = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
@@ -68,7 +75,10 @@ def main():
     missing = draft.load_state_dict(shipped.state_dict(), strict=False)
     assert all(k.startswith("extra.") for k in missing.missing_keys) and not missing.unexpected_keys
     pool = ShardPool.within(args.run / "teacher", POOL_BYTES, 0, layers=draft.cfg.feature_layers)
-    result = {"extra_layers": args.extra_layers, **carry_on(target, draft, args.run, args.out, pool, args.steps, args.lr)}
+    result = {
+        "extra_layers": args.extra_layers,
+        **carry_on(target, draft, args.run, args.out, pool, args.steps, args.lr),
+    }
     (args.out / "result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result), flush=True)
 

@@ -10,13 +10,15 @@ control. Offline acceptance only.
 
     python docs/experiments/draft_inputs.py runs/smollm2e OUT --layers 1,6,14,26,29 --steps 1500 --lr 3e-4 --threads 2
 """
-import argparse, json
+
+import argparse
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-
 from carry_on import carry_on, target_and_shipped
+
 from exactspec.models.eagle import FeatureDraft
 from exactspec.training.feature_draft import POOL_BYTES
 from exactspec.training.teacher import ShardPool, shard_paths, stored_layers
@@ -26,14 +28,16 @@ def reading(shipped: FeatureDraft, layers: tuple[int, ...]) -> FeatureDraft:
     """The shipped draft, its ``fc`` widened to read ``layers`` (a superset of its own) with zero weight on the new."""
     missing = set(shipped.cfg.feature_layers) - set(layers)
     if missing:
-        raise SystemExit(f"--layers must keep the shipped draft's layers {shipped.cfg.feature_layers}; {sorted(missing)} left out")
+        raise SystemExit(
+            f"--layers must keep the shipped draft's layers {shipped.cfg.feature_layers}; {sorted(missing)} left out"
+        )
     draft = FeatureDraft(replace(shipped.cfg, feature_layers=layers))
     state = shipped.state_dict()
     c = shipped.cfg.target_hidden_size
     fc = torch.zeros(c, len(layers) * c)
     for i, layer in enumerate(shipped.cfg.feature_layers):
         j = layers.index(layer)
-        fc[:, j * c:(j + 1) * c] = state["fc.weight"][:, i * c:(i + 1) * c]
+        fc[:, j * c : (j + 1) * c] = state["fc.weight"][:, i * c : (i + 1) * c]
     state["fc.weight"] = fc
     draft.load_state_dict(state)
     return draft
@@ -58,7 +62,9 @@ def main():
     pool = ShardPool(shard_paths(args.run / "teacher"), control.capacity, 0, layers=layers)
     result = {"layers": list(layers), **carry_on(target, draft, args.run, args.out, pool, args.steps, args.lr)}
     c = draft.cfg.target_hidden_size
-    result["fc_norm_by_layer"] = {layer: round(draft.fc.weight[:, j * c:(j + 1) * c].norm().item(), 3) for j, layer in enumerate(layers)}
+    result["fc_norm_by_layer"] = {
+        layer: round(draft.fc.weight[:, j * c : (j + 1) * c].norm().item(), 3) for j, layer in enumerate(layers)
+    }
     (args.out / "result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result), flush=True)
 

@@ -7,10 +7,10 @@ Chen et al. 2023).
 """
 
 from exactspec.decoding.decoder import Generation, GenerationConfig, SpeculativeDecoder
-from exactspec.models.markov import MarkovLM
 from exactspec.decoding.sampling import GREEDY, SamplingParams
-from exactspec.speculator import Completion, Speculator
 from exactspec.decoding.stats import GenerationStats, RoundRecord
+from exactspec.models.markov import MarkovLM
+from exactspec.speculator import Completion, Speculator
 
 __version__ = "0.1.0"
 

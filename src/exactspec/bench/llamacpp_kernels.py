@@ -16,8 +16,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 __all__ = ["time_calls", "run_arm", "main"]
 
@@ -43,7 +43,13 @@ def time_calls(model: Path, extra_buffers: bool, sizes: Sequence[int], threads: 
     def decode(first: int, n: int) -> None:
         batch = llama.llama_batch_init(n, 0, 1)
         for i in range(n):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = 100 + first + i, first + i, 1, 0, True
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = (
+                100 + first + i,
+                first + i,
+                1,
+                0,
+                True,
+            )
         batch.n_tokens = n
         status = llama.llama_decode(context, batch)
         llama.llama_batch_free(batch)
@@ -65,9 +71,26 @@ def time_calls(model: Path, extra_buffers: bool, sizes: Sequence[int], threads: 
 
 def run_arm(model: Path, extra_buffers: bool, sizes: Sequence[int], threads: int, calls: int) -> dict[int, float] | str:
     """:func:`time_calls` in a child process: its costs, or what ended it (``killed by SIGSEGV``, or its error)."""
-    done = subprocess.run([sys.executable, "-m", "exactspec.bench.llamacpp_kernels", "--child", "--target", str(model),
-                           "--extra-buffers", str(int(extra_buffers)), "--sizes", ",".join(map(str, sizes)),
-                           "--threads", str(threads), "--calls", str(calls)], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "exactspec.bench.llamacpp_kernels",
+            "--child",
+            "--target",
+            str(model),
+            "--extra-buffers",
+            str(int(extra_buffers)),
+            "--sizes",
+            ",".join(map(str, sizes)),
+            "--threads",
+            str(threads),
+            "--calls",
+            str(calls),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode < 0:
         return f"killed by {signal.Signals(-done.returncode).name}"
     if done.returncode != 0:
@@ -76,7 +99,9 @@ def run_arm(model: Path, extra_buffers: bool, sizes: Sequence[int], threads: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m exactspec.bench.llamacpp_kernels", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m exactspec.bench.llamacpp_kernels", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--target", default="smollm2", help="a GGUF file, or smollm2 (the packaged one)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sizes", default="1,2,3,5,9,64", help="tokens per call, comma-separated")
@@ -90,7 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from exactspec.loading import PACKAGED_MODELS
 
         args.target = PACKAGED_MODELS["smollm2"].path()
-    problems = [f"--sizes {args.sizes}: give positive token counts, comma-separated"] if len(sizes) != len(args.sizes.split(",")) else []
+    problems = (
+        [f"--sizes {args.sizes}: give positive token counts, comma-separated"]
+        if len(sizes) != len(args.sizes.split(","))
+        else []
+    )
     if not (args.child or Path(args.target).is_file()):  # the child's own load says what is wrong with a file
         problems.append(f"--target {args.target}: no such file")
     if min(args.threads, args.calls, args.repeats) < 1:

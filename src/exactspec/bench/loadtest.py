@@ -72,8 +72,11 @@ async def _stream(client, config: LoadConfig, body: dict) -> dict:
     """One streaming request: its text, tokens, time to first token and latency (or its error)."""
     started = time.perf_counter()
     first, pieces, tokens = None, [], 0
-    async with client.stream("POST", "/v1/completions", json={**body, "model": config.model, "stream": True,
-                                                               "stream_options": {"include_usage": True}}) as response:
+    async with client.stream(
+        "POST",
+        "/v1/completions",
+        json={**body, "model": config.model, "stream": True, "stream_options": {"include_usage": True}},
+    ) as response:
         if response.status_code != 200:
             return {"error": f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"}
         async for line in response.aiter_lines():
@@ -108,8 +111,16 @@ async def run_load(config: LoadConfig) -> dict:
     async with httpx.AsyncClient(base_url=config.url, headers=headers, timeout=120, limits=limits) as client:
         began, baseline_tokens = time.perf_counter(), 0
         for i in range(config.baseline_requests):
-            result = await _stream(client, config, {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": config.max_tokens,
-                                                    "temperature": 0, "speculation": "off"})
+            result = await _stream(
+                client,
+                config,
+                {
+                    "prompt": PROMPTS[i % len(PROMPTS)],
+                    "max_tokens": config.max_tokens,
+                    "temperature": 0,
+                    "speculation": "off",
+                },
+            )
             if "error" in result:
                 raise RuntimeError(f"baseline request failed: {result['error']}")
             baseline_tokens += result["tokens"]
@@ -122,8 +133,13 @@ async def run_load(config: LoadConfig) -> dict:
         async def user(index: int) -> None:
             turn = 0
             while time.perf_counter() < deadline:
-                body = {"prompt": PROMPTS[(index + turn) % len(PROMPTS)], "max_tokens": config.max_tokens, "temperature": config.temperature,
-                        "seed": 1000 * index + turn, "speculation": MODES[(index + turn) % len(MODES)]}
+                body = {
+                    "prompt": PROMPTS[(index + turn) % len(PROMPTS)],
+                    "max_tokens": config.max_tokens,
+                    "temperature": config.temperature,
+                    "seed": 1000 * index + turn,
+                    "speculation": MODES[(index + turn) % len(MODES)],
+                }
                 try:
                     records.append((body, await _stream(client, config, body)))
                 except httpx.HTTPError as error:
@@ -140,16 +156,23 @@ async def run_load(config: LoadConfig) -> dict:
         for body, result in [(b, r) for b, r in records if "error" not in r][: config.check_limit]:
             alone = await _stream(client, config, body)
             if alone.get("text") != result["text"]:
-                mismatches.append({"request": body, "under_load": result["text"], "alone": alone.get("text", alone.get("error"))})
+                mismatches.append(
+                    {"request": body, "under_load": result["text"], "alone": alone.get("text", alone.get("error"))}
+                )
     tokens = sum(r["tokens"] for r in done)
     aggregate = tokens / load_seconds
     return {
         "config": asdict(config),
         "baseline_tokens_per_second": baseline,
-        "requests": len(records), "completed": len(done), "errors": [r["error"] for _, r in records if "error" in r],
-        "aggregate_tokens_per_second": aggregate, "speedup_over_one_plain_client": aggregate / baseline,
-        "latency_seconds": _percentiles([r["latency"] for r in done]), "ttft_seconds": _percentiles([r["ttft"] for r in done]),
-        "checked_against_solo": min(len(done), config.check_limit), "mismatches": mismatches,
+        "requests": len(records),
+        "completed": len(done),
+        "errors": [r["error"] for _, r in records if "error" in r],
+        "aggregate_tokens_per_second": aggregate,
+        "speedup_over_one_plain_client": aggregate / baseline,
+        "latency_seconds": _percentiles([r["latency"] for r in done]),
+        "ttft_seconds": _percentiles([r["ttft"] for r in done]),
+        "checked_against_solo": min(len(done), config.check_limit),
+        "mismatches": mismatches,
         "memory_bytes": {"before": memory_before, "after": memory_after},
     }
 
@@ -163,18 +186,26 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m exactspec.bench.loadtest", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (loopback only)")
-    parser.add_argument("--spawn", action="store_true", help="start `exactspec serve` on a free loopback port for the test")
+    parser.add_argument(
+        "--spawn", action="store_true", help="start `exactspec serve` on a free loopback port for the test"
+    )
     parser.add_argument("--target", help="with --spawn: the target to serve (default: the shipped pair)")
     parser.add_argument("--model", default="exactspec-default", help="the model id the server expects")
     parser.add_argument("--api-key")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--temperature", type=float, default=1.0, help="of the load phase's seeded requests (0: greedy)")
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="of the load phase's seeded requests (0: greedy)"
+    )
     parser.add_argument("--threads", type=int, help="with --spawn: the server's torch threads")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="with --spawn: the server's dtype; in bfloat16 a batch's matrix kernels change low-order bits "
-                             "enough to flip sampled tokens, so outputs match solo runs in law, not token for token")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="with --spawn: the server's dtype; in bfloat16 a batch's matrix kernels change low-order bits "
+        "enough to flip sampled tokens, so outputs match solo runs in law, not token for token",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if bool(args.url) == args.spawn:
@@ -184,13 +215,30 @@ def main(argv: list[str] | None = None) -> int:
         if args.spawn:
             port = _free_port()
             args.url = f"http://127.0.0.1:{port}"
-            command = [sys.executable, "-m", "exactspec", "serve", "--port", str(port), "--max-batch", str(args.clients)]
+            command = [
+                sys.executable,
+                "-m",
+                "exactspec",
+                "serve",
+                "--port",
+                str(port),
+                "--max-batch",
+                str(args.clients),
+            ]
             command += ["--target", args.target, "--model-name", args.model] if args.target else []
             command += ["--threads", str(args.threads)] if args.threads else []
             command += ["--dtype", args.dtype]
             process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
             _wait_until_up(args.url, process)
-        config = LoadConfig(args.url, args.model, args.api_key, args.clients, args.seconds, args.max_tokens, temperature=args.temperature)
+        config = LoadConfig(
+            args.url,
+            args.model,
+            args.api_key,
+            args.clients,
+            args.seconds,
+            args.max_tokens,
+            temperature=args.temperature,
+        )
         report = asyncio.run(run_load(config))
     except (ValueError, RuntimeError) as error:
         print(f"loadtest: error: {error}", file=sys.stderr)
@@ -203,13 +251,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2))
     else:
         lat, ttft = report["latency_seconds"], report["ttft_seconds"]
-        print(f"{config.clients} clients x {config.seconds:.0f} s, {config.max_tokens} tokens per request: {report['completed']} requests, "
-              f"{len(report['errors'])} errors, {len(report['mismatches'])} mismatches of {report['checked_against_solo']} checked alone\n"
-              f"aggregate {report['aggregate_tokens_per_second']:.1f} tokens/s = {report['speedup_over_one_plain_client']:.2f}x one plain client "
-              f"({report['baseline_tokens_per_second']:.1f} tokens/s)\n"
-              f"latency p50/p95/p99 {lat['p50']:.2f}/{lat['p95']:.2f}/{lat['p99']:.2f} s, "
-              f"time to first token {ttft['p50']:.3f}/{ttft['p95']:.3f}/{ttft['p99']:.3f} s, "
-              f"server memory {report['memory_bytes']['before']} -> {report['memory_bytes']['after']} bytes")
+        print(
+            f"{config.clients} clients x {config.seconds:.0f} s, {config.max_tokens} tokens per request: {report['completed']} requests, "
+            f"{len(report['errors'])} errors, {len(report['mismatches'])} mismatches of {report['checked_against_solo']} checked alone\n"
+            f"aggregate {report['aggregate_tokens_per_second']:.1f} tokens/s = {report['speedup_over_one_plain_client']:.2f}x one plain client "
+            f"({report['baseline_tokens_per_second']:.1f} tokens/s)\n"
+            f"latency p50/p95/p99 {lat['p50']:.2f}/{lat['p95']:.2f}/{lat['p99']:.2f} s, "
+            f"time to first token {ttft['p50']:.3f}/{ttft['p95']:.3f}/{ttft['p99']:.3f} s, "
+            f"server memory {report['memory_bytes']['before']} -> {report['memory_bytes']['after']} bytes"
+        )
     return 0 if not report["errors"] and not report["mismatches"] else 1
 
 

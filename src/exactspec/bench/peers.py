@@ -29,25 +29,33 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
+from exactspec.bench.llama_server import (
+    DRAFT_FREE_MODES,
+    DRAFT_MODES,
+    LlamaServerConfig,
+    llama_server_version,
+    repack_works,
+)
+from exactspec.bench.report import Column, add_ratios, format_rows, groups, rate_row, write_report
+from exactspec.bench.workloads import CHAT_WORKLOADS
 from exactspec.chat import chat_messages
 from exactspec.models.llamacpp import llama_cpp_available, llama_cpp_version
 from exactspec.models.llamacpp_tiles import survives
 from exactspec.tokenizer import TextTokenizer
-from exactspec.bench.llama_server import DRAFT_FREE_MODES, DRAFT_MODES, LlamaServerConfig, llama_server_version, repack_works
-from exactspec.bench.report import Column, add_ratios, format_rows, groups, rate_row, write_report
-from exactspec.bench.workloads import CHAT_WORKLOADS
 
 __all__ = ["PeerBenchConfig", "run_peer_bench", "format_peer_table", "llama_cpp_available", "write_peer_outputs"]
 
 BASELINE = "llama.cpp plain"
 EXACTSPEC_PLAIN = "exactspec plain"
 DEFAULT_ARM = "exactspec default (--backend auto, shipped draft or lookup)"
-HF_ASSISTED_SKIPPED = ("transformers' assisted generation takes a standalone draft model; exactspec's trained draft reads the "
-                       "target's hidden states, and no standalone model shares SmolLM2's tokenizer offline")
+HF_ASSISTED_SKIPPED = (
+    "transformers' assisted generation takes a standalone draft model; exactspec's trained draft reads the "
+    "target's hidden states, and no standalone model shares SmolLM2's tokenizer offline"
+)
 MODES = {"greedy": 0.0, "sample": 1.0}  # temperature
 #: The arms by group, for --arms: exactspec on the torch runtime (plain, lookup, the draft), exactspec's default,
 #: exactspec on its llama.cpp runtime (plain, lookup, the draft), llama.cpp itself (plain, lookup), llama-server
@@ -84,11 +92,15 @@ class PeerBenchConfig:
         if not self.modes or set(self.modes) - set(MODES):
             raise ValueError(f"modes must be among {', '.join(MODES)}, got {self.modes}")
         if not self.workloads or set(self.workloads) - set(CHAT_WORKLOADS):
-            raise ValueError(f"--workloads: against llama.cpp the workloads are {', '.join(CHAT_WORKLOADS)}, got {', '.join(self.workloads)}")
+            raise ValueError(
+                f"--workloads: against llama.cpp the workloads are {', '.join(CHAT_WORKLOADS)}, got {', '.join(self.workloads)}"
+            )
         if not self.arm_groups or set(self.arm_groups) - set(ARM_GROUPS):
             raise ValueError(f"--arms must be among {', '.join(ARM_GROUPS)}, got {', '.join(self.arm_groups)}")
         if not self.llama_server_modes or set(self.llama_server_modes) - set(DRAFT_FREE_MODES):
-            raise ValueError(f"llama-server modes must be among {', '.join(DRAFT_FREE_MODES)}, got {', '.join(self.llama_server_modes)}")
+            raise ValueError(
+                f"llama-server modes must be among {', '.join(DRAFT_FREE_MODES)}, got {', '.join(self.llama_server_modes)}"
+            )
         fewest = min(len(CHAT_WORKLOADS[w]) for w in self.workloads)
         if self.num_prompts > fewest:
             raise ValueError(f"--prompts: these workloads have {fewest} prompts each at most, got {self.num_prompts}")
@@ -106,42 +118,145 @@ class PeerArm:
 
 def _arms(config: PeerBenchConfig, mode: str, llama_cpp_flags: Sequence[str] = ()) -> list[PeerArm]:
     temperature = str(MODES[mode])
-    defaults = [sys.executable, "-m", "exactspec", "generate", "--target", str(config.target), "--json", "--ignore-eos",
-                "--temperature", temperature, "--max-new-tokens", str(config.max_new_tokens), "--threads", str(config.threads)]
+    defaults = [
+        sys.executable,
+        "-m",
+        "exactspec",
+        "generate",
+        "--target",
+        str(config.target),
+        "--json",
+        "--ignore-eos",
+        "--temperature",
+        temperature,
+        "--max-new-tokens",
+        str(config.max_new_tokens),
+        "--threads",
+        str(config.threads),
+    ]
     generate = [*defaults, *config.generate_flags]
     chat = TextTokenizer.from_path(config.target).chat_template is not None  # else the prompt is plain text
     prompt_flag = ["--user"] if chat else ["--"]
-    arms = [PeerArm(EXACTSPEC_PLAIN, [*generate, "--no-speculation", *prompt_flag], "torch"),
-            PeerArm("exactspec prompt lookup (auto gamma)", [*generate, "--draft", "lookup", *prompt_flag], "torch")]
+    arms = [
+        PeerArm(EXACTSPEC_PLAIN, [*generate, "--no-speculation", *prompt_flag], "torch"),
+        PeerArm("exactspec prompt lookup (auto gamma)", [*generate, "--draft", "lookup", *prompt_flag], "torch"),
+    ]
     if config.draft is not None:
-        arms.append(PeerArm("exactspec trained draft + lookup (auto gamma)", [*generate, "--draft", str(config.draft), *prompt_flag], "torch"))
-    arms.append(PeerArm(DEFAULT_ARM, [*defaults, *prompt_flag], "default"))  # what a user's run gets: --backend auto, the shipped draft
-    if config.llama_cpp and "--invariant" not in config.generate_flags:  # the same file on exactspec's llama.cpp runtime
+        arms.append(
+            PeerArm(
+                "exactspec trained draft + lookup (auto gamma)",
+                [*generate, "--draft", str(config.draft), *prompt_flag],
+                "torch",
+            )
+        )
+    arms.append(
+        PeerArm(DEFAULT_ARM, [*defaults, *prompt_flag], "default")
+    )  # what a user's run gets: --backend auto, the shipped draft
+    if (
+        config.llama_cpp and "--invariant" not in config.generate_flags
+    ):  # the same file on exactspec's llama.cpp runtime
         on_llama = [*generate, "--backend", "llamacpp"]
-        arms += [PeerArm(f"{EXACTSPEC_PLAIN} (llama.cpp runtime)", [*on_llama, "--no-speculation", *prompt_flag], "llamacpp-runtime"),
-                 PeerArm("exactspec prompt lookup (llama.cpp runtime, auto gamma)", [*on_llama, "--draft", "lookup", *prompt_flag], "llamacpp-runtime")]
+        arms += [
+            PeerArm(
+                f"{EXACTSPEC_PLAIN} (llama.cpp runtime)",
+                [*on_llama, "--no-speculation", *prompt_flag],
+                "llamacpp-runtime",
+            ),
+            PeerArm(
+                "exactspec prompt lookup (llama.cpp runtime, auto gamma)",
+                [*on_llama, "--draft", "lookup", *prompt_flag],
+                "llamacpp-runtime",
+            ),
+        ]
         if config.draft is not None:
-            arms.append(PeerArm("exactspec trained draft + lookup (llama.cpp runtime, auto gamma)",
-                                [*on_llama, "--draft", str(config.draft), *prompt_flag], "llamacpp-runtime"))
-        if config.draft is not None and config.llama_server_draft is not None:  # the cross-check's partner of draft-eagle3
-            arms.append(PeerArm(CROSS_CHECK_ARM, [*on_llama, "--draft", str(config.draft), "--gamma", str(CROSS_CHECK_GAMMA),
-                                                  "--no-lookup-routing", *prompt_flag], "llamacpp-runtime"))
+            arms.append(
+                PeerArm(
+                    "exactspec trained draft + lookup (llama.cpp runtime, auto gamma)",
+                    [*on_llama, "--draft", str(config.draft), *prompt_flag],
+                    "llamacpp-runtime",
+                )
+            )
+        if (
+            config.draft is not None and config.llama_server_draft is not None
+        ):  # the cross-check's partner of draft-eagle3
+            arms.append(
+                PeerArm(
+                    CROSS_CHECK_ARM,
+                    [
+                        *on_llama,
+                        "--draft",
+                        str(config.draft),
+                        "--gamma",
+                        str(CROSS_CHECK_GAMMA),
+                        "--no-lookup-routing",
+                        *prompt_flag,
+                    ],
+                    "llamacpp-runtime",
+                )
+            )
     if config.llama_cpp:
-        child = [sys.executable, "-m", "exactspec.bench.peers", "--target", str(config.target), "--threads", str(config.threads),
-                 "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature, *(["--chat"] if chat else []),
-                 *llama_cpp_flags]
-        arms += [PeerArm(BASELINE, [*child, "--prompt"], "llama.cpp"),
-                 PeerArm(f"llama.cpp prompt lookup ({config.lookup_tokens} tokens)", [*child, "--lookup-tokens", str(config.lookup_tokens), "--prompt"], "llama.cpp")]
+        child = [
+            sys.executable,
+            "-m",
+            "exactspec.bench.peers",
+            "--target",
+            str(config.target),
+            "--threads",
+            str(config.threads),
+            "--max-new-tokens",
+            str(config.max_new_tokens),
+            "--temperature",
+            temperature,
+            *(["--chat"] if chat else []),
+            *llama_cpp_flags,
+        ]
+        arms += [
+            PeerArm(BASELINE, [*child, "--prompt"], "llama.cpp"),
+            PeerArm(
+                f"llama.cpp prompt lookup ({config.lookup_tokens} tokens)",
+                [*child, "--lookup-tokens", str(config.lookup_tokens), "--prompt"],
+                "llama.cpp",
+            ),
+        ]
     if config.llama_server is not None:
-        server = [sys.executable, "-m", "exactspec.bench.llama_server", "--binary", str(config.llama_server), "--target", str(config.target),
-                  "--threads", str(config.threads), "--max-new-tokens", str(config.max_new_tokens), "--temperature", temperature,
-                  *(["--chat"] if chat else [])]
-        arms += [PeerArm(f"llama-server {mode}", [*server, "--mode", mode, "--prompt"], "llama-server") for mode in config.llama_server_modes]
+        server = [
+            sys.executable,
+            "-m",
+            "exactspec.bench.llama_server",
+            "--binary",
+            str(config.llama_server),
+            "--target",
+            str(config.target),
+            "--threads",
+            str(config.threads),
+            "--max-new-tokens",
+            str(config.max_new_tokens),
+            "--temperature",
+            temperature,
+            *(["--chat"] if chat else []),
+        ]
+        arms += [
+            PeerArm(f"llama-server {mode}", [*server, "--mode", mode, "--prompt"], "llama-server")
+            for mode in config.llama_server_modes
+        ]
         if config.llama_server_draft is not None:
-            arms += [PeerArm(f"llama-server {mode} ({config.llama_server_draft.name}, {CROSS_CHECK_GAMMA} drafted)",
-                             [*server, "--mode", mode, "--draft-model", str(config.llama_server_draft), "--draft-tokens",
-                              str(CROSS_CHECK_GAMMA), "--prompt"], "llama-server")
-                     for mode in DRAFT_MODES]
+            arms += [
+                PeerArm(
+                    f"llama-server {mode} ({config.llama_server_draft.name}, {CROSS_CHECK_GAMMA} drafted)",
+                    [
+                        *server,
+                        "--mode",
+                        mode,
+                        "--draft-model",
+                        str(config.llama_server_draft),
+                        "--draft-tokens",
+                        str(CROSS_CHECK_GAMMA),
+                        "--prompt",
+                    ],
+                    "llama-server",
+                )
+                for mode in DRAFT_MODES
+            ]
     return [arm for arm in arms if arm.group in config.arm_groups]
 
 
@@ -149,8 +264,19 @@ def llama_cpp_alone_survives(config: PeerBenchConfig) -> bool:
     """Whether llama.cpp alone, as the llama.cpp arms run it, survives a short generation with its extra weight buffers
     (its AMX kernels die in a GCC 12 build: docs/runtimes.md). Where it is killed, those arms run without them, as
     a user of that build would have to, and the report says so."""
-    command = [sys.executable, "-m", "exactspec.bench.peers", "--target", str(config.target), "--threads", str(config.threads),
-               "--max-new-tokens", "4", "--prompt", "Say hello in three languages."]
+    command = [
+        sys.executable,
+        "-m",
+        "exactspec.bench.peers",
+        "--target",
+        str(config.target),
+        "--threads",
+        str(config.threads),
+        "--max-new-tokens",
+        "4",
+        "--prompt",
+        "Say hello in three languages.",
+    ]
     return survives(command) is not False
 
 
@@ -161,7 +287,7 @@ def _run(arm: PeerArm, prompt: str) -> dict:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise RuntimeError(f"{arm.name} failed: {last}")
     try:
-        result = json.loads(done.stdout[done.stdout.index("{"):])
+        result = json.loads(done.stdout[done.stdout.index("{") :])
         float(result["tokens_per_second"])
         return result
     except (ValueError, KeyError):
@@ -184,8 +310,12 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
                 for r in range(config.repeats):
                     for arm in arms:
                         if progress:
-                            print(f"\r[{mode}, {workload} {i + 1}/{len(prompts)}, repetition {r + 1}/{config.repeats}] {arm.name:48s}",
-                                  end="", file=sys.stderr, flush=True)
+                            print(
+                                f"\r[{mode}, {workload} {i + 1}/{len(prompts)}, repetition {r + 1}/{config.repeats}] {arm.name:48s}",
+                                end="",
+                                file=sys.stderr,
+                                flush=True,
+                            )
                         result = _run(arm, prompt)
                         runs[arm.name].append(float(result["tokens_per_second"]))
                         if "tokens_per_round" in result:
@@ -194,10 +324,18 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
                             arm.efficiency.append(float(result["cost_model"]["efficiency"]))
                 for arm in arms:
                     arm.per_prompt.append(runs[arm.name])
-            rows = [rate_row(mode, workload, arm.name, [statistics.median(v) for v in arm.per_prompt],
-                             tokens_per_call=statistics.mean(arm.tokens_per_call) if arm.tokens_per_call else None,
-                             vs_cost_model=statistics.median(arm.efficiency) if arm.efficiency else None,
-                             per_prompt=arm.per_prompt) for arm in arms]
+            rows = [
+                rate_row(
+                    mode,
+                    workload,
+                    arm.name,
+                    [statistics.median(v) for v in arm.per_prompt],
+                    tokens_per_call=statistics.mean(arm.tokens_per_call) if arm.tokens_per_call else None,
+                    vs_cost_model=statistics.median(arm.efficiency) if arm.efficiency else None,
+                    per_prompt=arm.per_prompt,
+                )
+                for arm in arms
+            ]
             add_ratios(rows, "speedup", EXACTSPEC_PLAIN)
             add_ratios(rows, "vs_llama_cpp_plain", BASELINE)
             results += rows
@@ -205,38 +343,69 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
         print(file=sys.stderr)
     build = {**llama_cpp_version(), "extra_buffers": extra_buffers} if config.llama_cpp else None
     server = llama_server_version(config.llama_server) if config.llama_server is not None else None
-    repack = repack_works(LlamaServerConfig(config.llama_server, config.target, config.threads)) if server else None  # cached by its arms
-    return {"config": {**asdict(config), "target": str(config.target), "draft": config.draft and str(config.draft),
-                       "llama_server": server and str(config.llama_server),
-                       "llama_server_draft": config.llama_server_draft and str(config.llama_server_draft)},
-            "llama_cpp": build, "llama_server": server, "llama_server_repack": repack, "hf_assisted": HF_ASSISTED_SKIPPED, "results": results,
-            "cross_check": cross_check(results)}
+    repack = (
+        repack_works(LlamaServerConfig(config.llama_server, config.target, config.threads)) if server else None
+    )  # cached by its arms
+    return {
+        "config": {
+            **asdict(config),
+            "target": str(config.target),
+            "draft": config.draft and str(config.draft),
+            "llama_server": server and str(config.llama_server),
+            "llama_server_draft": config.llama_server_draft and str(config.llama_server_draft),
+        },
+        "llama_cpp": build,
+        "llama_server": server,
+        "llama_server_repack": repack,
+        "hf_assisted": HF_ASSISTED_SKIPPED,
+        "results": results,
+        "cross_check": cross_check(results),
+    }
 
 
-COLUMNS = (Column("arm", "arm", "s", 46), Column("tokens/s", "tokens_per_second", ".1f", 9), Column("spread", "spread", "spread", 11),
-           Column("tok/call", "tokens_per_call"), Column("vs plain", "speedup"), Column("vs llama.cpp", "vs_llama_cpp_plain", width=13),
-           Column("vs model", "vs_cost_model"))
+COLUMNS = (
+    Column("arm", "arm", "s", 46),
+    Column("tokens/s", "tokens_per_second", ".1f", 9),
+    Column("spread", "spread", "spread", 11),
+    Column("tok/call", "tokens_per_call"),
+    Column("vs plain", "speedup"),
+    Column("vs llama.cpp", "vs_llama_cpp_plain", width=13),
+    Column("vs model", "vs_cost_model"),
+)
 
 
 def format_peer_table(report: dict) -> str:
     c = report["config"]
-    header = [f"{Path(c['target']).name}: {c['max_new_tokens']} new tokens, {c['threads']} threads, {c['num_prompts']} prompts per "
-              f"workload x {c['repeats']} repetitions (medians; spread: lowest-highest prompt median), each run its own process; "
-              "greedy: T=0, sample: T=1"]
+    header = [
+        f"{Path(c['target']).name}: {c['max_new_tokens']} new tokens, {c['threads']} threads, {c['num_prompts']} prompts per "
+        f"workload x {c['repeats']} repetitions (medians; spread: lowest-highest prompt median), each run its own process; "
+        "greedy: T=0, sample: T=1"
+    ]
     if report.get("llama_cpp"):
         header.append(f"llama-cpp-python {report['llama_cpp']['version']}: {report['llama_cpp']['system_info']}")
         if report["llama_cpp"].get("extra_buffers") is False:
-            header.append("llama.cpp's arms ran without its extra weight buffers: with them (its AMX kernels) this build "
-                          "crashed (docs/runtimes.md)")
+            header.append(
+                "llama.cpp's arms ran without its extra weight buffers: with them (its AMX kernels) this build "
+                "crashed (docs/runtimes.md)"
+            )
     if report.get("llama_server"):
-        header.append(f"llama-server ({report['config']['llama_server']}): {report['llama_server']}; its own defaults for each mode"
-                      + ("; --no-repack: with its repacked weights (its AMX kernels) this build crashed (docs/runtimes.md)"
-                         if report.get("llama_server_repack") is False else ""))
+        header.append(
+            f"llama-server ({report['config']['llama_server']}): {report['llama_server']}; its own defaults for each mode"
+            + (
+                "; --no-repack: with its repacked weights (its AMX kernels) this build crashed (docs/runtimes.md)"
+                if report.get("llama_server_repack") is False
+                else ""
+            )
+        )
     header.append(f"HF assisted generation: not run ({report.get('hf_assisted', HF_ASSISTED_SKIPPED)})")
-    notes = {(row["mode"], row["workload"]): (f"\ncross-check, {CROSS_CHECK_GAMMA} drafted a round from the same draft: tokens per target call, "
-                                              f"exactspec {row['exactspec']:.3f}, llama-server draft-eagle3 {row['llama_server']:.3f} "
-                                              f"(ratio {row['ratio']:.3f}; {row['expect']})")
-             for row in cross_check(report["results"])}
+    notes = {
+        (row["mode"], row["workload"]): (
+            f"\ncross-check, {CROSS_CHECK_GAMMA} drafted a round from the same draft: tokens per target call, "
+            f"exactspec {row['exactspec']:.3f}, llama-server draft-eagle3 {row['llama_server']:.3f} "
+            f"(ratio {row['ratio']:.3f}; {row['expect']})"
+        )
+        for row in cross_check(report["results"])
+    }
     return format_rows(header, report["results"], COLUMNS, notes)
 
 
@@ -249,10 +418,25 @@ def cross_check(rows: list[dict]) -> list[dict]:
     checks = []
     for (mode, workload), group in groups(rows).items():
         ours = next((r["tokens_per_call"] for r in group if r["arm"] == CROSS_CHECK_ARM), None)
-        theirs = next((r["tokens_per_call"] for r in group if r["arm"].startswith(f"llama-server {DRAFT_MODES[0]} (")), None)
+        theirs = next(
+            (r["tokens_per_call"] for r in group if r["arm"].startswith(f"llama-server {DRAFT_MODES[0]} (")), None
+        )
         if ours and theirs:
-            expect = "equal when the export is right" if mode == "greedy" else "exactspec samples proposals and verifies the block"
-            checks.append({"mode": mode, "workload": workload, "exactspec": ours, "llama_server": theirs, "ratio": ours / theirs, "expect": expect})
+            expect = (
+                "equal when the export is right"
+                if mode == "greedy"
+                else "exactspec samples proposals and verifies the block"
+            )
+            checks.append(
+                {
+                    "mode": mode,
+                    "workload": workload,
+                    "exactspec": ours,
+                    "llama_server": theirs,
+                    "ratio": ours / theirs,
+                    "expect": expect,
+                }
+            )
     return checks
 
 
@@ -269,9 +453,15 @@ def _llama_cpp_run(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--lookup-tokens", type=int, default=0, help="0: plain decoding")
     parser.add_argument("--chat", action="store_true", help="the prompt is a user turn in the file's chat template")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else plain sampling at this temperature")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; else plain sampling at this temperature"
+    )
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--no-extra-buffers", action="store_true", help="load without llama.cpp's extra weight buffers (its AMX kernels)")
+    parser.add_argument(
+        "--no-extra-buffers",
+        action="store_true",
+        help="load without llama.cpp's extra weight buffers (its AMX kernels)",
+    )
     args = parser.parse_args(argv)
     import llama_cpp.llama_cpp as bindings
     from llama_cpp import Llama
@@ -287,13 +477,26 @@ def _llama_cpp_run(argv: list[str] | None = None) -> None:
 
         bindings.llama_model_default_params = without_extra_buffers
 
-    lookup = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=args.lookup_tokens)} if args.lookup_tokens else {}
-    model = Llama(model_path=args.target, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=2048, verbose=False, **lookup)
+    lookup = (
+        {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=args.lookup_tokens)} if args.lookup_tokens else {}
+    )
+    model = Llama(
+        model_path=args.target,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_ctx=2048,
+        verbose=False,
+        **lookup,
+    )
     tokenizer = TextTokenizer.from_path(args.target)
     ids = tokenizer.encode_chat(chat_messages(args.prompt)) if args.chat else tokenizer.encode_prompt(args.prompt)
     never = {token: float("-inf") for token in tokenizer.eos_token_ids}  # every arm makes max_new_tokens tokens
     start = time.perf_counter()
-    sampling = {"temperature": 0.0, "top_k": 1} if args.temperature == 0 else {"temperature": args.temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    sampling = (
+        {"temperature": 0.0, "top_k": 1}
+        if args.temperature == 0
+        else {"temperature": args.temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    )
     out = model.create_completion(ids, max_tokens=args.max_new_tokens, logit_bias=never, **sampling)
     if out["usage"]["completion_tokens"] != args.max_new_tokens:
         raise SystemExit(f"llama.cpp stopped after {out['usage']['completion_tokens']} of {args.max_new_tokens} tokens")

@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 __all__ = ["Column", "rate_row", "add_ratios", "groups", "format_rows", "write_report"]
 
 
 def rate_row(mode: str, workload: str, arm: str, rates: list[float], **figures) -> dict:
     """A row: the median of ``rates`` (tokens/s, one per repetition or per prompt) and their spread."""
-    return {"mode": mode, "workload": workload, "arm": arm, "tokens_per_second": statistics.median(rates),
-            "spread": [min(rates), max(rates)], **figures}
+    return {
+        "mode": mode,
+        "workload": workload,
+        "arm": arm,
+        "tokens_per_second": statistics.median(rates),
+        "spread": [min(rates), max(rates)],
+        **figures,
+    }
 
 
 def groups(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
@@ -80,18 +86,29 @@ def plot_rates(rows: list[dict], path: Path, plt) -> None:
     figure, axes = plt.subplots(1, len(grouped), figsize=(4.5 * len(grouped), 4.2), squeeze=False)
     for axis, ((mode, workload), group) in zip(axes[0], grouped.items()):
         rates = [r["tokens_per_second"] for r in group]
-        errors = [[rate - r["spread"][0] for rate, r in zip(rates, group)], [r["spread"][1] - rate for rate, r in zip(rates, group)]]
+        errors = [
+            [rate - r["spread"][0] for rate, r in zip(rates, group)],
+            [r["spread"][1] - rate for rate, r in zip(rates, group)],
+        ]
         peer = ("hf ", "llama.cpp", "llama-server")
-        axis.bar(range(len(group)), rates, yerr=errors, capsize=3,
-                 color=["tab:orange" if r["arm"].startswith(peer) else "tab:blue" for r in group])
-        axis.set_xticks(range(len(group)), [r["arm"].replace(" (", "\n(") for r in group], rotation=60, ha="right", fontsize=7)
+        axis.bar(
+            range(len(group)),
+            rates,
+            yerr=errors,
+            capsize=3,
+            color=["tab:orange" if r["arm"].startswith(peer) else "tab:blue" for r in group],
+        )
+        axis.set_xticks(
+            range(len(group)), [r["arm"].replace(" (", "\n(") for r in group], rotation=60, ha="right", fontsize=7
+        )
         axis.set(title=f"{workload} / {mode}", ylabel="tokens/s (median; bars: spread)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
 
-def write_report(report: dict, directory: str | Path, stem: str, table: str,
-                 plots: dict[str, Callable] | None = None) -> list[Path]:
+def write_report(
+    report: dict, directory: str | Path, stem: str, table: str, plots: dict[str, Callable] | None = None
+) -> list[Path]:
     """STEM.json (the report), STEM.txt (``table``), STEM.png (:func:`plot_rates`) and one PNG per ``plots`` entry
     (name -> function(rows, path, pyplot)); returns the paths written."""
     directory = Path(directory)

@@ -67,8 +67,17 @@ def _expected(speculator: Speculator, prompts: list[list[int]], config: RulesCon
     block, token = [], []
     for i, prompt in enumerate(prompts):
         completion = Completion(prompt, config.seed + i)
-        for _ in speculator.stream(prompt, config.max_new_tokens, SamplingParams(), config.gamma, completion.seed, False,
-                                   completion, "block", compare_rules=True):
+        for _ in speculator.stream(
+            prompt,
+            config.max_new_tokens,
+            SamplingParams(),
+            config.gamma,
+            completion.seed,
+            False,
+            completion,
+            "block",
+            compare_rules=True,
+        ):
             pass
         rounds = [r for r in completion.generation.stats.rounds if r.expected_block is not None]
         block += [1 + r.expected_block for r in rounds]
@@ -86,26 +95,38 @@ def ratio_summary(block: list[float], token: list[float]) -> dict:
     differences = [b - t for b, t in zip(block, token)]
     mean_token = statistics.fmean(token)
     lower = statistics.fmean(differences) - Z_ONE_SIDED * statistics.stdev(differences) / math.sqrt(n)
-    return {"rounds": n, "block_tokens_per_round": statistics.fmean(block), "token_tokens_per_round": mean_token,
-            "ratio": statistics.fmean(block) / mean_token, "ratio_lower_bound": 1 + lower / mean_token}
+    return {
+        "rounds": n,
+        "block_tokens_per_round": statistics.fmean(block),
+        "token_tokens_per_round": mean_token,
+        "ratio": statistics.fmean(block) / mean_token,
+        "ratio_lower_bound": 1 + lower / mean_token,
+    }
 
 
 def _wall_clock(speculators: dict[str, Speculator], prompts: list[list[int]], config: RulesConfig) -> dict:
     """Tokens per second of plain decoding and of --gamma auto under each rule, interleaved per repetition."""
-    arms = {"plain": ("plain", 0, "block"), "auto block": ("block", "auto", "block"), "auto token": ("token", "auto", "token")}
+    arms = {
+        "plain": ("plain", 0, "block"),
+        "auto block": ("block", "auto", "block"),
+        "auto token": ("token", "auto", "token"),
+    }
     rates: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(config.repeats + 1):  # the first repetition warms up (calibration, caches) and is not counted
         for name, (owner, gamma, rule) in arms.items():
             tokens, began = 0, time.perf_counter()
             for i, prompt in enumerate(prompts):
-                completion = speculators[owner].generate(prompt, config.max_new_tokens, SamplingParams(), gamma, config.seed + i,
-                                                         False, rule)
+                completion = speculators[owner].generate(
+                    prompt, config.max_new_tokens, SamplingParams(), gamma, config.seed + i, False, rule
+                )
                 tokens += len(completion.tokens)
             rates[name].append(tokens / (time.perf_counter() - began))
     medians = {name: statistics.median(values[1:]) for name, values in rates.items()}
-    return {"tokens_per_second": medians,
-            "block_over_token": statistics.median(b / t for b, t in zip(rates["auto block"][1:], rates["auto token"][1:])),
-            "block_over_plain": statistics.median(b / p for b, p in zip(rates["auto block"][1:], rates["plain"][1:]))}
+    return {
+        "tokens_per_second": medians,
+        "block_over_token": statistics.median(b / t for b, t in zip(rates["auto block"][1:], rates["auto token"][1:])),
+        "block_over_plain": statistics.median(b / p for b, p in zip(rates["auto block"][1:], rates["plain"][1:])),
+    }
 
 
 def run_rules(speculators: dict[str, Speculator], config: RulesConfig, progress: bool = True) -> dict:
@@ -130,17 +151,40 @@ def format_rules_table(report: dict) -> str:
     config = report["config"]
 
     def expectations(row: dict) -> list[str]:  # rounds, both rules' tokens per call, their ratio and its bound
-        return [str(row["rounds"]), *(f"{row.get(key, float('nan')):.3f}" for key in
-                                      ("token_tokens_per_round", "block_tokens_per_round", "ratio", "ratio_lower_bound"))]
+        return [
+            str(row["rounds"]),
+            *(
+                f"{row.get(key, float('nan')):.3f}"
+                for key in ("token_tokens_per_round", "block_tokens_per_round", "ratio", "ratio_lower_bound")
+            ),
+        ]
 
-    rows = [[r["workload"], *expectations(r), *(f"{r['tokens_per_second'][arm]:.1f}" for arm in ("plain", "auto token", "auto block")),
-             f"{r['block_over_token']:.3f}"] for r in report["results"]]
+    rows = [
+        [
+            r["workload"],
+            *expectations(r),
+            *(f"{r['tokens_per_second'][arm]:.1f}" for arm in ("plain", "auto token", "auto block")),
+            f"{r['block_over_token']:.3f}",
+        ]
+        for r in report["results"]
+    ]
     if "pooled" in report:
         rows.append(["pooled", *expectations(report["pooled"]), "", "", "", ""])
-    header = ["workload", "draft rounds", f"token-wise tok/call (g={config['gamma']})", "block tok/call", "block/token",
-              f"lower bound ({ONE_SIDED_ALPHA:g} one-sided)", "plain tok/s", "auto token tok/s", "auto block tok/s",
-              "auto block/token"]
+    header = [
+        "workload",
+        "draft rounds",
+        f"token-wise tok/call (g={config['gamma']})",
+        "block tok/call",
+        "block/token",
+        f"lower bound ({ONE_SIDED_ALPHA:g} one-sided)",
+        "plain tok/s",
+        "auto token tok/s",
+        "auto block tok/s",
+        "auto block/token",
+    ]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    ran = (f"T=1, {config['num_prompts']} prompts x {config['max_new_tokens']} tokens per workload, "
-           f"{report.get('backend', '?')} runtime ({report.get('precision', '?')}), threads: {report.get('threads', '?')}")
+    ran = (
+        f"T=1, {config['num_prompts']} prompts x {config['max_new_tokens']} tokens per workload, "
+        f"{report.get('backend', '?')} runtime ({report.get('precision', '?')}), threads: {report.get('threads', '?')}"
+    )
     return "\n".join([ran, *("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header, *rows])])

@@ -24,8 +24,8 @@ SETTINGS = ("off", "draft", "auto")
 
 
 def _cell(engine, prompts: list[list[int]], concurrency: int, mode: str, requests: int, max_tokens: int) -> dict:
-    from exactspec.decoding.sampling import GREEDY
     from exactspec.decoding.engine import SequenceRequest
+    from exactspec.decoding.sampling import GREEDY
 
     on, off = engine.metrics.speculation_on, engine.metrics.speculation_off
     started, latencies, tokens, submitted, live = time.perf_counter(), [], [0], 0, []
@@ -34,8 +34,13 @@ def _cell(engine, prompts: list[list[int]], concurrency: int, mode: str, request
         nonlocal submitted
         begun = time.perf_counter()
         request = SequenceRequest(tuple(prompts[submitted % len(prompts)]), GREEDY, max_tokens, speculation=mode)
-        live.append(engine.submit(request, lambda events: tokens.__setitem__(0, tokens[0] + len(events)),
-                                  lambda handle, begun=begun: latencies.append(time.perf_counter() - begun)))
+        live.append(
+            engine.submit(
+                request,
+                lambda events: tokens.__setitem__(0, tokens[0] + len(events)),
+                lambda handle, begun=begun: latencies.append(time.perf_counter() - begun),
+            )
+        )
         submitted += 1
 
     for _ in range(concurrency):
@@ -48,16 +53,25 @@ def _cell(engine, prompts: list[list[int]], concurrency: int, mode: str, request
                 submit()
     seconds = time.perf_counter() - started
     decisions = (engine.metrics.speculation_on - on) + (engine.metrics.speculation_off - off)
-    return {"concurrency": concurrency, "mode": mode, "tokens_per_second": tokens[0] / seconds,
-            "mean_latency_seconds": statistics.mean(latencies),
-            "speculating_share": (engine.metrics.speculation_on - on) / decisions if decisions else None}
+    return {
+        "concurrency": concurrency,
+        "mode": mode,
+        "tokens_per_second": tokens[0] / seconds,
+        "mean_latency_seconds": statistics.mean(latencies),
+        "speculating_share": (engine.metrics.speculation_on - on) / decisions if decisions else None,
+    }
 
 
-def sweep(concurrency: tuple[int, ...] = (1, 2, 4, 8, 16), requests_per_slot: int = 3, max_tokens: int = 64,
-          dtype: torch.dtype = torch.float32, threads: int = 2) -> dict:
+def sweep(
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16),
+    requests_per_slot: int = 3,
+    max_tokens: int = 64,
+    dtype: torch.dtype = torch.float32,
+    threads: int = 2,
+) -> dict:
+    from exactspec.bench.workloads import workload_prompts
     from exactspec.loading import default_pair_dirs, load_pair
     from exactspec.speculator import build_engine
-    from exactspec.bench.workloads import workload_prompts
 
     torch.set_num_threads(threads)
     pair = load_pair(*default_pair_dirs(), backend="lean", dtype=dtype)
@@ -67,7 +81,9 @@ def sweep(concurrency: tuple[int, ...] = (1, 2, 4, 8, 16), requests_per_slot: in
     for c in concurrency:
         for mode in SETTINGS:  # interleaved per concurrency, so drift hits every setting alike
             rows.append(_cell(engine, prompts, c, mode, requests_per_slot * c, max_tokens))
-            print(f"[sweep] c={c:2d} {mode:5s} {rows[-1]['tokens_per_second']:7.1f} tokens/s", file=sys.stderr, flush=True)
+            print(
+                f"[sweep] c={c:2d} {mode:5s} {rows[-1]['tokens_per_second']:7.1f} tokens/s", file=sys.stderr, flush=True
+            )
     return {"threads": threads, "dtype": str(dtype).replace("torch.", ""), "max_tokens": max_tokens, "rows": rows}
 
 
@@ -86,9 +102,16 @@ def write(report: dict, directory: Path) -> list[Path]:
         rate_axis.plot(xs, [r["tokens_per_second"] for r in rows], "o-", label=mode)
         latency_axis.plot(xs, [r["mean_latency_seconds"] for r in rows], "o-", label=mode)
     for axis, label in ((rate_axis, "aggregate tokens/s"), (latency_axis, "mean request latency (s)")):
-        axis.set(xscale="log", xlabel="concurrent sequences", ylabel=label,
-                 title=f"shipped pair, {report['dtype']}, {report['threads']} threads, {report['max_tokens']} tokens")
-        axis.set_xticks(sorted({r["concurrency"] for r in report["rows"]}), [str(c) for c in sorted({r["concurrency"] for r in report["rows"]})])
+        axis.set(
+            xscale="log",
+            xlabel="concurrent sequences",
+            ylabel=label,
+            title=f"shipped pair, {report['dtype']}, {report['threads']} threads, {report['max_tokens']} tokens",
+        )
+        axis.set_xticks(
+            sorted({r["concurrency"] for r in report["rows"]}),
+            [str(c) for c in sorted({r["concurrency"] for r in report["rows"]})],
+        )
         axis.legend()
     figure.tight_layout()
     figure.savefig(directory / "sweep.png", dpi=110)
@@ -116,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
     for row in report["rows"]:
         share = "-" if row["speculating_share"] is None else f"{row['speculating_share']:.2f}"
-        print(f"c={row['concurrency']:2d} {row['mode']:5s} {row['tokens_per_second']:7.1f} tokens/s, latency {row['mean_latency_seconds']:.2f} s, speculating {share}")
+        print(
+            f"c={row['concurrency']:2d} {row['mode']:5s} {row['tokens_per_second']:7.1f} tokens/s, latency {row['mean_latency_seconds']:.2f} s, speculating {share}"
+        )
     return 0
 
 

@@ -36,10 +36,10 @@ CHAT_WORKLOADS = {  # user turns for an instruct model, by workload
         "What is the difference between a list and a tuple in Python? Give examples.",
     ),
     "code": (  # code completion
-        "Complete this Python code:\n\ndef fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        'Complete this Python code:\n\ndef fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
         "Complete this Python code:\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-        "Complete this Python code:\n\nimport json\n\ndef load_config(path):\n    \"\"\"Read a JSON file and return its content as a dict.\"\"\"\n",
-        "Complete this Python code:\n\ndef is_palindrome(text):\n    \"\"\"True if text reads the same backwards, ignoring case and spaces.\"\"\"\n",
+        'Complete this Python code:\n\nimport json\n\ndef load_config(path):\n    """Read a JSON file and return its content as a dict."""\n',
+        'Complete this Python code:\n\ndef is_palindrome(text):\n    """True if text reads the same backwards, ignoring case and spaces."""\n',
     ),
     "grounded": (  # repeat a given text with a change
         "Repeat this code, renaming the variable total to result:\n\ndef add_all(numbers):\n    total = 0\n"
@@ -49,7 +49,7 @@ CHAT_WORKLOADS = {  # user turns for an instruct model, by workload
         "Copy this paragraph, changing the name Anna to Maria: Anna walked to the market in the morning. Anna bought "
         "bread, cheese and tomatoes. On the way home Anna met a friend, and Anna told her about the new library.",
         "Repeat this code with the function renamed from area to rectangle_area:\n\ndef area(width, height):\n"
-        "    \"\"\"Return the area of a rectangle.\"\"\"\n    return width * height\n\nprint(area(3, 4))\nprint(area(5, 6))\n",
+        '    """Return the area of a rectangle."""\n    return width * height\n\nprint(area(3, 4))\nprint(area(5, 6))\n',
     ),
 }
 
@@ -96,12 +96,16 @@ def grounded_prompts(count: int, lines: int = 30) -> list[str]:
     prompts = []
     for path in _evenly_spaced(third_party_sources(), count):
         excerpt = "".join(_read(path)[:lines])
-        names = sorted(set(re.findall(r"\b([a-z_][a-z0-9_]{4,})\b", excerpt)) - {"return", "import", "class", "print", "while", "False", "raise"})
+        names = sorted(
+            set(re.findall(r"\b([a-z_][a-z0-9_]{4,})\b", excerpt))
+            - {"return", "import", "class", "print", "while", "False", "raise"}
+        )
         old = names[len(names) // 2] if names else "value"
         new = old + "_renamed"
         head = excerpt.splitlines(keepends=True)[:2]
         prompts.append(
-            f"# Original:\n{excerpt}\n# The same code with `{old}` renamed to `{new}`:\n" + "".join(head).replace(old, new)
+            f"# Original:\n{excerpt}\n# The same code with `{old}` renamed to `{new}`:\n"
+            + "".join(head).replace(old, new)
         )
     return prompts
 

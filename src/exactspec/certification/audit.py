@@ -34,17 +34,27 @@ from scipy import stats
 from tqdm import tqdm
 
 from exactspec.bench.llama_server import sampling_fields
-from exactspec.certification.certify import AUDIT_CONFIGS, MIN_TEST_TOKENS, ORDERS, precision_mode, run_tests, score_runs
+from exactspec.certification.certify import (
+    AUDIT_CONFIGS,
+    MIN_TEST_TOKENS,
+    ORDERS,
+    precision_mode,
+    run_tests,
+    score_runs,
+)
 from exactspec.certification.pit import TestResult, holm, ks_critical_value
-from exactspec.loading import LoadedPair
 from exactspec.decoding.sampling import SamplingParams
+from exactspec.loading import LoadedPair
 from exactspec.tokenizer import TextTokenizer
 
 __all__ = ["APIS", "AuditConfig", "audit", "format_audit_table"]
 
 MAX_REQUESTS = 100_000
 MAX_CONCURRENCY = 64
-APIS = ("openai", "llama-server")  # /v1/completions with return_token_ids; llama-server's /completion with return_tokens
+APIS = (
+    "openai",
+    "llama-server",
+)  # /v1/completions with return_token_ids; llama-server's /completion with return_tokens
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,9 @@ class AuditConfig:
     seed: int = 0
     concurrency: int = 8
     timeout: float = 300.0  # seconds per request
-    extra_body: dict = field(default_factory=dict)  # added to every request to the endpoint (e.g. {"speculation": "draft"})
+    extra_body: dict = field(
+        default_factory=dict
+    )  # added to every request to the endpoint (e.g. {"speculation": "draft"})
     baseline_extra_body: dict = field(default_factory=dict)
     text_mode: bool = False  # prompts sent as text, completions re-tokenized (module docstring); needs a baseline
     api: str = "openai"  # one of APIS
@@ -85,7 +97,9 @@ class AuditConfig:
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
         if self.text_mode and not self.baseline:
-            raise ValueError("text mode re-tokenizes completions, so only a comparison with a baseline is valid: give a baseline")
+            raise ValueError(
+                "text mode re-tokenizes completions, so only a comparison with a baseline is valid: give a baseline"
+            )
         for url in (self.endpoint, self.baseline):
             if url is not None and not url.startswith(("http://", "https://")):
                 raise ValueError(f"a server address starts with http:// or https://, got {url!r}")
@@ -94,30 +108,54 @@ class AuditConfig:
 def _body(model: str, prompt: list[int] | str, params: SamplingParams, max_tokens: int, seed: int, extra: dict) -> dict:
     """The declared sampling settings, in OpenAI's and vLLM's field names."""
     ids = {} if isinstance(prompt, str) else {"return_token_ids": True}
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "seed": seed, **ids,
-            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
-            "repetition_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,
-            "frequency_penalty": params.frequency_penalty, **extra}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "seed": seed,
+        **ids,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        **extra,
+    }
 
 
-def _sample(url: str, config: AuditConfig, prompts: list[list[int]], params: SamplingParams, seed: int, extra: dict,
-            bar: tqdm, tokenizer: TextTokenizer) -> list[dict]:
+def _sample(
+    url: str,
+    config: AuditConfig,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    seed: int,
+    extra: dict,
+    bar: tqdm,
+    tokenizer: TextTokenizer,
+) -> list[dict]:
     import httpx
 
     base = url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     with httpx.Client(timeout=config.timeout, headers=headers) as client:
+
         def one(i: int) -> dict:
             prompt = prompts[i % len(prompts)]
             if config.api == "llama-server":
                 return _llama_server_one(client, base, prompt, params, config.max_tokens, seed + i, extra, bar)
             sent = _prompt_text(tokenizer, prompt) if config.text_mode else prompt
-            choice = _post(client, base, "/v1/completions", _body(config.model, sent, params, config.max_tokens, seed + i, extra))["choices"][0]
+            choice = _post(
+                client, base, "/v1/completions", _body(config.model, sent, params, config.max_tokens, seed + i, extra)
+            )["choices"][0]
             bar.update(1)
             if config.text_mode:
                 return {"prompt": prompt, "tokens": tokenizer.encode(choice["text"])}
             if "token_ids" not in choice:
-                raise RuntimeError(f"{base} does not return token ids (return_token_ids): audit it in text mode, against a baseline")
+                raise RuntimeError(
+                    f"{base} does not return token ids (return_token_ids): audit it in text mode, against a baseline"
+                )
             return {"prompt": prompt, "tokens": list(choice["token_ids"])}
 
         with ThreadPoolExecutor(config.concurrency) as pool:
@@ -137,18 +175,29 @@ def _post(client, base: str, path: str, body: dict) -> dict:
     return response.json()
 
 
-def _llama_server_one(client, base: str, prompt: list[int], params: SamplingParams, max_tokens: int, seed: int, extra: dict,
-                      bar: tqdm) -> dict:
+def _llama_server_one(
+    client, base: str, prompt: list[int], params: SamplingParams, max_tokens: int, seed: int, extra: dict, bar: tqdm
+) -> dict:
     """One request to llama-server's /completion: the tokens it sampled, and how many it drafted and accepted."""
-    body = {"prompt": prompt, "n_predict": max_tokens, "seed": seed, "return_tokens": True,
-            **sampling_fields(params, len(prompt) + max_tokens), **extra}
+    body = {
+        "prompt": prompt,
+        "n_predict": max_tokens,
+        "seed": seed,
+        "return_tokens": True,
+        **sampling_fields(params, len(prompt) + max_tokens),
+        **extra,
+    }
     answer = _post(client, base, "/completion", body)
     if "tokens" not in answer:
         raise RuntimeError(f"{base} returned no token ids: is it llama-server?")
     timings = answer.get("timings", {})
     bar.update(1)
-    return {"prompt": prompt, "tokens": list(answer["tokens"]), "drafted": int(timings.get("draft_n", 0)),
-            "accepted": int(timings.get("draft_n_accepted", 0))}
+    return {
+        "prompt": prompt,
+        "tokens": list(answer["tokens"]),
+        "drafted": int(timings.get("draft_n", 0)),
+        "accepted": int(timings.get("draft_n_accepted", 0)),
+    }
 
 
 def _prompt_text(tokenizer: TextTokenizer, prompt: list[int]) -> str:
@@ -163,13 +212,25 @@ def _two_sample(name: str, audited: dict, baseline: dict) -> list[TestResult]:
         a, b = a[~np.isnan(a)], b[~np.isnan(b)]
         if len(a) >= MIN_TEST_TOKENS and len(b) >= MIN_TEST_TOKENS:
             result = stats.ks_2samp(a, b)
-            tests.append(TestResult(f"{name}: server vs baseline, {order} order, two-sample KS", len(a) + len(b),
-                                    float(result.statistic), float(result.pvalue)))
+            tests.append(
+                TestResult(
+                    f"{name}: server vs baseline, {order} order, two-sample KS",
+                    len(a) + len(b),
+                    float(result.statistic),
+                    float(result.pvalue),
+                )
+            )
     return tests
 
 
-def audit(pair: LoadedPair, prompts: list[list[int]], config: AuditConfig, progress: bool = True,
-          baseline_cache: dict | None = None, endpoint_is_baseline: bool = False) -> dict:
+def audit(
+    pair: LoadedPair,
+    prompts: list[list[int]],
+    config: AuditConfig,
+    progress: bool = True,
+    baseline_cache: dict | None = None,
+    endpoint_is_baseline: bool = False,
+) -> dict:
     """Sample from the endpoint (and the baseline), score with ``pair.target``, test; Holm over every test.
 
     ``baseline_cache`` (configuration name -> the baseline's scored samples) lets several audits against one
@@ -179,7 +240,9 @@ def audit(pair: LoadedPair, prompts: list[list[int]], config: AuditConfig, progr
     servers = [("endpoint", config.endpoint, config.extra_body)]
     if config.baseline:
         servers.append(("baseline", config.baseline, config.baseline_extra_body))
-    bar = tqdm(total=config.requests * len(config.configs) * len(servers), desc="audit", unit="req", disable=not progress)
+    bar = tqdm(
+        total=config.requests * len(config.configs) * len(servers), desc="audit", unit="req", disable=not progress
+    )
     tests, per_config, speculation = [], {}, {}
     for index, name in enumerate(config.configs):
         params = AUDIT_CONFIGS[name]
@@ -194,8 +257,11 @@ def audit(pair: LoadedPair, prompts: list[list[int]], config: AuditConfig, progr
             if baseline_cache is not None and (role == "baseline" or endpoint_is_baseline):
                 baseline_cache[name] = scored[role]
             if role == "endpoint" and config.api == "llama-server":
-                speculation[name] = {"tokens": sum(len(r["tokens"]) for r in runs), "drafted": sum(r["drafted"] for r in runs),
-                                     "accepted": sum(r["accepted"] for r in runs)}
+                speculation[name] = {
+                    "tokens": sum(len(r["tokens"]) for r in runs),
+                    "drafted": sum(r["drafted"] for r in runs),
+                    "accepted": sum(r["accepted"] for r in runs),
+                }
             if not config.text_mode:
                 tests += run_tests(f"{name} ({role})", scored[role], gamma=0)
         if config.baseline:
@@ -203,24 +269,40 @@ def audit(pair: LoadedPair, prompts: list[list[int]], config: AuditConfig, progr
         per_config[name] = {role: int(len(s["position"])) for role, s in scored.items()}
     bar.close()
     if not tests:
-        raise RuntimeError(f"the servers returned too few tokens to test (a test needs {MIN_TEST_TOKENS} per configuration); raise --requests or --max-tokens")
+        raise RuntimeError(
+            f"the servers returned too few tokens to test (a test needs {MIN_TEST_TOKENS} per configuration); raise --requests or --max-tokens"
+        )
     tests = holm(tests, config.alpha)
     n = min(c["endpoint"] for c in per_config.values())
     detectable = ks_critical_value(n, config.alpha / len(tests))
     if config.text_mode:  # only two-sample tests: the KS distance scales with sqrt(1/n + 1/m)
         m = min(c["baseline"] for c in per_config.values())
         detectable *= math.sqrt(n * (1 / n + 1 / m))
-    return {"config": {**asdict(config), "api_key": None}, "precision": precision_mode(pair), "passed": not any(t.rejected for t in tests),
-            "tokens": per_config, "tests": [asdict(t) for t in tests], "detectable_tv": detectable, "speculation": speculation or None}
+    return {
+        "config": {**asdict(config), "api_key": None},
+        "precision": precision_mode(pair),
+        "passed": not any(t.rejected for t in tests),
+        "tokens": per_config,
+        "tests": [asdict(t) for t in tests],
+        "detectable_tv": detectable,
+        "speculation": speculation or None,
+    }
 
 
 def format_audit_table(report: dict) -> str:
     config = report["config"]
-    lines = [f"audit of {config['endpoint']} ({config['model']}), scored in {report['precision']}: "
-             f"{'PASS' if report['passed'] else 'FAIL'} at family-wise rate {config['alpha']:g} (Holm over {len(report['tests'])} tests)",
-             f"tokens per configuration: {json.dumps(report['tokens'])}; detectable per-token TV about {report['detectable_tv']:.4f}"]
+    lines = [
+        f"audit of {config['endpoint']} ({config['model']}), scored in {report['precision']}: "
+        f"{'PASS' if report['passed'] else 'FAIL'} at family-wise rate {config['alpha']:g} (Holm over {len(report['tests'])} tests)",
+        f"tokens per configuration: {json.dumps(report['tokens'])}; detectable per-token TV about {report['detectable_tv']:.4f}",
+    ]
     for name, counts in (report.get("speculation") or {}).items():
-        lines.append(f"speculation ({name}): {counts['accepted']} of {counts['tokens']} tokens were accepted drafts ({counts['drafted']} drafted)")
+        lines.append(
+            f"speculation ({name}): {counts['accepted']} of {counts['tokens']} tokens were accepted drafts ({counts['drafted']} drafted)"
+        )
     lines.append("smallest adjusted p-values:")
-    lines += [f"  {t['adjusted_p']:10.3g}  {t['name']} (n={t['n']})" for t in sorted(report["tests"], key=lambda t: t["adjusted_p"])[:5]]
+    lines += [
+        f"  {t['adjusted_p']:10.3g}  {t['name']} (n={t['n']})"
+        for t in sorted(report["tests"], key=lambda t: t["adjusted_p"])[:5]
+    ]
     return "\n".join(lines)

@@ -38,22 +38,45 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from exactspec.bench.workloads import CHAT_WORKLOADS, workload_prompts
 from exactspec.certification.mutants import MUTANTS, applies
-from exactspec.certification.pit import (TestResult, binned_uniform, holm, ks_critical_value, ks_uniform, p_order_masses, pit_values,
-                                         ratio_pit_values, recency_pit_values, token_goodness_of_fit)
+from exactspec.certification.pit import (
+    TestResult,
+    binned_uniform,
+    holm,
+    ks_critical_value,
+    ks_uniform,
+    p_order_masses,
+    pit_values,
+    ratio_pit_values,
+    recency_pit_values,
+    token_goodness_of_fit,
+)
 from exactspec.chat import chat_messages
-from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
-from exactspec.loading import LoadedPair, unwrapped
-from exactspec.decoding.sampling import GREEDY, SamplingParams, block_probs
 from exactspec.decoding.block import check_rule
+from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
 from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
+from exactspec.decoding.sampling import GREEDY, SamplingParams, block_probs
+from exactspec.decoding.verify import sample_from
+from exactspec.loading import LoadedPair, unwrapped
 from exactspec.speculator import build_engine
 from exactspec.tokenizer import TextTokenizer
-from exactspec.decoding.verify import sample_from
-from exactspec.bench.workloads import CHAT_WORKLOADS, workload_prompts
 
-__all__ = ["AUDIT_CONFIGS", "CONFIGS", "MIN_TEST_TOKENS", "CertifyConfig", "LocalSampler", "certify", "default_prompts", "drafting", "merge_scored", "precision_mode",
-           "run_tests", "score_runs", "shared_prompt_logits"]
+__all__ = [
+    "AUDIT_CONFIGS",
+    "CONFIGS",
+    "MIN_TEST_TOKENS",
+    "CertifyConfig",
+    "LocalSampler",
+    "certify",
+    "default_prompts",
+    "drafting",
+    "merge_scored",
+    "precision_mode",
+    "run_tests",
+    "score_runs",
+    "shared_prompt_logits",
+]
 
 CONFIGS = {
     "T=1": SamplingParams(),
@@ -64,17 +87,28 @@ CONFIGS = {
 }
 #: For an audit: the certification's configurations, and two that servers' users often set: a temperature with top-k and
 #: top-p together, and the repetition penalty alone (the one penalty whose law llama-server shares).
-AUDIT_CONFIGS = {**CONFIGS, "T=0.8 top_k=50 top_p=0.9": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
-                 "repetition_penalty=1.3": SamplingParams(repetition_penalty=1.3)}
+AUDIT_CONFIGS = {
+    **CONFIGS,
+    "T=0.8 top_k=50 top_p=0.9": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+    "repetition_penalty=1.3": SamplingParams(repetition_penalty=1.3),
+}
 MIN_TEST_TOKENS = 20  # the fewest PIT values a uniformity test is run on
 PREFIX_DEPTH = 6  # deepest prefix whose next-token counts are tested
 MIN_PREFIX_COUNT = 30  # a prefix seen fewer times is left to the PIT tests
 #: The configuration each known-wrong engine is run with in the self-check: one where its bug changes the law
 #: (an unprocessed q is the processed one at T=1 without truncation).
-MUTANT_CONFIG = {"residual_from_p": "T=1", "unprocessed_q": "T=0.8 top_k=50", "penalties_once_per_round": "penalties",
-                 "argmax_draft_sampled_ratio": "T=1", "precision_mismatch": "T=1", "block_tokenwise_residual": "T=1",
-                 "block_first_failure": "T=1", "block_shared_uniform": "T=1", "block_uncapped_weight": "T=1",
-                 "block_no_denominator": "T=1"}
+MUTANT_CONFIG = {
+    "residual_from_p": "T=1",
+    "unprocessed_q": "T=0.8 top_k=50",
+    "penalties_once_per_round": "penalties",
+    "argmax_draft_sampled_ratio": "T=1",
+    "precision_mismatch": "T=1",
+    "block_tokenwise_residual": "T=1",
+    "block_first_failure": "T=1",
+    "block_shared_uniform": "T=1",
+    "block_uncapped_weight": "T=1",
+    "block_no_denominator": "T=1",
+}
 
 
 @dataclass(frozen=True)
@@ -100,7 +134,9 @@ class CertifyConfig:
         if self.sequences < 1 or self.max_tokens < 1 or self.gamma < 1 or self.slots < 1:
             raise ValueError("sequences, max_tokens, gamma and slots must be >= 1")
         if self.sequences * self.max_tokens < MIN_TEST_TOKENS:
-            raise ValueError(f"sequences x max_tokens is {self.sequences * self.max_tokens}; a test needs at least {MIN_TEST_TOKENS} tokens")
+            raise ValueError(
+                f"sequences x max_tokens is {self.sequences * self.max_tokens}; a test needs at least {MIN_TEST_TOKENS} tokens"
+            )
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
 
@@ -119,7 +155,10 @@ class _RecordsDraftProbs:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.recorded_q: dict = {}
-        self.draws = {"replayed": 0, "mismatched": 0}  # sampled draft tokens replayed; those the reported q does not draw
+        self.draws = {
+            "replayed": 0,
+            "mismatched": 0,
+        }  # sampled draft tokens replayed; those the reported q does not draw
 
     def _draft(self, sequences, gammas):
         self._draft_states = {s.slot: s.generator.get_state() for s in sequences}
@@ -142,13 +181,24 @@ class _RecordsDraftProbs:
         super()._round_end(s, row, logits, round_)
 
 
-def _recording_engine(pair: LoadedPair, config: "CertifyConfig", max_len: int, engine_class: type[BatchEngine] = BatchEngine) -> BatchEngine:
+def _recording_engine(
+    pair: LoadedPair, config: CertifyConfig, max_len: int, engine_class: type[BatchEngine] = BatchEngine
+) -> BatchEngine:
     recording = type(f"Recording{engine_class.__name__}", (_RecordsDraftProbs, engine_class), {})
-    return build_engine(pair, config.slots, max_len, EngineConfig(gamma=config.gamma), calibrated=False, engine_class=recording)
+    return build_engine(
+        pair, config.slots, max_len, EngineConfig(gamma=config.gamma), calibrated=False, engine_class=recording
+    )
 
 
-def _sample(engine: BatchEngine, prompts: list[list[int]], params: SamplingParams, config: CertifyConfig, seed: int,
-            progress: tqdm, indices: range | None = None) -> list[dict]:
+def _sample(
+    engine: BatchEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    config: CertifyConfig,
+    seed: int,
+    progress: tqdm,
+    indices: range | None = None,
+) -> list[dict]:
     """Seeded speculative continuations (sequence i: prompt i mod len(prompts), seed + i; default: all sequences)
     with each token's round position and kind, and the q of drafted positions."""
     engine.recorded_q.clear()
@@ -158,9 +208,21 @@ def _sample(engine: BatchEngine, prompts: list[list[int]], params: SamplingParam
     speculation = "lookup" if engine.proposer is None else "draft"
     handles = []
     for run in runs:
-        request = SequenceRequest(tuple(run["prompt"]), params, config.max_tokens, seed=run["seed"], speculation=speculation,
-                                  verify=config.verify)
-        handles.append(engine.submit(request, lambda events, run=run: (run["events"].extend(events), progress.update(len(events))), lambda h: None))
+        request = SequenceRequest(
+            tuple(run["prompt"]),
+            params,
+            config.max_tokens,
+            seed=run["seed"],
+            speculation=speculation,
+            verify=config.verify,
+        )
+        handles.append(
+            engine.submit(
+                request,
+                lambda events, run=run: (run["events"].extend(events), progress.update(len(events))),
+                lambda h: None,
+            )
+        )
     while any(h.finish_reason is None for h in handles):
         engine.step()
     failed = [h.error for h in handles if h.finish_reason == "error"]
@@ -168,29 +230,42 @@ def _sample(engine: BatchEngine, prompts: list[list[int]], params: SamplingParam
         raise RuntimeError(f"sampling failed: {failed[0]}")
     for run in runs:
         start, events = len(run["prompt"]), run.pop("events")
-        run.update(tokens=[e.token for e in events], positions=[e.round_position for e in events], kinds=[e.kind for e in events],
-                   q=[engine.recorded_q.get((run["seed"], start + i)) for i in range(len(events))])
+        run.update(
+            tokens=[e.token for e in events],
+            positions=[e.round_position for e in events],
+            kinds=[e.kind for e in events],
+            q=[engine.recorded_q.get((run["seed"], start + i)) for i in range(len(events))],
+        )
     return runs
 
 
-def _order_pits(probs: torch.Tensor, prefix: list[int], tokens: list[int], q: list, uniforms: torch.Tensor) -> dict[str, torch.Tensor]:
+def _order_pits(
+    probs: torch.Tensor, prefix: list[int], tokens: list[int], q: list, uniforms: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Per order (:data:`ORDERS`), the PIT value ``(n,)`` of each generated position (NaN where the order does not
     apply: q / p at positions nobody drafted). ``probs`` ``(n, V)``: the target's processed distributions."""
     token_ids, mass = torch.tensor(tokens), probs.sum(-1)
     p_masses = p_order_masses(probs, token_ids)
-    pits = {"token id": pit_values(probs, token_ids, uniforms), "p": (p_masses[0] + uniforms * p_masses[1]).clamp(0.0, 1.0),
-            "recency": recency_pit_values(probs, token_ids, uniforms, prefix, p_masses, mass),
-            "q/p": torch.full((len(tokens),), float("nan"), dtype=torch.float64)}
+    pits = {
+        "token id": pit_values(probs, token_ids, uniforms),
+        "p": (p_masses[0] + uniforms * p_masses[1]).clamp(0.0, 1.0),
+        "recency": recency_pit_values(probs, token_ids, uniforms, prefix, p_masses, mass),
+        "q/p": torch.full((len(tokens),), float("nan"), dtype=torch.float64),
+    }
     drafted = [i for i in range(len(tokens)) if q[i] is not None]
     if drafted:
         q_ids, q_values = torch.stack([q[i][0] for i in drafted]), torch.stack([q[i][1] for i in drafted])
         drafted = torch.tensor(drafted)
         p_recorded = probs[drafted.unsqueeze(1), q_ids]  # (d, K)
-        pits["q/p"][drafted] = ratio_pit_values(p_recorded, mass[drafted], token_ids[drafted], uniforms[drafted], q_ids, q_values)
+        pits["q/p"][drafted] = ratio_pit_values(
+            p_recorded, mass[drafted], token_ids[drafted], uniforms[drafted], q_ids, q_values
+        )
     return pits
 
 
-def continuation_mask(prompt_length: int, width: int, device: torch.device | str = "cpu") -> torch.Tensor:  # (W, P + W) bool
+def continuation_mask(
+    prompt_length: int, width: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:  # (W, P + W) bool
     """Continuation position i sees the whole prompt and its own positions up to i."""
     own = torch.ones((width, width), dtype=torch.bool, device=device).tril()
     return torch.cat([torch.ones((width, prompt_length), dtype=torch.bool, device=device), own], dim=1)
@@ -204,7 +279,11 @@ def shared_prompt_logits(decoder, prompt: list[int], continuations: list[list[in
     device, b, p = decoder.embed.weight.device, len(continuations), len(prompt)
     width = max(len(c) for c in continuations)
     x_prompt = decoder.embed(torch.tensor([prompt], dtype=torch.long, device=device))  # (1, P, C)
-    x = decoder.embed(torch.tensor([c + [0] * (width - len(c)) for c in continuations], dtype=torch.long, device=device).reshape(b, width))  # long even when W = 0  # (B, W, C)
+    x = decoder.embed(
+        torch.tensor([c + [0] * (width - len(c)) for c in continuations], dtype=torch.long, device=device).reshape(
+            b, width
+        )
+    )  # long even when W = 0  # (B, W, C)
     cos, sin = decoder.rope_cos[: p + width].to(x.dtype), decoder.rope_sin[: p + width].to(x.dtype)
     mask = continuation_mask(p, width, device)
     for layer in decoder.layers:
@@ -213,7 +292,10 @@ def shared_prompt_logits(decoder, prompt: list[int], continuations: list[list[in
         x_prompt = layer.finish(x_prompt, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa))
         if width:
             q_c, k_c, v_c = layer.qkv(x, cos[p:], sin[p:])
-            keys, values = torch.cat([k.expand(b, -1, -1, -1), k_c], dim=2), torch.cat([v.expand(b, -1, -1, -1), v_c], dim=2)
+            keys, values = (
+                torch.cat([k.expand(b, -1, -1, -1), k_c], dim=2),
+                torch.cat([v.expand(b, -1, -1, -1), v_c], dim=2),
+            )
             x = layer.finish(x, F.scaled_dot_product_attention(q_c, keys, values, attn_mask=mask, enable_gqa=gqa))
     return decoder.logits(torch.cat([x_prompt[:, -1:].expand(b, 1, -1), x], dim=1))
 
@@ -256,11 +338,17 @@ def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed:
     and ``"q"`` (the recorded draft distributions) where the sampler is white-box."""
     generator = torch.Generator().manual_seed(seed)
     vocab = pair.target.vocab_size
-    logits_of = _scorer(unwrapped(pair.target), vocab, batch, max((len(r["prompt"]) + len(r["tokens"]) for r in runs), default=1))
+    logits_of = _scorer(
+        unwrapped(pair.target), vocab, batch, max((len(r["prompt"]) + len(r["tokens"]) for r in runs), default=1)
+    )
     values, positions, kinds, heads, seen = {order: [] for order in ORDERS}, [], [], [], set()
     # Only a prefix that enough runs share is tested (run_tests), so only its distribution is kept: at 10^5 tokens
     # keeping every new prefix's (V,) row held gigabytes.
-    tested = {key for key, count in Counter(key for run in runs for key in _prefix_keys(run)).items() if count >= MIN_PREFIX_COUNT}
+    tested = {
+        key
+        for key, count in Counter(key for run in runs for key in _prefix_keys(run)).items()
+        if count >= MIN_PREFIX_COUNT
+    }
     by_prompt: dict[tuple[int, ...], list[dict]] = {}
     for run in runs:
         if run["tokens"]:
@@ -274,7 +362,9 @@ def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed:
             prompt, tokens = run["prompt"], run["tokens"]
             probs = block_probs(row[: len(tokens)], prompt, tokens, len(prompt), params)
             uniforms = torch.rand((len(tokens),), dtype=torch.float64, generator=generator)
-            for order, pit in _order_pits(probs, prompt, tokens, run.get("q") or [None] * len(tokens), uniforms).items():
+            for order, pit in _order_pits(
+                probs, prompt, tokens, run.get("q") or [None] * len(tokens), uniforms
+            ).items():
                 values[order].append(pit.numpy())
             positions.append(run.get("positions") or [-1] * len(tokens))
             kinds.append(run.get("kinds") or ["unknown"] * len(tokens))
@@ -282,10 +372,14 @@ def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed:
             for depth, key in enumerate(_prefix_keys(run)):  # and no earlier run had it
                 first_seen.append(probs[depth].clone() if key in tested and key not in seen else None)
                 seen.add(key)
-            heads.append((tuple(prompt), tuple(tokens[:PREFIX_DEPTH + 1]), first_seen))
+            heads.append((tuple(prompt), tuple(tokens[: PREFIX_DEPTH + 1]), first_seen))
     joined = lambda parts: np.concatenate(parts) if parts else np.empty(0)  # noqa: E731 - no run produced a token
-    return {"pit": {order: joined(v) for order, v in values.items()}, "position": joined(positions),
-            "kind": joined(kinds), "heads": heads}
+    return {
+        "pit": {order: joined(v) for order, v in values.items()},
+        "position": joined(positions),
+        "kind": joined(kinds),
+        "heads": heads,
+    }
 
 
 def _return_freed_memory() -> None:
@@ -316,7 +410,9 @@ def run_tests(name: str, scored: dict, gamma: int) -> list[TestResult]:
     tests, position = [], scored["position"]
     for order, pit in scored["pit"].items():
         present = ~np.isnan(pit)
-        subsets = [("all tokens", present)] + [(f"round position {k}", present & (position == k)) for k in range(gamma + 1)]
+        subsets = [("all tokens", present)] + [
+            (f"round position {k}", present & (position == k)) for k in range(gamma + 1)
+        ]
         for subset, chosen in subsets:
             if chosen.sum() >= MIN_TEST_TOKENS:
                 tests.append(ks_uniform(f"{name}: {subset}, {order} order, KS", pit[chosen]))
@@ -329,13 +425,20 @@ def run_tests(name: str, scored: dict, gamma: int) -> list[TestResult]:
                 counts[tokens[depth]] = counts.get(tokens[depth], 0) + 1
         repeated = [group for group in groups.values() if sum(group[0].values()) >= MIN_PREFIX_COUNT]
         if repeated:
-            tests.append(token_goodness_of_fit(f"{name}: next token after a repeated {depth}-token prefix ({len(repeated)} prefixes)", repeated))
+            tests.append(
+                token_goodness_of_fit(
+                    f"{name}: next token after a repeated {depth}-token prefix ({len(repeated)} prefixes)", repeated
+                )
+            )
     return tests
 
 
 def _greedy_check(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig) -> dict:
     """Speculative greedy against plain greedy, token for token."""
-    plain, speculative = SpeculativeDecoder(pair.target, None, GREEDY), SpeculativeDecoder(pair.target, pair.proposer(), GREEDY)
+    plain, speculative = (
+        SpeculativeDecoder(pair.target, None, GREEDY),
+        SpeculativeDecoder(pair.target, pair.proposer(), GREEDY),
+    )
     generation = GenerationConfig(max_new_tokens=config.max_tokens, gamma=config.gamma)
     equal = sum(plain.generate(p, generation).tokens == speculative.generate(p, generation).tokens for p in prompts)
     return {"prompts": len(prompts), "equal": equal}
@@ -377,60 +480,85 @@ def drafting(pair: LoadedPair) -> str:
     """How the pair drafts: ``"draft model"``, ``"feature draft"`` (a trained feature-level draft) or ``"lookup"``."""
     from exactspec.models.eagle import FeatureDraft
 
-    return "lookup" if pair.draft is None else "feature draft" if isinstance(pair.draft, FeatureDraft) else "draft model"
+    return (
+        "lookup" if pair.draft is None else "feature draft" if isinstance(pair.draft, FeatureDraft) else "draft model"
+    )
 
 
 def merge_scored(parts: list[dict]) -> dict:
     """Scored shards (from :func:`score_runs`, in sequence order) as one."""
-    return {"pit": {order: np.concatenate([p["pit"][order] for p in parts]) for order in ORDERS},
-            "position": np.concatenate([p["position"] for p in parts]), "kind": np.concatenate([p["kind"] for p in parts]),
-            "heads": [head for p in parts for head in p["heads"]],
-            "draws": {key: sum(p["draws"][key] for p in parts) for key in ("replayed", "mismatched")}}
+    return {
+        "pit": {order: np.concatenate([p["pit"][order] for p in parts]) for order in ORDERS},
+        "position": np.concatenate([p["position"] for p in parts]),
+        "kind": np.concatenate([p["kind"] for p in parts]),
+        "heads": [head for p in parts for head in p["heads"]],
+        "draws": {key: sum(p["draws"][key] for p in parts) for key in ("replayed", "mismatched")},
+    }
 
 
 class LocalSampler:
     """Samples and scores shards of a configuration's sequences here, one engine per (mutant) engine class."""
 
-    def __init__(self, pair: LoadedPair, prompts: list[list[int]], config: "CertifyConfig", progress: tqdm | None = None) -> None:
+    def __init__(
+        self, pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, progress: tqdm | None = None
+    ) -> None:
         self.pair, self.prompts, self.config, self.progress = pair, prompts, config, progress or tqdm(disable=True)
         self.engine: tuple[str | None, BatchEngine] | None = None  # the last one (caches for all slots): one at a time
         self.max_len = max(len(p) for p in prompts) + config.max_tokens
 
-    def __call__(self, config_name: str, mutant: str | None, seed: int, score_seed: int, indices: range | None = None) -> dict:
+    def __call__(
+        self, config_name: str, mutant: str | None, seed: int, score_seed: int, indices: range | None = None
+    ) -> dict:
         """Scored runs of sequences ``indices`` (default: all) of ``config_name``, sampled by the real engine or by
         ``mutant``, with the engine's draw replay counts (``"draws"``); a RuntimeError when a sequence fails (a
         verifier guard tripped)."""
         if self.engine is None or self.engine[0] != mutant:
             self.engine = None  # freed before the next one is built
-            self.engine = (mutant, _recording_engine(self.pair, self.config, self.max_len, MUTANTS[mutant] if mutant else BatchEngine))
+            self.engine = (
+                mutant,
+                _recording_engine(self.pair, self.config, self.max_len, MUTANTS[mutant] if mutant else BatchEngine),
+            )
         params = CONFIGS[config_name]
         runs = _sample(self.engine[1], self.prompts, params, self.config, seed, self.progress, indices)
         return {**score_runs(self.pair, runs, params, score_seed), "draws": dict(self.engine[1].draws)}
 
 
-def certify(pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, progress: bool = True, sampler=None) -> dict:
+def certify(
+    pair: LoadedPair, prompts: list[list[int]], config: CertifyConfig, progress: bool = True, sampler=None
+) -> dict:
     """Sample, score and test every configuration (module docstring); with ``config.self_check``, the mutants too.
     ``sampler`` (default: a :class:`LocalSampler`) makes the scored samples, e.g. on Ray
     (:class:`exactspec.jobs.distributed.RaySampler`). The report keeps every configuration's PIT values (token id
     order) under ``per_config[name]["pit"]``."""
     started = time.perf_counter()
-    total = config.sequences * config.max_tokens * (len(config.configs) + (len(config.mutants) if config.self_check else 0))
+    total = (
+        config.sequences * config.max_tokens * (len(config.configs) + (len(config.mutants) if config.self_check else 0))
+    )
     bar = tqdm(total=total, desc="certify", unit="tok", disable=not progress)
     sampler = sampler or LocalSampler(pair, prompts, config, bar)
     tests, per_config = [], {}
     for index, name in enumerate(config.configs):
         scored = sampler(name, None, config.seed + 10**6 * index, config.seed + index)
         tests += run_tests(name, scored, config.gamma)
-        per_config[name] = {"tokens": int(len(scored["position"])), "pit": scored["pit"]["token id"].tolist(),
-                            "acceptance_by_position": _acceptance(scored, config.gamma), "draws": scored["draws"]}
+        per_config[name] = {
+            "tokens": int(len(scored["position"])),
+            "pit": scored["pit"]["token id"].tolist(),
+            "acceptance_by_position": _acceptance(scored, config.gamma),
+            "draws": scored["draws"],
+        }
     if not tests:
-        raise ValueError(f"no configuration produced the {MIN_TEST_TOKENS} tokens a test needs (sequences ended early); raise --sequences")
+        raise ValueError(
+            f"no configuration produced the {MIN_TEST_TOKENS} tokens a test needs (sequences ended early); raise --sequences"
+        )
     tests = holm(tests, config.alpha)
     sampled_tokens = sum(c["tokens"] for c in per_config.values())
     draws = {key: sum(c["draws"][key] for c in per_config.values()) for key in ("replayed", "mismatched")}
     report = {
-        "config": asdict(config), "tokens": sampled_tokens, "precision": precision_mode(pair),
-        "passed": not any(t.rejected for t in tests) and not draws["mismatched"], "draws": draws,
+        "config": asdict(config),
+        "tokens": sampled_tokens,
+        "precision": precision_mode(pair),
+        "passed": not any(t.rejected for t in tests) and not draws["mismatched"],
+        "draws": draws,
         "tests": [asdict(t) for t in tests],
         "detectable_tv": ks_critical_value(min(c["tokens"] for c in per_config.values()), config.alpha / len(tests)),
         "greedy": _greedy_check(pair, prompts[:4], config),
@@ -460,23 +588,48 @@ def _self_check(kind: str, sampler, config: CertifyConfig) -> dict:
     for index, name in enumerate(config.mutants):
         engine_class, config_name = MUTANTS[name], MUTANT_CONFIG[name]
         if not applies(engine_class, kind):
-            out[name] = {"config": config_name, "applies": False, "rejected": None, "smallest_adjusted_p": None,
-                         "by": f"not applicable: this pair has no {engine_class.needs}", "largest_ks_distance": None}
+            out[name] = {
+                "config": config_name,
+                "applies": False,
+                "rejected": None,
+                "smallest_adjusted_p": None,
+                "by": f"not applicable: this pair has no {engine_class.needs}",
+                "largest_ks_distance": None,
+            }
             continue
         try:
             scored = sampler(config_name, name, config.seed + 10**7 * (index + 1), config.seed)
         except RuntimeError as error:  # a verifier guard caught it before any statistics (a token q says is impossible)
-            out[name] = {"config": config_name, "applies": True, "rejected": True, "smallest_adjusted_p": 0.0, "by": str(error), "largest_ks_distance": None}
+            out[name] = {
+                "config": config_name,
+                "applies": True,
+                "rejected": True,
+                "smallest_adjusted_p": 0.0,
+                "by": str(error),
+                "largest_ks_distance": None,
+            }
             continue
         tests = holm(run_tests(config_name, scored, config.gamma), config.alpha)
         worst = min(tests, key=lambda t: t.adjusted_p)
         ks = max(t.statistic for t in tests if t.name.endswith("KS"))
         draws = scored["draws"]
         if draws["mismatched"]:  # a proof, not a p-value: the verifier was handed another q than the draft drew from
-            out[name] = {"config": config_name, "applies": True, "rejected": True, "smallest_adjusted_p": 0.0, "largest_ks_distance": ks,
-                         "by": f"draw replay: {draws['mismatched']} of {draws['replayed']} draft tokens are not the reported q's draw",
-                         "tests_adjusted_p": worst.adjusted_p}
+            out[name] = {
+                "config": config_name,
+                "applies": True,
+                "rejected": True,
+                "smallest_adjusted_p": 0.0,
+                "largest_ks_distance": ks,
+                "by": f"draw replay: {draws['mismatched']} of {draws['replayed']} draft tokens are not the reported q's draw",
+                "tests_adjusted_p": worst.adjusted_p,
+            }
             continue
-        out[name] = {"config": config_name, "applies": True, "rejected": any(t.rejected for t in tests), "smallest_adjusted_p": worst.adjusted_p,
-                     "by": worst.name, "largest_ks_distance": ks}
+        out[name] = {
+            "config": config_name,
+            "applies": True,
+            "rejected": any(t.rejected for t in tests),
+            "smallest_adjusted_p": worst.adjusted_p,
+            "by": worst.name,
+            "largest_ks_distance": ks,
+        }
     return out

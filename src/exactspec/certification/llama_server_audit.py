@@ -75,7 +75,9 @@ def judged(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def audit_llama_server(pair: LoadedPair, prompts: list[list[int]], config: LlamaServerAudit, progress: bool = True) -> dict:
+def audit_llama_server(
+    pair: LoadedPair, prompts: list[list[int]], config: LlamaServerAudit, progress: bool = True
+) -> dict:
     """One audit report per mode (module docstring), with llama-server's version; ``passed``: every mode passed,
     plain included (a plain mode that fails is a disagreement on the law, which the audit cannot settle)."""
     rows, baseline_cache = [], {}
@@ -83,27 +85,48 @@ def audit_llama_server(pair: LoadedPair, prompts: list[list[int]], config: Llama
     with LlamaServer(plain_config) as plain:
         for mode in config.modes:
             if mode == "plain":
-                report = audit(pair, prompts, replace(config.audit, endpoint=plain.url, baseline=None), progress, baseline_cache,
-                               endpoint_is_baseline=True)  # plain's samples are the other modes' baseline too
+                report = audit(
+                    pair,
+                    prompts,
+                    replace(config.audit, endpoint=plain.url, baseline=None),
+                    progress,
+                    baseline_cache,
+                    endpoint_is_baseline=True,
+                )  # plain's samples are the other modes' baseline too
             else:
                 draft = config.draft_model if mode in DRAFT_MODES else None
                 try:
                     with LlamaServer(replace(config.server, mode=mode, draft_model=draft)) as server:
-                        report = audit(pair, prompts, replace(config.audit, endpoint=server.url, baseline=plain.url), progress, baseline_cache)
+                        report = audit(
+                            pair,
+                            prompts,
+                            replace(config.audit, endpoint=server.url, baseline=plain.url),
+                            progress,
+                            baseline_cache,
+                        )
                 except RuntimeError as error:  # one mode this build cannot run: the others are still audited
                     report = {"passed": False, "error": str(error)}
             rows.append({"mode": mode, **report})
     rows = judged(rows)
-    return {"llama_server": llama_server_version(config.server.binary), "binary": str(config.server.binary),
-            "model": str(config.server.model), "precision": precision_mode(pair), "alpha": config.audit.alpha,
-            "configs": list(config.audit.configs), "passed": all(row["passed"] for row in rows), "modes": rows}
+    return {
+        "llama_server": llama_server_version(config.server.binary),
+        "binary": str(config.server.binary),
+        "model": str(config.server.model),
+        "precision": precision_mode(pair),
+        "alpha": config.audit.alpha,
+        "configs": list(config.audit.configs),
+        "passed": all(row["passed"] for row in rows),
+        "modes": rows,
+    }
 
 
 def format_llama_server_table(report: dict) -> str:
     """One line per mode: verdict, detectable TV, tokens that were accepted drafts, the smallest adjusted p-value."""
-    lines = [f"llama-server {report['llama_server']} on {Path(report['model']).name}; scored in {report['precision']}; "
-             f"family-wise rate {report['alpha']:g} per mode (Holm); configurations: {', '.join(report['configs'])}",
-             f"{'mode':20s} {'verdict':8s} {'TV':>7s} {'drafted tokens':>20s} {'smallest p':>11s}  test"]
+    lines = [
+        f"llama-server {report['llama_server']} on {Path(report['model']).name}; scored in {report['precision']}; "
+        f"family-wise rate {report['alpha']:g} per mode (Holm); configurations: {', '.join(report['configs'])}",
+        f"{'mode':20s} {'verdict':8s} {'TV':>7s} {'drafted tokens':>20s} {'smallest p':>11s}  test",
+    ]
     for row in report["modes"]:
         if "error" in row:
             lines.append(f"{row['mode']:20s} {'ERROR':8s} {row['error']}")
@@ -112,9 +135,17 @@ def format_llama_server_table(report: dict) -> str:
         tokens = sum(c["tokens"] for c in counts)
         accepted = sum(c["accepted"] for c in counts)
         smallest = row["smallest_judged"]
-        note = f"  (judged against plain only on {', '.join(row['two_sample_only'])})" if row.get("two_sample_only") else ""
-        lines.append(f"{row['mode']:20s} {'PASS' if row['passed'] else 'FAIL':8s} {row['detectable_tv']:7.4f} "
-                     f"{f'{accepted}/{tokens} accepted':>20s} {smallest['adjusted_p']:11.3g}  {smallest['name']}{note}")
-    lines.append("TV: the per-token total-variation distance each mode's tests detect at that rate; "
-                 "drafted tokens: tokens that were accepted drafts, of all tokens tested; smallest p: of the tests a verdict rests on")
+        note = (
+            f"  (judged against plain only on {', '.join(row['two_sample_only'])})"
+            if row.get("two_sample_only")
+            else ""
+        )
+        lines.append(
+            f"{row['mode']:20s} {'PASS' if row['passed'] else 'FAIL':8s} {row['detectable_tv']:7.4f} "
+            f"{f'{accepted}/{tokens} accepted':>20s} {smallest['adjusted_p']:11.3g}  {smallest['name']}{note}"
+        )
+    lines.append(
+        "TV: the per-token total-variation distance each mode's tests detect at that rate; "
+        "drafted tokens: tokens that were accepted drafts, of all tokens tested; smallest p: of the tests a verdict rests on"
+    )
     return "\n".join(lines)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from exactspec.decoding.sampling import SamplingParams, block_probs
 from exactspec.decoding.engine import BatchEngine
+from exactspec.decoding.sampling import SamplingParams, block_probs
 from exactspec.decoding.verify import VerifyResult, sample_from, verify_stochastic
 
 __all__ = ["MUTANTS", "applies", "block_variant"]
@@ -31,7 +31,9 @@ class ResidualFromTarget(BatchEngine):
         if n == draft_tokens.shape[1]:
             return result
         tokens = result.tokens.clone()
-        tokens[0, n] = sample_from(target_probs[0, n : n + 1], torch.rand((1,), dtype=torch.float64, generator=generator))[0]
+        tokens[0, n] = sample_from(
+            target_probs[0, n : n + 1], torch.rand((1,), dtype=torch.float64, generator=generator)
+        )[0]
         return VerifyResult(result.num_accepted, tokens)
 
 
@@ -53,7 +55,9 @@ class PenaltiesOncePerRound(BatchEngine):
     needs: str | None = None
 
     def _target_probs(self, logits, context, block, prompt_length, params):
-        return torch.cat([block_probs(logits[j : j + 1], context, [], prompt_length, params) for j in range(logits.shape[0])])
+        return torch.cat(
+            [block_probs(logits[j : j + 1], context, [], prompt_length, params) for j in range(logits.shape[0])]
+        )
 
 
 class ArgmaxDraftSampledRatio(BatchEngine):
@@ -78,8 +82,18 @@ class PrecisionMismatch(BatchEngine):
         return rounded, q
 
 
-def block_variant(draft_tokens, draft_probs, target_probs, generator, *, cap: bool = True, denominator: bool = True,
-                  last: bool = True, shared_uniform: bool = False, weighted_residual: bool = True) -> VerifyResult:
+def block_variant(
+    draft_tokens,
+    draft_probs,
+    target_probs,
+    generator,
+    *,
+    cap: bool = True,
+    denominator: bool = True,
+    last: bool = True,
+    shared_uniform: bool = False,
+    weighted_residual: bool = True,
+) -> VerifyResult:
     """The block rule of :mod:`exactspec.decoding.block` for one row, written out step by step so that each switch
     turns one step into a misreading seen in other engines (all switches at their defaults: the rule itself, the
     same draws, the same tokens)."""
@@ -134,15 +148,24 @@ def _block_mutant(name: str, doc: str, **variant) -> type[BatchEngine]:
     return type(name, (BlockRuleMutant,), {"variant": variant, "__doc__": doc})
 
 
-BlockTokenwiseResidual = _block_mutant("BlockTokenwiseResidual", "After the block decision the replacement is drawn from "
-                                       "the token-wise residual max(0, p - q), not max(0, w_tau p - q).", weighted_residual=False)
-BlockFirstFailure = _block_mutant("BlockFirstFailure", "The block stops at the first position that fails, not at the "
-                                  "last that passes.", last=False)
-BlockSharedUniform = _block_mutant("BlockSharedUniform", "One uniform is compared with every position's threshold.",
-                                   shared_uniform=True)
+BlockTokenwiseResidual = _block_mutant(
+    "BlockTokenwiseResidual",
+    "After the block decision the replacement is drawn from "
+    "the token-wise residual max(0, p - q), not max(0, w_tau p - q).",
+    weighted_residual=False,
+)
+BlockFirstFailure = _block_mutant(
+    "BlockFirstFailure", "The block stops at the first position that fails, not at the last that passes.", last=False
+)
+BlockSharedUniform = _block_mutant(
+    "BlockSharedUniform", "One uniform is compared with every position's threshold.", shared_uniform=True
+)
 BlockUncappedWeight = _block_mutant("BlockUncappedWeight", "The running weight is not capped at 1.", cap=False)
-BlockNoDenominator = _block_mutant("BlockNoDenominator", "The threshold is the next position's residual mass, not "
-                                   "divided by it plus 1 - w.", denominator=False)
+BlockNoDenominator = _block_mutant(
+    "BlockNoDenominator",
+    "The threshold is the next position's residual mass, not divided by it plus 1 - w.",
+    denominator=False,
+)
 
 
 def applies(mutant: type[BatchEngine], drafting: str) -> bool:

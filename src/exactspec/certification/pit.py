@@ -37,8 +37,21 @@ import numpy as np
 import torch
 from scipy import stats
 
-__all__ = ["TAIL_EDGES", "TestResult", "binned_uniform", "chi_square_parts", "holm", "keyed_pit_values", "ks_critical_value", "ks_uniform",
-           "p_order_masses", "pit_values", "ratio_pit_values", "recency_pit_values", "token_goodness_of_fit"]
+__all__ = [
+    "TAIL_EDGES",
+    "TestResult",
+    "binned_uniform",
+    "chi_square_parts",
+    "holm",
+    "keyed_pit_values",
+    "ks_critical_value",
+    "ks_uniform",
+    "p_order_masses",
+    "pit_values",
+    "ratio_pit_values",
+    "recency_pit_values",
+    "token_goodness_of_fit",
+]
 
 
 def pit_values(
@@ -74,7 +87,9 @@ def _keyed_masses(probs: torch.Tensor, keys: torch.Tensor, own: torch.Tensor) ->
 # keyed_pit_values under the key its docstring names, up to the order of floating-point sums (tests/test_certification.py).
 
 
-def p_order_masses(probs: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # probs (n, V), tokens (n,)
+def p_order_masses(
+    probs: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:  # probs (n, V), tokens (n,)
     """``(P_p(p(Y) < p(x)), P_p(p(Y) = p(x)))`` per row: the parts of the PIT in the order by p (key ``p``). Tokens
     tied with x have x's probability, so their mass is ``p(x)`` times their count: one masked sum fewer."""
     own = probs.gather(1, tokens[:, None])  # (n, 1)
@@ -94,7 +109,9 @@ def recency_pit_values(
     their last occurrence (distinct per token, so no ties). Costs ``O(n * m)`` for the ``m`` distinct tokens of
     prefix + tokens, on top of ``p_masses``: the unseen tokens' masses are the p order's minus the seen tokens'."""
     n = len(tokens)
-    seen_ids, column = torch.unique(torch.cat([torch.as_tensor(prefix, dtype=torch.int64), tokens]), return_inverse=True)
+    seen_ids, column = torch.unique(
+        torch.cat([torch.as_tensor(prefix, dtype=torch.int64), tokens]), return_inverse=True
+    )
     # last[i, j]: position of seen_ids[j]'s last occurrence before row i's token, -1 if none yet
     positions = torch.arange(len(prefix) + n, dtype=torch.float64)
     occurred = torch.full((len(prefix) + n + 1, len(seen_ids)), -1.0, dtype=torch.float64)
@@ -127,7 +144,9 @@ def ratio_pit_values(
     ratio = q_values.to(torch.float64) / p_recorded.clamp_min(1e-300)
     rest = (mass - p_recorded.sum(-1)).clamp_min(0.0).unsqueeze(1)  # mass of the tokens with no recorded q
     keys, masses = torch.cat([ratio, ratio.new_zeros(len(tokens), 1)], 1), torch.cat([p_recorded, rest], 1)
-    own = torch.where(q_ids == tokens.unsqueeze(1), ratio, 0.0).amax(-1, keepdim=True)  # the token's ratio, 0 if unrecorded
+    own = torch.where(q_ids == tokens.unsqueeze(1), ratio, 0.0).amax(
+        -1, keepdim=True
+    )  # the token's ratio, 0 if unrecorded
     below, tied = _keyed_masses(masses, keys, own)
     return (below + uniforms * tied).clamp(0.0, 1.0)
 

@@ -15,11 +15,13 @@ __all__ = ["format_certify_table", "write_certify_outputs"]
 
 def format_certify_table(report: dict) -> str:
     config = report["config"]
-    lines = [f"certify: {report['tokens']} sampled tokens in {report['seconds']:.0f} s ({report['precision']}, "
-             f"gamma {config['gamma']}); family-wise false-positive rate {config['alpha']:g} (Holm over {len(report['tests'])} tests)",
-             f"verdict: {'PASS' if report['passed'] else 'FAIL'}: the speculative law "
-             f"{'is indistinguishable from' if report['passed'] else 'differs from'} the target's",
-             f"smallest per-token total-variation shift the KS tests detect: about {report['detectable_tv']:.4f}"]
+    lines = [
+        f"certify: {report['tokens']} sampled tokens in {report['seconds']:.0f} s ({report['precision']}, "
+        f"gamma {config['gamma']}); family-wise false-positive rate {config['alpha']:g} (Holm over {len(report['tests'])} tests)",
+        f"verdict: {'PASS' if report['passed'] else 'FAIL'}: the speculative law "
+        f"{'is indistinguishable from' if report['passed'] else 'differs from'} the target's",
+        f"smallest per-token total-variation shift the KS tests detect: about {report['detectable_tv']:.4f}",
+    ]
     worst = sorted(report["tests"], key=lambda t: t["adjusted_p"])[:5]
     lines.append("smallest adjusted p-values:")
     lines += [f"  {t['adjusted_p']:10.3g}  {t['name']} (n={t['n']})" for t in worst]
@@ -28,15 +30,21 @@ def format_certify_table(report: dict) -> str:
         lines.append(f"{name:>20}: {c['tokens']} tokens, acceptance by draft position {rates}")
     greedy = report["greedy"]
     lines.append(f"greedy: speculative equals plain on {greedy['equal']} of {greedy['prompts']} prompts")
-    lines.append(f"numerics: largest logit difference, a position alone vs in a block: {report['numerics_max_logit_difference']:.3g}")
+    lines.append(
+        f"numerics: largest logit difference, a position alone vs in a block: {report['numerics_max_logit_difference']:.3g}"
+    )
     draws = report["draws"]
-    lines.append(f"draw replay: {draws['mismatched']} of {draws['replayed']} sampled draft tokens are not the draw of the q the verifier was given")
+    lines.append(
+        f"draw replay: {draws['mismatched']} of {draws['replayed']} sampled draft tokens are not the draw of the q the verifier was given"
+    )
     for name, m in report.get("self_check", {}).items():
         if not m["applies"]:
             lines.append(f"self-check {name:>28}: {m['by']}")
             continue
-        lines.append(f"self-check {name:>28}: {'rejected' if m['rejected'] else 'NOT rejected'} "
-                     f"(adjusted p {m['smallest_adjusted_p']:.3g}, by {m['by']})")
+        lines.append(
+            f"self-check {name:>28}: {'rejected' if m['rejected'] else 'NOT rejected'} "
+            f"(adjusted p {m['smallest_adjusted_p']:.3g}, by {m['by']})"
+        )
     return "\n".join(lines)
 
 
@@ -61,7 +69,9 @@ def write_certify_outputs(report: dict, directory: str | Path) -> list[Path]:
         band = ks_critical_value(n, band_alpha)
         expected = (np.arange(n) + 0.5) / n
         axes[1, column].plot(expected, pit - expected, lw=1)
-        axes[1, column].fill_between([0, 1], -band, band, color="gray", alpha=0.3, label=f"KS band, alpha {band_alpha:g}")
+        axes[1, column].fill_between(
+            [0, 1], -band, band, color="gray", alpha=0.3, label=f"KS band, alpha {band_alpha:g}"
+        )
         axes[1, column].set(xlabel="uniform quantile", ylabel="PIT quantile - uniform quantile")
         axes[1, column].legend(fontsize=7)
         rates = report["per_config"][name]["acceptance_by_position"]
@@ -70,7 +80,10 @@ def write_certify_outputs(report: dict, directory: str | Path) -> list[Path]:
     figure.tight_layout()
     figure.savefig(directory / "certify.png", dpi=100)
     plt.close("all")
-    slim = {**report, "per_config": {k: {f: v for f, v in c.items() if f != "pit"} for k, c in report["per_config"].items()}}
+    slim = {
+        **report,
+        "per_config": {k: {f: v for f, v in c.items() if f != "pit"} for k, c in report["per_config"].items()},
+    }
     (directory / "certify.json").write_text(json.dumps(slim, indent=2))
     (directory / "certify.txt").write_text(format_certify_table(slim) + "\n")
     return [directory / "certify.json", directory / "certify.txt", directory / "certify.png"]

@@ -13,18 +13,42 @@ import json
 import os
 import sys
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 from exactspec import __version__
 from exactspec.cli import (
-    audit, bench, cache, certify, cost, explain, export_eagle3, generate, generate_batch, replay, serve, train_draft,
+    audit,
+    bench,
+    cache,
+    certify,
+    cost,
+    explain,
+    export_eagle3,
+    generate,
+    generate_batch,
+    replay,
+    serve,
+    train_draft,
 )
 from exactspec.cli.common import CliError, HelpFormatter, Parser
 from exactspec.loading import default_dtype
 
 __all__ = ["build_parser", "main"]
 
-COMMANDS = (explain, cost, generate, generate_batch, replay, bench, cache, serve, certify, audit, train_draft, export_eagle3)  # in --help order
+COMMANDS = (
+    explain,
+    cost,
+    generate,
+    generate_batch,
+    replay,
+    bench,
+    cache,
+    serve,
+    certify,
+    audit,
+    train_draft,
+    export_eagle3,
+)  # in --help order
 
 
 def build_parser() -> Parser:
@@ -50,14 +74,20 @@ def _one_line(message, category, filename, lineno, line=None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = None
-    warnings.formatwarning = _one_line  # the library's warnings, as one line each (not the source line that raised them)
+    warnings.formatwarning = (
+        _one_line  # the library's warnings, as one line each (not the source line that raised them)
+    )
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)
         args.runtime_choice = None  # --backend auto: chosen when the command first asks for its pair (common.pair_spec)
         if getattr(args, "dtype", None) == "auto" and getattr(args, "backend", None) != "auto":
-            args.dtype = default_dtype(args.device, getattr(args, "target", None), getattr(args, "backend", "lean"),
-                                       getattr(args, "weights", "auto"))
+            args.dtype = default_dtype(
+                args.device,
+                getattr(args, "target", None),
+                getattr(args, "backend", "lean"),
+                getattr(args, "weights", "auto"),
+            )
         result = args.run(args)
         _show(args, result)
     except CliError as error:

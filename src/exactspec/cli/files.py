@@ -5,8 +5,9 @@ command's result)."""
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from exactspec.cli.common import CliError
 

@@ -12,7 +12,15 @@ import torch
 
 from exactspec.chat import chat_messages
 from exactspec.cli.common import (
-    CliError, add_model_arguments, add_sampling_arguments, gamma_argument, integer, load, precision, resolved_spec, sampling,
+    CliError,
+    add_model_arguments,
+    add_sampling_arguments,
+    gamma_argument,
+    integer,
+    load,
+    precision,
+    resolved_spec,
+    sampling,
     seed_argument,
 )
 from exactspec.cli.files import check_record_path, write_record_file
@@ -34,16 +42,29 @@ def run(args: argparse.Namespace) -> dict:
     text = _prompt_text(args)
     spec = resolved_spec(args, not args.no_speculation)
     choice = args.runtime_choice
-    speculator = Speculator(spec, load(args, not args.no_speculation, spec), None if args.no_policy_cache else PolicyCache(),
-                            choice.calibration if choice else None)
+    speculator = Speculator(
+        spec,
+        load(args, not args.no_speculation, spec),
+        None if args.no_policy_cache else PolicyCache(),
+        choice.calibration if choice else None,
+    )
     try:  # before anything is printed
         prompt = speculator.encode(_prompt_ids(args, text, speculator.tokenizer))
         speculator.check_room(prompt, args.max_new_tokens)
     except ValueError as error:
         raise CliError(str(error).replace("max_new_tokens", "--max-new-tokens")) from None
     completion = Completion(prompt, args.seed if args.seed >= 0 else secrets.randbits(64))
-    tokens = speculator.stream(prompt, args.max_new_tokens, params, args.gamma, completion.seed, not args.ignore_eos, completion,
-                               args.verify, args.json)
+    tokens = speculator.stream(
+        prompt,
+        args.max_new_tokens,
+        params,
+        args.gamma,
+        completion.seed,
+        not args.ignore_eos,
+        completion,
+        args.verify,
+        args.json,
+    )
     stops = frozenset() if args.ignore_eos else speculator.tokenizer.eos_token_ids
     pieces = []
     try:
@@ -56,7 +77,9 @@ def run(args: argparse.Namespace) -> dict:
     generation, stats = completion.generation, completion.generation.stats
     result = {
         "prompt": text,
-        "threads": getattr(unwrapped(speculator.pair.target), "threads", torch.get_num_threads()),  # llama.cpp's own, or torch's
+        "threads": getattr(
+            unwrapped(speculator.pair.target), "threads", torch.get_num_threads()
+        ),  # llama.cpp's own, or torch's
         "runtime": args.backend,
         "precision": precision(args),
         "runtime_choice": choice.as_dict() if choice else None,
@@ -82,25 +105,47 @@ def _cost_model(stats: GenerationStats, policy: dict | None, choice: RuntimeChoi
     """The run's wall time against what the cost model predicts for its own rounds from the call costs measured
     before it (the cold start's calibration, else the machine measurement that chose the runtime): efficiency below
     1 is time the loop spent beyond the modelled calls."""
-    calibration = (policy or {}).get("calibration") or (choice.calibration.as_dict() if choice and choice.calibration else None)
+    calibration = (policy or {}).get("calibration") or (
+        choice.calibration.as_dict() if choice and choice.calibration else None
+    )
     if calibration is None or not stats.wall_seconds:
         return None
     predicted = stats.modelled_seconds(calibration["target_ms"], calibration["draft_step_ms"])
     if predicted is None:
         return None
-    return {"predicted_seconds": predicted, "wall_seconds": stats.wall_seconds, "efficiency": predicted / stats.wall_seconds}
+    return {
+        "predicted_seconds": predicted,
+        "wall_seconds": stats.wall_seconds,
+        "efficiency": predicted / stats.wall_seconds,
+    }
 
 
-def _write_generate_record(args: argparse.Namespace, speculator: Speculator, params: SamplingParams, completion: Completion,
-                           result: dict) -> None:
+def _write_generate_record(
+    args: argparse.Namespace, speculator: Speculator, params: SamplingParams, completion: Completion, result: dict
+) -> None:
     from exactspec.jobs.records import run_record
 
     generation = completion.generation
-    figures = {"token_ids": list(generation.tokens), "stop_reason": generation.stop_reason,
-               "sampling": "greedy" if params.greedy else "sampled", "runtime_choice": result["runtime_choice"],
-               "cost_model": result["cost_model"], **generation.stats.summary()}
-    record = run_record("generate", args.argv, *speculator.dirs, params, speculator.proposal, f"{args.gamma}" if args.gamma == "auto" else f"fixed {args.gamma}",
-                        completion.seed, precision(args), figures, args.verify)
+    figures = {
+        "token_ids": list(generation.tokens),
+        "stop_reason": generation.stop_reason,
+        "sampling": "greedy" if params.greedy else "sampled",
+        "runtime_choice": result["runtime_choice"],
+        "cost_model": result["cost_model"],
+        **generation.stats.summary(),
+    }
+    record = run_record(
+        "generate",
+        args.argv,
+        *speculator.dirs,
+        params,
+        speculator.proposal,
+        f"{args.gamma}" if args.gamma == "auto" else f"fixed {args.gamma}",
+        completion.seed,
+        precision(args),
+        figures,
+        args.verify,
+    )
     write_record_file(record, args.record, result)
 
 
@@ -109,7 +154,9 @@ def _prompt_text(args: argparse.Namespace) -> str:
     exactly one of them."""
     given = [args.prompt is not None, args.prompt_file is not None, args.user is not None]
     if sum(given) != 1:
-        raise CliError("give the prompt as an argument, as - (standard input), with --prompt-file or with --user, exactly one of them")
+        raise CliError(
+            "give the prompt as an argument, as - (standard input), with --prompt-file or with --user, exactly one of them"
+        )
     if args.user is not None:
         return args.user
     if args.prompt_file is not None:
@@ -136,8 +183,11 @@ def _prompt_ids(args: argparse.Namespace, text: str, tokenizer) -> list[int]:
 
 
 #: How the summary line says where --backend auto's choice came from.
-CHOICE_WORDS = {"measured now": "chosen by measuring this machine", "cached": "chosen from this machine's cached measurement",
-                "only candidate": "the only runtime for these flags"}
+CHOICE_WORDS = {
+    "measured now": "chosen by measuring this machine",
+    "cached": "chosen from this machine's cached measurement",
+    "only candidate": "the only runtime for these flags",
+}
 
 
 def show(r: dict) -> None:
@@ -149,8 +199,16 @@ def show(r: dict) -> None:
         f"{'greedy' if r['sampling'] == 'greedy' else 'seed ' + str(r['seed'])}, stop: {r['stop_reason']}, "
         f"{r['runtime']} runtime, {r['threads']} threads"
         + (f" ({CHOICE_WORDS[r['runtime_choice']['source']]})" if r.get("runtime_choice") else "")
-        + (f"; drafting by {r['runtime_choice']['drafting']}" if (r.get("runtime_choice") or {}).get("drafting") else "")
-        + (f", calibration {r['policy']['calibration']['seconds']:.2f} s, prior: {r['policy']['prior_source']}" if r["policy"] else "")
+        + (
+            f"; drafting by {r['runtime_choice']['drafting']}"
+            if (r.get("runtime_choice") or {}).get("drafting")
+            else ""
+        )
+        + (
+            f", calibration {r['policy']['calibration']['seconds']:.2f} s, prior: {r['policy']['prior_source']}"
+            if r["policy"]
+            else ""
+        )
         + "]",
         file=sys.stderr,
     )
@@ -161,20 +219,49 @@ def add(add_command) -> None:
     generate = add_command("generate", help="generate text with speculative decoding (default: the shipped pair)")
     generate.add_argument("prompt", nargs="?", help="text to continue; - reads it from standard input")
     generate.add_argument("--prompt-file", help="read the prompt from this file (UTF-8)")
-    generate.add_argument("--chat", action="store_true", help="send the prompt as a user turn through the model's chat template; stops at its end-of-turn token")
+    generate.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user turn through the model's chat template; stops at its end-of-turn token",
+    )
     generate.add_argument("--system", help="system message of the chat (implies --chat)")
     generate.add_argument("--user", help="the user's message (implies --chat; instead of the prompt argument)")
     add_model_arguments(generate)
-    generate.add_argument("--gamma", type=gamma_argument, default="auto", help="draft tokens per round, or auto: chosen per round by the cost model")
+    generate.add_argument(
+        "--gamma",
+        type=gamma_argument,
+        default="auto",
+        help="draft tokens per round, or auto: chosen per round by the cost model",
+    )
     generate.add_argument("--max-new-tokens", type=integer(1), default=128, help="stop after this many new tokens")
-    generate.add_argument("--verify", choices=RULES, default="block", help="verification of sampled drafts: block (the optimal exact rule, default) or token (token-wise min(1, p/q)); greedy and lookup drafts are unaffected")
-    generate.add_argument("--seed", type=seed_argument, default=0, help="seed of the run's random generator, 0 to 2^64-1; -1 picks a random one (printed in the summary)")
+    generate.add_argument(
+        "--verify",
+        choices=RULES,
+        default="block",
+        help="verification of sampled drafts: block (the optimal exact rule, default) or token (token-wise min(1, p/q)); greedy and lookup drafts are unaffected",
+    )
+    generate.add_argument(
+        "--seed",
+        type=seed_argument,
+        default=0,
+        help="seed of the run's random generator, 0 to 2^64-1; -1 picks a random one (printed in the summary)",
+    )
     generate.add_argument("--no-speculation", action="store_true", help="plain decoding of the target (the baseline)")
-    generate.add_argument("--no-lookup-routing", action="store_true",
-                          help="a trained draft drafts every round (by default rounds where the context repeats go to prompt lookup)")
-    generate.add_argument("--no-policy-cache", action="store_true", help="with --gamma auto: neither read nor write the acceptance remembered from the last run of this pair (see `exactspec cache`)")
+    generate.add_argument(
+        "--no-lookup-routing",
+        action="store_true",
+        help="a trained draft drafts every round (by default rounds where the context repeats go to prompt lookup)",
+    )
+    generate.add_argument(
+        "--no-policy-cache",
+        action="store_true",
+        help="with --gamma auto: neither read nor write the acceptance remembered from the last run of this pair (see `exactspec cache`)",
+    )
     generate.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     add_sampling_arguments(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    generate.add_argument("--record", help="write the run record (models' hashes, sampling, mechanism, environment, tokens) to this JSON file")
+    generate.add_argument(
+        "--record",
+        help="write the run record (models' hashes, sampling, mechanism, environment, tokens) to this JSON file",
+    )
     generate.set_defaults(run=run, show=show)

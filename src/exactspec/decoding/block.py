@@ -35,8 +35,16 @@ import torch
 
 from exactspec.decoding.verify import VerifyResult, check_block, checked_block, draw_uniforms, sample_from
 
-__all__ = ["RULES", "check_rule", "block_thresholds", "verify_block_rule", "verify_block_with_uniforms", "expected_accepted",
-           "tokenwise_expected_accepted", "block_expected_accepted"]
+__all__ = [
+    "RULES",
+    "check_rule",
+    "block_thresholds",
+    "verify_block_rule",
+    "verify_block_with_uniforms",
+    "expected_accepted",
+    "tokenwise_expected_accepted",
+    "block_expected_accepted",
+]
 
 RULES = ("block", "token")
 
@@ -65,7 +73,9 @@ def _threshold_at(p: torch.Tensor, q: torch.Tensor, weights: torch.Tensor, i: in
     w = weights[:, i] if every_row else weights[rows, i]
     if i == q.shape[1]:
         return w
-    p_next, q_next = (p[:, i], q[:, i]) if every_row else (p[rows, i], q[rows, i])  # p[:, i] is p_{i+1}: views when we can
+    p_next, q_next = (
+        (p[:, i], q[:, i]) if every_row else (p[rows, i], q[rows, i])
+    )  # p[:, i] is p_{i+1}: views when we can
     residual = torch.mul(p_next, w.unsqueeze(-1)).sub_(q_next).clamp_(min=0).sum(-1)
     denominator = residual + 1 - w
     return torch.where(denominator > 0, residual / denominator.clamp(min=torch.finfo(torch.float64).tiny), 1.0)
@@ -74,7 +84,11 @@ def _threshold_at(p: torch.Tensor, q: torch.Tensor, weights: torch.Tensor, i: in
 def _thresholds(p: torch.Tensor, q: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """h_0 .. h_g (B3), ``(B, g + 1)``, with h_0 = 1."""
     rows = torch.arange(q.shape[0])
-    return torch.stack([torch.ones(q.shape[0], dtype=torch.float64)] + [_threshold_at(p, q, weights, i, rows) for i in range(1, q.shape[1] + 1)], -1)
+    return torch.stack(
+        [torch.ones(q.shape[0], dtype=torch.float64)]
+        + [_threshold_at(p, q, weights, i, rows) for i in range(1, q.shape[1] + 1)],
+        -1,
+    )
 
 
 def block_thresholds(
@@ -115,7 +129,9 @@ def verify_block_with_uniforms(
     if gamma:
         ended = (tau < gamma).to(torch.float64).unsqueeze(-1)  # (B, 1): a replacement, not a bonus
         q_next = q[rows, tau.clamp(max=gamma - 1)].mul_(ended)
-        correction = torch.mul(p_next, weights[rows, tau].unsqueeze(-1)).sub_(q_next).clamp_(min=0)  # (B5); p_{g+1} when tau = g
+        correction = (
+            torch.mul(p_next, weights[rows, tau].unsqueeze(-1)).sub_(q_next).clamp_(min=0)
+        )  # (B5); p_{g+1} when tau = g
         no_mass = correction.sum(-1, keepdim=True) <= 0  # rounding only (see the module docstring)
         if no_mass.any():
             correction = torch.where(no_mass, p_next, correction)
@@ -166,4 +182,6 @@ def block_expected_accepted(draft_tokens, draft_probs, target_probs) -> torch.Te
 def expected_accepted(rule: str, draft_tokens, draft_probs, target_probs) -> torch.Tensor:
     """Expected accepted length ``(B, g)`` under ``rule`` ("block" or "token") for every gamma' = 1..g."""
     check_rule(rule, "rule")
-    return (block_expected_accepted if rule == "block" else tokenwise_expected_accepted)(draft_tokens, draft_probs, target_probs)
+    return (block_expected_accepted if rule == "block" else tokenwise_expected_accepted)(
+        draft_tokens, draft_probs, target_probs
+    )

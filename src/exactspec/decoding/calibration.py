@@ -16,23 +16,25 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
+from exactspec.decoding.sampling import SamplingParams
 from exactspec.models.base import LanguageModel
 from exactspec.models.runtime import Runtime, SequenceSlots
 from exactspec.proposers.base import DraftRequest, Proposer, processed_q
 from exactspec.proposers.combined import LookupOrDraft
-from exactspec.decoding.sampling import SamplingParams
 
 __all__ = ["Calibration", "calibrate", "calibrate_engine", "draft_step_seconds", "measure_call_ms", "SLOW_CALL_MS"]
 
 SLOW_CALL_MS = 5.0  # a one-token call slower than this: time a few call sizes and interpolate the rest
 
 
-def measure_call_ms(model: LanguageModel, context: Sequence[int], new_tokens: int, repeats: int = 30, warmup: int = 0) -> float:
+def measure_call_ms(
+    model: LanguageModel, context: Sequence[int], new_tokens: int, repeats: int = 30, warmup: int = 0
+) -> float:
     """Median milliseconds of one ``forward`` of ``new_tokens`` tokens after ``context`` (rolled back each time)."""
     model.prefill(list(context))
     return _median_call_ms(model, list(context), new_tokens, repeats, warmup)
@@ -82,7 +84,11 @@ def calibrate(
     target.prefill(context)
     target_ms = {1: _median_call_ms(target, context, 1, repeats, warmup=1)}
     largest = max_gamma + 1
-    sizes = range(2, largest + 1) if target_ms[1] < SLOW_CALL_MS else sorted({n for n in (2, 3, 5, largest) if 1 < n <= largest})
+    sizes = (
+        range(2, largest + 1)
+        if target_ms[1] < SLOW_CALL_MS
+        else sorted({n for n in (2, 3, 5, largest) if 1 < n <= largest})
+    )
     target_ms.update({n: _median_call_ms(target, context, n, repeats, warmup=1) for n in sizes})
     target_ms = _interpolated(target_ms, largest)
     draft_step_ms = None
@@ -104,8 +110,15 @@ def _interpolated(measured: dict[int, float], largest: int) -> dict[int, float]:
     return out
 
 
-def draft_step_seconds(proposer: Proposer, target: Runtime, slots: list[int], context: Sequence[int], gamma: int,
-                       repeats: int = 2, params: SamplingParams = SamplingParams()) -> float:
+def draft_step_seconds(
+    proposer: Proposer,
+    target: Runtime,
+    slots: list[int],
+    context: Sequence[int],
+    gamma: int,
+    repeats: int = 2,
+    params: SamplingParams = SamplingParams(),
+) -> float:
     """Median seconds of one draft step of ``proposer`` for ``slots`` drafting together after ``context``: the
     difference between proposals of ``gamma`` and of 1 token over ``gamma - 1``, so that the first step's catch-up
     on the context (each proposal starts the slots afresh) cancels out. A feature-reading proposer is handed the
@@ -126,7 +139,9 @@ def draft_step_seconds(proposer: Proposer, target: Runtime, slots: list[int], co
                     target.forward([(slot, context[:-1])])
                     proposer.observe(slot, target.last_features[0])
             began = time.perf_counter()
-            proposer.propose([DraftRequest(slot, context, len(context), tokens, params, generator) for slot in slots], processed_q)
+            proposer.propose(
+                [DraftRequest(slot, context, len(context), tokens, params, generator) for slot in slots], processed_q
+            )
             if repeat:
                 times[tokens].append(time.perf_counter() - began)
     return max(0.0, (statistics.median(times[gamma]) - statistics.median(times[1])) / (gamma - 1))
@@ -137,7 +152,9 @@ def calibrate_engine(engine, repeats: int = 2) -> None:
     of 1 and ``max_gamma + 1`` tokens per row, and draft steps of its proposer, for one sequence and for a full
     batch (each after an untimed warm-up). Leaves every slot empty."""
     target, history = engine.target, [0] * 8  # a short history, as in a running batch
-    drafting = engine.proposer.draft if isinstance(engine.proposer, LookupOrDraft) else engine.proposer  # [0] * 8 routes to lookup
+    drafting = (
+        engine.proposer.draft if isinstance(engine.proposer, LookupOrDraft) else engine.proposer
+    )  # [0] * 8 routes to lookup
 
     def timed(rows: list[tuple[int, list[int]]]) -> float:
         for slot, _ in rows:
@@ -158,6 +175,8 @@ def calibrate_engine(engine, repeats: int = 2) -> None:
             engine.policy.observe_target(batch * tokens, timed([(slot, [0] * tokens) for slot in range(batch)]))
         if drafting is not None:
             slots = list(range(batch))
-            engine.policy.observe_draft(["draft"] * batch, draft_step_seconds(drafting, target, slots, history, 3, repeats))
+            engine.policy.observe_draft(
+                ["draft"] * batch, draft_step_seconds(drafting, target, slots, history, 3, repeats)
+            )
     for slot in range(target.slots):
         target.rollback(slot, 0)

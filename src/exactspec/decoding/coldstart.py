@@ -10,17 +10,17 @@ is one policy with estimates per source: lookup's steps cost next to nothing and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from exactspec.decoding.calibration import Calibration, calibrate
 from exactspec.decoding.decoder import SpeculativeDecoder
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
 from exactspec.decoding.priors import PolicyCache, acceptance_prior, fingerprint, mode_key
-from exactspec.proposers import LookupOrDraft
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.decoding.stats import GenerationStats
+from exactspec.proposers import LookupOrDraft
 
 __all__ = ["CALIBRATION_TOKENS", "ColdStart", "cold_start"]
 
@@ -62,8 +62,12 @@ def cold_start(
     routed = isinstance(decoder.proposer, LookupOrDraft)
     drafting = decoder.proposer.draft if routed else decoder.proposer
     if calibration is None or calibration.draft_step_ms is None or max(calibration.target_ms) < config.max_gamma + 1:
-        calibration = calibrate(decoder.target, drafting, list(prompt)[:CALIBRATION_TOKENS], config.max_gamma, params=decoder.params)
+        calibration = calibrate(
+            decoder.target, drafting, list(prompt)[:CALIBRATION_TOKENS], config.max_gamma, params=decoder.params
+        )
     acceptance, source = acceptance_prior(target_dir, draft_dir, params, cache, rule)
-    decoder.policy = AdaptiveGamma(config, PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance, source=source))
+    decoder.policy = AdaptiveGamma(
+        config, PolicyPriors(calibration.target_ms, calibration.draft_step_ms, acceptance, source=source)
+    )
     record = {"calibration": calibration.as_dict(), "acceptance_prior": list(acceptance), "prior_source": source}
     return ColdStart(record, cache, fingerprint(target_dir, draft_dir), params, routed, rule)

@@ -15,11 +15,19 @@ generalises the denominator to ``gamma c + verify_cost``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
-__all__ = ["expected_tokens_per_round", "expected_tokens_by_gamma", "speedup", "ms_per_token", "best_gamma", "estimate_alpha", "BestGamma",
-           "chain_speedup"]
+__all__ = [
+    "expected_tokens_per_round",
+    "expected_tokens_by_gamma",
+    "speedup",
+    "ms_per_token",
+    "best_gamma",
+    "estimate_alpha",
+    "BestGamma",
+    "chain_speedup",
+]
 
 
 def _check(alpha: float, gamma: int, cost_ratio: float = 0.0, verify_cost: float = 1.0) -> None:

@@ -18,18 +18,18 @@ prompt's prefill) consumes one uniform, then per round the proposer's draws come
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 from exactspec.decoding.block import check_rule
 from exactspec.decoding.engine import BatchEngine, SequenceRequest, verify_block
-from exactspec.models.base import LanguageModel, check_token_ids
-from exactspec.models.runtime import SequenceSlots
 from exactspec.decoding.policy import AdaptiveGamma
-from exactspec.proposers import DraftModelProposer, Proposer, SequenceProposer
-from exactspec.proposers.base import as_proposer
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.decoding.stats import GenerationStats
+from exactspec.models.base import LanguageModel, check_token_ids
+from exactspec.models.runtime import SequenceSlots
+from exactspec.proposers import DraftModelProposer, Proposer, SequenceProposer
+from exactspec.proposers.base import as_proposer
 
 __all__ = ["GenerationConfig", "Generation", "SpeculativeDecoder", "verify_block"]
 
@@ -74,7 +74,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         target: LanguageModel,
-        draft: "LanguageModel | Proposer | SequenceProposer | None" = None,
+        draft: LanguageModel | Proposer | SequenceProposer | None = None,
         params: SamplingParams = SamplingParams(),
         policy: AdaptiveGamma | None = None,
     ) -> None:
@@ -82,7 +82,9 @@ class SpeculativeDecoder:
             raise ValueError("the draft must be a different object from the target: they cannot share one cache")
         if isinstance(draft, LanguageModel):
             if draft.vocab_size != target.vocab_size:
-                raise ValueError(f"draft vocabulary size {draft.vocab_size} differs from the target's {target.vocab_size}")
+                raise ValueError(
+                    f"draft vocabulary size {draft.vocab_size} differs from the target's {target.vocab_size}"
+                )
             draft = DraftModelProposer(SequenceSlots([draft]))
         elif draft is not None:
             draft = as_proposer(draft)
@@ -107,15 +109,25 @@ class SpeculativeDecoder:
         return generation
 
     def stream(
-        self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig(), generation: Generation | None = None
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig = GenerationConfig(),
+        generation: Generation | None = None,
     ) -> Iterator[int]:
         """Yield generated tokens as they are committed. ``generation`` (optional) receives stats and stop reason."""
         generation = generation if generation is not None else Generation(tokens=[], stop_reason="max_new_tokens")
         prompt = check_token_ids(prompt_ids, self.target.vocab_size)
-        request = SequenceRequest(tuple(prompt), self.params, config.max_new_tokens, config.stop_token_ids, config.seed,
-                                  speculation="off" if self.proposer is None else "draft",
-                                  gamma=config.gamma if self.policy is None else "auto", verify=config.verify,
-                                  compare_rules=config.compare_rules)
+        request = SequenceRequest(
+            tuple(prompt),
+            self.params,
+            config.max_new_tokens,
+            config.stop_token_ids,
+            config.seed,
+            speculation="off" if self.proposer is None else "draft",
+            gamma=config.gamma if self.policy is None else "auto",
+            verify=config.verify,
+            compare_rules=config.compare_rules,
+        )
         committed, began = [], time.perf_counter()
         handle = self.engine.submit(request, lambda events: committed.extend(e.token for e in events), lambda _: None)
         handle.stats = generation.stats
@@ -132,4 +144,3 @@ class SpeculativeDecoder:
         if handle.finish_reason == "error":
             raise handle.exception
         generation.stop_reason = "stop_token" if handle.finish_reason == "stop" else "max_new_tokens"
-

@@ -35,24 +35,31 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import torch
 
+from exactspec.decoding.block import RULES, check_rule, expected_accepted, verify_block_rule
+from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma
+from exactspec.decoding.sampling import SamplingParams, block_probs
+from exactspec.decoding.stats import GenerationStats, RoundRecord
+from exactspec.decoding.verify import VerifyResult, verify_greedy, verify_point_mass, verify_stochastic
 from exactspec.models.base import LanguageModel, check_token_ids
 from exactspec.models.kv_cache import MAX_BLOCK
 from exactspec.models.runtime import Runtime, as_runtime
-from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.proposers.base import Draft, DraftRequest, Proposer, common_prefix, processed_q
 from exactspec.proposers.prompt_lookup import PromptLookupProposer
-from exactspec.decoding.sampling import SamplingParams, block_probs
-from exactspec.decoding.stats import GenerationStats, RoundRecord
-from exactspec.decoding.block import RULES, check_rule, expected_accepted, verify_block_rule
-from exactspec.decoding.verify import VerifyResult, verify_greedy, verify_point_mass, verify_stochastic
 
-__all__ = ["BatchEngine", "EngineConfig", "SequenceRequest", "SequenceHandle", "SPECULATION_MODES", "TokenEvent",
-           "verify_block"]
+__all__ = [
+    "BatchEngine",
+    "EngineConfig",
+    "SequenceRequest",
+    "SequenceHandle",
+    "SPECULATION_MODES",
+    "TokenEvent",
+    "verify_block",
+]
 
 SPECULATION_MODES = ("off", "draft", "lookup", "auto")
 IMPOSSIBLE_LOGPROB = -9999.0
@@ -122,7 +129,7 @@ class SequenceHandle:
 
     request: SequenceRequest
     on_tokens: Callable[[list[TokenEvent]], None]
-    on_finish: Callable[["SequenceHandle"], None]
+    on_finish: Callable[[SequenceHandle], None]
     finish_reason: str | None = None  # "stop" (a stop token), "length", "cancelled" or "error"
     error: str | None = None
     exception: BaseException | None = None  # what ended it with "error"
@@ -146,9 +153,13 @@ class SequenceHandle:
         return len(self.stats.rounds)
 
     def figures(self) -> dict:
-        return {"drafted_tokens": self.drafted, "accepted_tokens": self.accepted, "target_calls": self.target_calls,
-                "acceptance_rate": self.stats.acceptance_rate,
-                "tokens_per_target_call": self.generated / self.target_calls if self.target_calls else 0.0}
+        return {
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "target_calls": self.target_calls,
+            "acceptance_rate": self.stats.acceptance_rate,
+            "tokens_per_target_call": self.generated / self.target_calls if self.target_calls else 0.0,
+        }
 
 
 @dataclass(eq=False)  # compared by identity: a sequence is its slot's occupant, not its fields' values
@@ -201,17 +212,26 @@ class _Round:
 
 
 class BatchEngine:
-    def __init__(self, target: "Runtime | LanguageModel", proposer: Proposer | None = None, config: EngineConfig = EngineConfig(),
-                 policy: AdaptiveGamma | None = None) -> None:
+    def __init__(
+        self,
+        target: Runtime | LanguageModel,
+        proposer: Proposer | None = None,
+        config: EngineConfig = EngineConfig(),
+        policy: AdaptiveGamma | None = None,
+    ) -> None:
         """``target``: a :class:`exactspec.models.runtime.Runtime` (or one model, as one slot). ``proposer``: what
         "draft" and "auto" sequences draft with (None: prompt lookup only), with a slot for every target slot."""
         target = as_runtime(target)
         if proposer is not None:
             slots = getattr(proposer, "slots", None)
             if slots is not None and slots < target.slots:
-                raise ValueError(f"the proposer has {slots} slots for the target's {target.slots}: it needs one per target slot")
+                raise ValueError(
+                    f"the proposer has {slots} slots for the target's {target.slots}: it needs one per target slot"
+                )
             if getattr(proposer, "vocab_size", target.vocab_size) != target.vocab_size:
-                raise ValueError(f"the proposer's vocabulary ({proposer.vocab_size} tokens) differs from the target's ({target.vocab_size})")
+                raise ValueError(
+                    f"the proposer's vocabulary ({proposer.vocab_size} tokens) differs from the target's ({target.vocab_size})"
+                )
             if proposer.feature_layers:
                 target.capture_features(proposer.feature_layers)
         self.target, self.proposer, self.config = target, proposer, config
@@ -221,14 +241,18 @@ class BatchEngine:
         self._waiting: collections.deque[SequenceHandle] = collections.deque()
         self._active: list[_Sequence] = []
         self._free = list(range(target.slots))
-        self._joining: list[tuple[list[_Sequence], list[int]]] = []  # admitted sequences of one prompt, the tokens to feed
+        self._joining: list[
+            tuple[list[_Sequence], list[int]]
+        ] = []  # admitted sequences of one prompt, the tokens to feed
         self._lock = threading.Condition()
 
     # -- the caller's side (any thread) ---------------------------------------------------
     def submit(self, request: SequenceRequest, on_tokens, on_finish) -> SequenceHandle:
         limit = self.target.max_len
         if len(request.prompt) + request.max_tokens > limit:
-            raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens {request.max_tokens} exceeds the {limit}-position window")
+            raise ValueError(
+                f"prompt ({len(request.prompt)} tokens) + max_tokens {request.max_tokens} exceeds the {limit}-position window"
+            )
         check_token_ids(request.prompt, self.target.vocab_size)
         handle = SequenceHandle(request, on_tokens, on_finish)
         with self._lock:
@@ -297,8 +321,12 @@ class BatchEngine:
         short = [(group, feed) for group, feed in groups if 1 + self.config.gamma < len(feed) <= MAX_BLOCK]
         for call in [short] * bool(short) + [[(group, feed)] for group, feed in groups if len(feed) > MAX_BLOCK]:
             began = time.perf_counter()
-            logits = self._guarded([s for group, _ in call for s in group], self.target.forward, [(group[0].slot, feed) for group, feed in call],
-                                   [1] * len(call))  # only the last position's logits: they draw the first token
+            logits = self._guarded(
+                [s for group, _ in call for s in group],
+                self.target.forward,
+                [(group[0].slot, feed) for group, feed in call],
+                [1] * len(call),
+            )  # only the last position's logits: they draw the first token
             seconds = time.perf_counter() - began
             for i, ((group, feed), rows) in enumerate(zip(call, logits or [])):
                 self._joined(group, feed, i, rows, seconds)
@@ -314,8 +342,14 @@ class BatchEngine:
             gamma = "auto" if mode == "auto" and request.seed is None else self.config.gamma
         if proposer is not None:
             proposer.start(slot, request.prompt)
-        return _Sequence(handle, slot, list(request.prompt), torch.Generator().manual_seed(seed), proposer,
-                         0 if proposer is None else None if gamma == "auto" else gamma)
+        return _Sequence(
+            handle,
+            slot,
+            list(request.prompt),
+            torch.Generator().manual_seed(seed),
+            proposer,
+            0 if proposer is None else None if gamma == "auto" else gamma,
+        )
 
     def _joined(self, group: list[_Sequence], feed: list[int], row: int, logits: torch.Tensor, seconds: float) -> None:
         """After the call that fed the rest of the first sequence's prompt (row ``row``, its last position's logits ``(1, V)``):
@@ -353,10 +387,14 @@ class BatchEngine:
         if s.proposer is not None and s.proposer.feature_layers:
             s.proposer.observe(s.slot, self.target.last_features[row][:positions])
 
-    def _first_token(self, sequence: _Sequence, logits: torch.Tensor, seconds: float) -> None:  # logits (1, V) after the prompt
+    def _first_token(
+        self, sequence: _Sequence, logits: torch.Tensor, seconds: float
+    ) -> None:  # logits (1, V) after the prompt
         prompt = sequence.context
         p = block_probs(logits, prompt, [], len(prompt), sequence.request.params).unsqueeze(0)  # (1, 1, V)
-        result = verify_block(sequence.request.params, torch.empty((1, 0), dtype=torch.int64), None, p, sequence.generator)
+        result = verify_block(
+            sequence.request.params, torch.empty((1, 0), dtype=torch.int64), None, p, sequence.generator
+        )
         self._commit(sequence, result.committed(), p[0], RoundRecord(0, 0, 1, 0.0, seconds, 0.0))
 
     def _gammas(self, sequences: list[_Sequence]) -> dict[int, int]:
@@ -383,7 +421,10 @@ class BatchEngine:
             if gammas[s.slot] > 0:
                 by_proposer.setdefault(id(s.proposer), []).append(s)
         for group in by_proposer.values():
-            requests = [DraftRequest(s.slot, s.context, len(s.request.prompt), gammas[s.slot], s.request.params, s.generator) for s in group]
+            requests = [
+                DraftRequest(s.slot, s.context, len(s.request.prompt), gammas[s.slot], s.request.params, s.generator)
+                for s in group
+            ]
             began = time.perf_counter()
             drafts = self._guarded(group, self._proposals, group[0].proposer, requests)
             seconds = time.perf_counter() - began
@@ -403,13 +444,20 @@ class BatchEngine:
 
     # The three rules of a round, as methods so that the certification's self-check can swap in known-wrong ones
     # (exactspec.certification.mutants); nothing else overrides them.
-    def _draft_probs(self, logits: torch.Tensor, prefix: list[int], prompt_length: int, params: SamplingParams,
-                     token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft_probs(
+        self,
+        logits: torch.Tensor,
+        prefix: list[int],
+        prompt_length: int,
+        params: SamplingParams,
+        token_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q to draw the draft token from, q reported to the verifier)``: :data:`exactspec.proposers.base.DraftRule`."""
         return processed_q(logits, prefix, prompt_length, params, token_ids)
 
-    def _target_probs(self, logits: torch.Tensor, context: list[int], block: list[int], prompt_length: int,
-                      params: SamplingParams) -> torch.Tensor:  # (g + 1, V)
+    def _target_probs(
+        self, logits: torch.Tensor, context: list[int], block: list[int], prompt_length: int, params: SamplingParams
+    ) -> torch.Tensor:  # (g + 1, V)
         return block_probs(logits, context, block, prompt_length, params)
 
     def _verify_rule(self, params, draft_tokens, draft_probs, target_probs, generator, rule):
@@ -421,12 +469,16 @@ class BatchEngine:
         weight again for a row or two, while a few more tokens in this call cost little padding."""
         joining, self._joining = self._joining, []
         sequences = [s for s in sequences if s in self._active]  # not those whose drafting failed
-        rows = [(s.slot, [s.context[-1], *rounds[s.slot].draft.tokens]) for s in sequences] + [(group[0].slot, feed) for group, feed in joining]
+        rows = [(s.slot, [s.context[-1], *rounds[s.slot].draft.tokens]) for s in sequences] + [
+            (group[0].slot, feed) for group, feed in joining
+        ]
         if not rows:
             return
         started = time.perf_counter()
         outputs = [len(row) for _, row in rows[: len(sequences)]] + [1] * len(joining)
-        logits = self._guarded(sequences + [s for group, _ in joining for s in group], self.target.forward, rows, outputs)
+        logits = self._guarded(
+            sequences + [s for group, _ in joining for s in group], self.target.forward, rows, outputs
+        )
         if logits is None:
             return
         seconds = time.perf_counter() - started
@@ -452,10 +504,22 @@ class BatchEngine:
         verify_seconds = time.perf_counter() - began
         expected = {}
         if s.request.compare_rules and draft_probs is not None and not params.greedy and draft.tokens:
-            expected = {rule: float(expected_accepted(rule, draft_tokens, draft_probs, p.unsqueeze(0))[0, -1]) for rule in RULES}
-        record = RoundRecord(len(draft.tokens), accepted, accepted + 1, round_.draft_seconds, round_.target_seconds,
-                             verify_seconds, draft.setup_seconds, rule_that_runs(params, draft_probs is not None, s.request.verify),
-                             expected.get("block"), expected.get("token"), s.source)
+            expected = {
+                rule: float(expected_accepted(rule, draft_tokens, draft_probs, p.unsqueeze(0))[0, -1]) for rule in RULES
+            }
+        record = RoundRecord(
+            len(draft.tokens),
+            accepted,
+            accepted + 1,
+            round_.draft_seconds,
+            round_.target_seconds,
+            verify_seconds,
+            draft.setup_seconds,
+            rule_that_runs(params, draft_probs is not None, s.request.verify),
+            expected.get("block"),
+            expected.get("token"),
+            s.source,
+        )
         self.policy.observe_round(s.source, record)
         self._commit(s, result.committed(), p, record)
 
@@ -469,7 +533,15 @@ class BatchEngine:
         self.metrics.sequence_rounds += 1
         events, reason = [], None
         for i, token in enumerate(committed):
-            kind = "draft" if i < record.accepted else "plain" if record.drafted == 0 else "bonus" if record.accepted == record.drafted else "replacement"
+            kind = (
+                "draft"
+                if i < record.accepted
+                else "plain"
+                if record.drafted == 0
+                else "bonus"
+                if record.accepted == record.drafted
+                else "replacement"
+            )
             events.append(replace(self._event(token, p[i], s.request.top_logprobs), round_position=i, kind=kind))
             s.context.append(token)
             handle.generated += 1
@@ -488,7 +560,9 @@ class BatchEngine:
     def _event(token: int, probs: torch.Tensor, top: int | None) -> TokenEvent:  # probs (V,)
         if top is None:
             return TokenEvent(token)
-        logp = torch.where(probs > 0, probs.log(), torch.full_like(probs, IMPOSSIBLE_LOGPROB))  # OpenAI's -9999 for p = 0
+        logp = torch.where(
+            probs > 0, probs.log(), torch.full_like(probs, IMPOSSIBLE_LOGPROB)
+        )  # OpenAI's -9999 for p = 0
         best = torch.topk(logp, min(top, logp.shape[0])) if top else None
         alternatives = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
         return TokenEvent(token, float(logp[token]), alternatives)
@@ -513,4 +587,3 @@ class BatchEngine:
             for s in sequences:
                 self._finish(s, "error", error)
             return None
-

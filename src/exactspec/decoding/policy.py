@@ -41,8 +41,8 @@ policy is exact but not bit-reproducible from its seed; fix gamma for that.
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from exactspec.decoding.costmodel import expected_tokens_by_gamma
 from exactspec.decoding.stats import RoundRecord
@@ -80,9 +80,13 @@ class AdaptiveConfig:
             raise ValueError(f"switch_margin must be >= 0, got {self.switch_margin}")
 
     @classmethod
-    def up_to(cls, max_gamma: int) -> "AdaptiveConfig":
+    def up_to(cls, max_gamma: int) -> AdaptiveConfig:
         """The defaults with gamma capped at ``max_gamma`` (>= 1)."""
-        return cls(max_gamma=max_gamma, initial_gamma=min(cls.initial_gamma, max_gamma), probe_gamma=min(cls.probe_gamma, max_gamma))
+        return cls(
+            max_gamma=max_gamma,
+            initial_gamma=min(cls.initial_gamma, max_gamma),
+            probe_gamma=min(cls.probe_gamma, max_gamma),
+        )
 
 
 def _sizes_to_ms(name: str, value: Mapping[int, float]) -> dict[int, float]:
@@ -97,8 +101,10 @@ class PolicyPriors:
     """What is known before the first round (see the module docstring). Empty fields: learn from scratch."""
 
     target_ms: Mapping[int, float] = field(default_factory=dict)  # rows of one target call -> ms
-    draft_step_ms: "float | Mapping[int, float] | None" = None  # one draft-model step, by sequences drafting together (a number: one)
-    acceptance: "Sequence[float] | Mapping[str, Sequence[float]]" = ()  # by draft position per source (a sequence: "draft"'s); the last repeats
+    draft_step_ms: float | Mapping[int, float] | None = (
+        None  # one draft-model step, by sequences drafting together (a number: one)
+    )
+    acceptance: Sequence[float] | Mapping[str, Sequence[float]] = ()  # by draft position per source (a sequence: "draft"'s); the last repeats
     cost_weight: int = 4  # observations a calibrated cost counts as
     acceptance_weight: int = 4  # observations an acceptance prior counts as (trusted from the first round)
     source: str = "none"  # where the acceptance prior came from, for the run record
@@ -113,7 +119,13 @@ class PolicyPriors:
                 raise ValueError(f"draft_step_ms must be >= 0, got {steps}")
             steps = {1: steps}
         object.__setattr__(self, "draft_step_ms", None if steps is None else _sizes_to_ms("draft_step_ms", steps))
-        acceptance = self.acceptance if isinstance(self.acceptance, Mapping) else {"draft": self.acceptance} if len(self.acceptance) else {}
+        acceptance = (
+            self.acceptance
+            if isinstance(self.acceptance, Mapping)
+            else {"draft": self.acceptance}
+            if len(self.acceptance)
+            else {}
+        )
         acceptance = {source: tuple(float(a) for a in rates) for source, rates in acceptance.items() if len(rates)}
         if any(not 0 <= a <= 1 for rates in acceptance.values() for a in rates):
             raise ValueError(f"acceptance rates must be in [0, 1], got {acceptance}")
@@ -212,7 +224,10 @@ class AdaptiveGamma:
             config, priors = self.config, self.priors
             prior = priors.acceptance.get(name, ())
             if prior:  # trusted from the first round, weighing acceptance_weight observations
-                accept = [RunningMean(prior[min(i, len(prior) - 1)], config.smoothing, priors.acceptance_weight) for i in range(config.max_gamma)]
+                accept = [
+                    RunningMean(prior[min(i, len(prior) - 1)], config.smoothing, priors.acceptance_weight)
+                    for i in range(config.max_gamma)
+                ]
             else:  # the generic prior counts as one observation per position
                 accept = [RunningMean(config.prior_acceptance, config.smoothing, 1) for _ in range(config.max_gamma)]
             steps = CostCurve(config.smoothing)
@@ -311,7 +326,9 @@ class AdaptiveGamma:
         best = max(range(len(rates)), key=lambda g: (rates[g], -g))
         if 0 <= choice.current and rates[best] < rates[choice.current] * (1 + config.switch_margin):
             best = choice.current  # hysteresis: noisy estimates of a flat curve should not make gamma wander
-        if choice.current < 0 and best == 0 and all(self._source(s).prior for s in key):  # priors, not a guess, say plain
+        if (
+            choice.current < 0 and best == 0 and all(self._source(s).prior for s in key)
+        ):  # priors, not a guess, say plain
             choice.probe_wait = config.informed_probe_every
         choice.current = best
         if best > 0:

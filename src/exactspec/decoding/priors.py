@@ -22,14 +22,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from exactspec.cache_files import CacheDirectory, default_cache_dir, read_json_object, write_json_atomically
 from exactspec.decoding.sampling import SamplingParams
 
 __all__ = [
-    "PRIOR_FILE", "PolicyCache", "acceptance_prior", "fingerprint", "mode_key", "shipped_prior",
+    "PRIOR_FILE",
+    "PolicyCache",
+    "acceptance_prior",
+    "fingerprint",
+    "mode_key",
+    "shipped_prior",
     "write_shipped_prior",
 ]
 
@@ -81,18 +86,26 @@ def shipped_prior(draft_dir: str | Path, target_dir: str | Path, mode: str) -> t
     return _rates(record.get("acceptance_by_position", {}).get(mode))
 
 
-def write_shipped_prior(draft_dir: str | Path, target_dir: str | Path, by_mode: dict[str, Sequence[float]], how: str) -> Path:
+def write_shipped_prior(
+    draft_dir: str | Path, target_dir: str | Path, by_mode: dict[str, Sequence[float]], how: str
+) -> Path:
     file = Path(draft_dir) / PRIOR_FILE
-    write_json_atomically(file, {
-        "pair_fingerprint": fingerprint(target_dir, draft_dir),
-        "acceptance_by_position": {mode: [round(r, 4) for r in rates] for mode, rates in by_mode.items()},
-        "measured": how,
-    })
+    write_json_atomically(
+        file,
+        {
+            "pair_fingerprint": fingerprint(target_dir, draft_dir),
+            "acceptance_by_position": {mode: [round(r, 4) for r in rates] for mode, rates in by_mode.items()},
+            "measured": how,
+        },
+    )
     return file
 
 
 def acceptance_prior(
-    target_dir: str | Path, draft_dir: str | Path | None, params: SamplingParams, cache: "PolicyCache | None",
+    target_dir: str | Path,
+    draft_dir: str | Path | None,
+    params: SamplingParams,
+    cache: PolicyCache | None,
     rule: str = "token",
 ) -> tuple[tuple[float, ...], str]:
     """``(rates, source)``: the cache's entry for this pair, mode and verification rule, else the draft's shipped
@@ -162,7 +175,6 @@ class PolicyCache(CacheDirectory):
             pass
 
 
-
 def measure_acceptance(decoder, prompts: Sequence[Sequence[int]], gamma: int, max_new_tokens: int) -> list[float]:
     """Acceptance by draft position (conditional on reaching it) over fixed-gamma runs of ``decoder`` on ``prompts``."""
     from exactspec.decoding.decoder import GenerationConfig
@@ -180,10 +192,10 @@ def _main() -> None:
 
     import torch
 
-    from exactspec.decoding.decoder import SpeculativeDecoder
-    from exactspec.loading import default_pair_dirs, load_pair
-    from exactspec.decoding.sampling import GREEDY
     from exactspec.bench.workloads import code_prompts, third_party_sources
+    from exactspec.decoding.decoder import SpeculativeDecoder
+    from exactspec.decoding.sampling import GREEDY
+    from exactspec.loading import default_pair_dirs, load_pair
 
     parser = argparse.ArgumentParser(description=_main.__doc__)
     parser.add_argument("--target", default=str(default_pair_dirs()[0]))
@@ -200,11 +212,15 @@ def _main() -> None:
     chosen = [files[(2 * i + 1) * len(files) // (2 * args.prompts)] for i in range(args.prompts)]
     prompts = [pair.tokenizer.encode_prompt(text)[-512:] for text in code_prompts(args.prompts, files=chosen)]
     by_mode = {
-        mode: measure_acceptance(SpeculativeDecoder(pair.target, pair.draft, params), prompts, args.gamma, args.max_new_tokens)
+        mode: measure_acceptance(
+            SpeculativeDecoder(pair.target, pair.draft, params), prompts, args.gamma, args.max_new_tokens
+        )
         for mode, params in (("greedy", GREEDY), ("sampled", SamplingParams()))
     }
-    how = (f"gamma {args.gamma}, {args.max_new_tokens} new tokens on {args.prompts} third-party code prompts "
-           "(files the benchmarks do not use), bfloat16")
+    how = (
+        f"gamma {args.gamma}, {args.max_new_tokens} new tokens on {args.prompts} third-party code prompts "
+        "(files the benchmarks do not use), bfloat16"
+    )
     print(write_shipped_prior(args.draft, args.target, by_mode, how), json.dumps(by_mode))
 
 

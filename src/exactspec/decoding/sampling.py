@@ -35,8 +35,8 @@ finite or ``-inf``, and softmax never sees ``inf - inf``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -73,7 +73,9 @@ class SamplingParams:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if self.temperature and not 1 / MAX_MAGNITUDE <= self.temperature <= MAX_MAGNITUDE:
-            raise ValueError(f"temperature must be 0 (greedy) or in [{1 / MAX_MAGNITUDE:g}, {MAX_MAGNITUDE:g}], got {self.temperature}")
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{1 / MAX_MAGNITUDE:g}, {MAX_MAGNITUDE:g}], got {self.temperature}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             _check_magnitude(name, getattr(self, name))
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
@@ -105,7 +107,6 @@ class SamplingParams:
     def uses_prefix(self) -> bool:
         """Whether the distribution depends on the prefix (penalties), not only on the logits."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
-
 
 
 def _check_magnitude(name: str, value: float) -> None:
@@ -241,7 +242,9 @@ def _apply_penalties(
     scores[:, columns] = values
 
 
-def _apply_bias(scores: torch.Tensor, logit_bias: Mapping[int, float], token_ids: torch.Tensor | None) -> None:  # (n, V) float64, in place
+def _apply_bias(
+    scores: torch.Tensor, logit_bias: Mapping[int, float], token_ids: torch.Tensor | None
+) -> None:  # (n, V) float64, in place
     vocab = scores.shape[-1]
     ids = torch.tensor(list(logit_bias), dtype=torch.int64)
     if token_ids is None and ids.max() >= vocab:
@@ -251,7 +254,9 @@ def _apply_bias(scores: torch.Tensor, logit_bias: Mapping[int, float], token_ids
     scores[:, columns[present].to(scores.device)] += bias[present].to(scores.device)
 
 
-def _apply_masks(scores: torch.Tensor, params: SamplingParams, token_ids: torch.Tensor | None) -> torch.Tensor:  # (n, V) float64
+def _apply_masks(
+    scores: torch.Tensor, params: SamplingParams, token_ids: torch.Tensor | None
+) -> torch.Tensor:  # (n, V) float64
     column_ids = torch.arange(scores.shape[-1]) if token_ids is None else token_ids.cpu()
     excluded = torch.isin(column_ids, torch.tensor(sorted(params.banned_token_ids), dtype=torch.int64))
     if params.allowed_token_ids is not None:
@@ -272,13 +277,22 @@ def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:  # (n, V) temper
 
 def processor_order(params: SamplingParams) -> list[list]:
     """The effective processors, in the order they run, with their settings (defaults that do nothing left out)."""
-    steps = [["logit_bias", params.logit_bias], ["repetition_penalty", params.repetition_penalty],
-             ["presence_penalty", params.presence_penalty], ["frequency_penalty", params.frequency_penalty],
-             ["banned_token_ids", sorted(params.banned_token_ids) if params.banned_token_ids else None],
-             ["allowed_token_ids", sorted(params.allowed_token_ids) if params.allowed_token_ids is not None else None]]
+    steps = [
+        ["logit_bias", params.logit_bias],
+        ["repetition_penalty", params.repetition_penalty],
+        ["presence_penalty", params.presence_penalty],
+        ["frequency_penalty", params.frequency_penalty],
+        ["banned_token_ids", sorted(params.banned_token_ids) if params.banned_token_ids else None],
+        ["allowed_token_ids", sorted(params.allowed_token_ids) if params.allowed_token_ids is not None else None],
+    ]
     if params.greedy:
         steps.append(["argmax", True])
     else:
-        steps += [["temperature", params.temperature], ["top_k", params.top_k], ["top_p", params.top_p], ["min_p", params.min_p]]
+        steps += [
+            ["temperature", params.temperature],
+            ["top_k", params.top_k],
+            ["top_p", params.top_p],
+            ["min_p", params.min_p],
+        ]
     neutral = {"repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0}
     return [[name, value] for name, value in steps if value not in (None, 0, 0.0, {}) and neutral.get(name) != value]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,11 @@ class GenerationStats:
         rounds = [r for r in self.rounds if r.expected_block is not None]
         if not rounds:
             return None
-        return {"block": 1 + sum(r.expected_block for r in rounds) / len(rounds),
-                "token": 1 + sum(r.expected_token for r in rounds) / len(rounds), "rounds": len(rounds)}
+        return {
+            "block": 1 + sum(r.expected_block for r in rounds) / len(rounds),
+            "token": 1 + sum(r.expected_token for r in rounds) / len(rounds),
+            "rounds": len(rounds),
+        }
 
     @property
     def rules(self) -> list[str]:
@@ -121,8 +124,13 @@ class GenerationStats:
         out = {}
         for source in sorted({r.source for r in self.rounds if r.drafted}):
             own = GenerationStats([r for r in self.rounds if r.drafted and r.source == source])
-            out[source] = {"rounds": len(own.rounds), "drafted": own.drafted, "accepted": own.accepted,
-                           "acceptance_by_position": own.acceptance_by_position(), "tokens_per_round": own.tokens_per_round}
+            out[source] = {
+                "rounds": len(own.rounds),
+                "drafted": own.drafted,
+                "accepted": own.accepted,
+                "acceptance_by_position": own.acceptance_by_position(),
+                "tokens_per_round": own.tokens_per_round,
+            }
         return out
 
     def summary(self) -> dict[str, float | int | list[float]]:

@@ -107,7 +107,9 @@ def check_distribution(probs: torch.Tensor, name: str) -> torch.Tensor:
         raise ValueError(f"{name} contains NaN or infinite values")
     if (probs < 0).any():
         raise ValueError(f"{name} contains negative probabilities")
-    raise ValueError(f"{name} is not normalised: a row sums to {float(sums.flatten()[(sums - 1).abs().flatten().argmax()]):.6g}")
+    raise ValueError(
+        f"{name} is not normalised: a row sums to {float(sums.flatten()[(sums - 1).abs().flatten().argmax()]):.6g}"
+    )
 
 
 def check_block(draft_tokens: torch.Tensor, target_probs: torch.Tensor) -> tuple[int, int, int]:
@@ -294,7 +296,9 @@ def verify_with_uniforms(
     correction = p_at_stop
     if gamma:  # q_n at a rejection; q = 0 at the bonus position
         rejected = (num_accepted < gamma).to(torch.float64).unsqueeze(-1)  # (B, 1)
-        correction = _rows_at(q, num_accepted.clamp(max=gamma - 1)).mul_(-rejected).add_(p_at_stop).clamp_(min=0)  # in place: one (B, V) buffer
+        correction = (
+            _rows_at(q, num_accepted.clamp(max=gamma - 1)).mul_(-rejected).add_(p_at_stop).clamp_(min=0)
+        )  # in place: one (B, V) buffer
     # A rejection with zero residual mass can only come from rounding (p, q equal up to 1e-16):
     # fall back to p there rather than dividing by zero.
     no_mass = correction.sum(-1, keepdim=True) <= 0  # (B, 1)
@@ -322,8 +326,10 @@ def checked_block(
         q = torch.zeros((batch, gamma, vocab), dtype=torch.float64).scatter_(-1, tokens.unsqueeze(-1), 1.0)
     else:
         if draft_probs.shape != target_probs[:, :gamma].shape:
-            raise ValueError(f"draft_probs must have shape (B, gamma, V) = {tuple(target_probs[:, :gamma].shape)}, "
-                             f"got {tuple(draft_probs.shape)}")
+            raise ValueError(
+                f"draft_probs must have shape (B, gamma, V) = {tuple(target_probs[:, :gamma].shape)}, "
+                f"got {tuple(draft_probs.shape)}"
+            )
         q = check_distribution(draft_probs, "draft_probs")
     q_of_draft = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, gamma)
     if (q_of_draft <= 0).any():

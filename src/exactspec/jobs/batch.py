@@ -19,20 +19,42 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
-from exactspec.loading import LoadedPair
-from exactspec.decoding.sampling import SamplingParams
 from exactspec.decoding.block import check_rule
 from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
+from exactspec.decoding.sampling import SamplingParams
+from exactspec.loading import LoadedPair
 
 __all__ = ["BatchJobConfig", "build_batch_engine", "generate_batch", "parse_request", "run_job", "completed_lines"]
 
-REQUEST_FIELDS = {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                  "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "verify"}
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+REQUEST_FIELDS = {
+    "id",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "ignore_eos",
+    "verify",
+}
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +69,9 @@ class BatchJobConfig:
 
     def __post_init__(self) -> None:
         if min(self.max_tokens, self.gamma, self.slots, self.max_len) < 1 or self.max_tokens > self.max_tokens_limit:
-            raise ValueError("max_tokens, gamma, slots and max_len must be >= 1, and max_tokens at most max_tokens_limit")
+            raise ValueError(
+                "max_tokens, gamma, slots and max_len must be >= 1, and max_tokens at most max_tokens_limit"
+            )
         check_rule(self.verify)
 
 
@@ -73,7 +97,9 @@ def parse_request(obj: object, line: int, tokenizer, config: BatchJobConfig) -> 
         if not isinstance(max_tokens, int) or not 1 <= max_tokens <= config.max_tokens_limit:
             raise ValueError(f"max_tokens must be an integer in [1, {config.max_tokens_limit}]")
         if len(prompt) + max_tokens > config.max_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens {max_tokens} exceeds the {config.max_len} positions per sequence")
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens {max_tokens} exceeds the {config.max_len} positions per sequence"
+            )
         seed = obj.get("seed", config.seed + line)
         if not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ValueError("seed must be an integer in [0, 2^63)")
@@ -90,8 +116,13 @@ def build_batch_engine(pair: LoadedPair, config: BatchJobConfig) -> BatchEngine:
     return build_engine(pair, config.slots, config.max_len, EngineConfig(gamma=config.gamma), calibrated=False)
 
 
-def generate_batch(pair: LoadedPair, requests: Iterable[dict], config: BatchJobConfig = BatchJobConfig(),
-                   first_line: int = 0, engine: BatchEngine | None = None) -> Iterator[dict]:
+def generate_batch(
+    pair: LoadedPair,
+    requests: Iterable[dict],
+    config: BatchJobConfig = BatchJobConfig(),
+    first_line: int = 0,
+    engine: BatchEngine | None = None,
+) -> Iterator[dict]:
     """Results of ``requests`` (dicts as in the module docstring), in order, decoded ``config.slots`` at a time.
     ``first_line`` numbers the first request (for default seeds and the ``line`` field of its result)."""
     if pair.draft is None:
@@ -106,7 +137,9 @@ def generate_batch(pair: LoadedPair, requests: Iterable[dict], config: BatchJobC
                 exhausted = True
                 break
             request, tokens = parse_request(obj, next_line, pair.tokenizer, config), []
-            handle = engine.submit(request, lambda events, tokens=tokens: tokens.extend(e.token for e in events), lambda h: None)
+            handle = engine.submit(
+                request, lambda events, tokens=tokens: tokens.extend(e.token for e in events), lambda h: None
+            )
             pending[next_line] = (obj, handle, tokens)
             next_line += 1
         if next_out in pending and pending[next_out][1].finish_reason is not None:
@@ -114,8 +147,14 @@ def generate_batch(pair: LoadedPair, requests: Iterable[dict], config: BatchJobC
             if handle.finish_reason == "error":
                 raise RuntimeError(f"line {next_out + 1}: generation failed: {handle.error}")
             shown = [t for t in tokens if t not in handle.request.stop_token_ids]
-            yield {"line": next_out, "id": obj.get("id"), "text": pair.tokenizer.decode(shown), "token_ids": tokens,
-                   "stop_reason": handle.finish_reason, "speculation": handle.figures()}
+            yield {
+                "line": next_out,
+                "id": obj.get("id"),
+                "text": pair.tokenizer.decode(shown),
+                "token_ids": tokens,
+                "stop_reason": handle.finish_reason,
+                "speculation": handle.figures(),
+            }
             next_out += 1
         elif pending:
             engine.step()
@@ -155,12 +194,29 @@ def read_requests(path: Path) -> list[dict]:
 
 def record_id(record: dict) -> str:
     """A short stable id of a run record's identity (models, mechanism, precision; not its figures)."""
-    identity = {k: record[k] for k in ("target", "draft", "proposal", "acceptance", "residual", "gamma_policy", "precision", "draw_order_version")}
+    identity = {
+        k: record[k]
+        for k in (
+            "target",
+            "draft",
+            "proposal",
+            "acceptance",
+            "residual",
+            "gamma_policy",
+            "precision",
+            "draw_order_version",
+        )
+    }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def run_job(requests: list[dict], output: Path, record: dict, produce: Callable[[list[dict], int], Iterator[dict]],
-            progress: bool = True) -> dict:
+def run_job(
+    requests: list[dict],
+    output: Path,
+    record: dict,
+    produce: Callable[[list[dict], int], Iterator[dict]],
+    progress: bool = True,
+) -> dict:
     """Append the results of ``requests`` not yet in ``output`` (in order, one line each, flushed as written);
     ``produce(remaining, first_line)`` makes them (locally or on Ray). The run record goes beside the output."""
     from tqdm import tqdm
@@ -182,4 +238,11 @@ def run_job(requests: list[dict], output: Path, record: dict, produce: Callable[
             bar.set_postfix(tokens_per_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
         os.fsync(sink.fileno())
     bar.close()
-    return {"output": str(output), "requests": len(requests), "already_done": done, "written": written, "tokens": tokens, "record_id": rid}
+    return {
+        "output": str(output),
+        "requests": len(requests),
+        "already_done": done,
+        "written": written,
+        "tokens": tokens,
+        "record_id": rid,
+    }

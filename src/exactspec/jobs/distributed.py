@@ -11,8 +11,8 @@ of its requests alone, a retry gives the same lines.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import asdict, replace
-from typing import Iterator
 
 from exactspec.jobs.batch import BatchJobConfig, generate_batch
 from exactspec.loading import PairSpec
@@ -32,8 +32,13 @@ def _connect(address: str | None, workers: int) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
-                 **({} if address else {"num_cpus": workers}))
+        ray.init(
+            address=address,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            **({} if address else {"num_cpus": workers}),
+        )
 
 
 class BatchWorker:
@@ -55,8 +60,15 @@ class BatchWorker:
         return os.getpid()
 
 
-def ray_results(spec: PairSpec, requests: list[dict], config: BatchJobConfig, first_line: int = 0, address: str | None = None,
-                workers: int = 2, shard_size: int = 32) -> Iterator[dict]:
+def ray_results(
+    spec: PairSpec,
+    requests: list[dict],
+    config: BatchJobConfig,
+    first_line: int = 0,
+    address: str | None = None,
+    workers: int = 2,
+    shard_size: int = 32,
+) -> Iterator[dict]:
     """Results of ``requests`` in input order, from ``workers`` actors on the Ray cluster at ``address`` (None: the
     one this process is connected to, or a new local one)."""
     import ray
@@ -64,7 +76,9 @@ def ray_results(spec: PairSpec, requests: list[dict], config: BatchJobConfig, fi
     _connect(address, workers)
     actor_class = ray.remote(num_cpus=1, max_restarts=ACTOR_RESTARTS, max_task_retries=ACTOR_RESTARTS)(BatchWorker)
     actors = [actor_class.remote(asdict(spec), config) for _ in range(workers)]
-    shards = [(first_line + start, requests[start : start + shard_size]) for start in range(0, len(requests), shard_size)]
+    shards = [
+        (first_line + start, requests[start : start + shard_size]) for start in range(0, len(requests), shard_size)
+    ]
     futures = [actors[k % workers].run.remote(shard, first) for k, (first, shard) in enumerate(shards)]
     try:
         for future in futures:
@@ -91,11 +105,15 @@ class RaySampler:
     merges the scored shards in sequence order, so the tests (and their false-positive rate) are those of a local
     run. Each shard's PIT randomization has its own seed (``score_seed`` plus the shard's first sequence)."""
 
-    def __init__(self, spec: PairSpec, prompts: list[list[int]], config, address: str | None = None, workers: int = 2) -> None:
+    def __init__(
+        self, spec: PairSpec, prompts: list[list[int]], config, address: str | None = None, workers: int = 2
+    ) -> None:
         import ray
 
         _connect(address, workers)
-        actor_class = ray.remote(num_cpus=1, max_restarts=ACTOR_RESTARTS, max_task_retries=ACTOR_RESTARTS)(CertifyWorker)
+        actor_class = ray.remote(num_cpus=1, max_restarts=ACTOR_RESTARTS, max_task_retries=ACTOR_RESTARTS)(
+            CertifyWorker
+        )
         self.actors = [actor_class.remote(asdict(spec), prompts, config) for _ in range(workers)]
         self.sequences = config.sequences
 
@@ -106,7 +124,10 @@ class RaySampler:
 
         bounds = [round(k * self.sequences / len(self.actors)) for k in range(len(self.actors) + 1)]
         shards = [range(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-        futures = [actor.run.remote(config_name, mutant, seed, score_seed + shard.start, shard) for actor, shard in zip(self.actors, shards)]
+        futures = [
+            actor.run.remote(config_name, mutant, seed, score_seed + shard.start, shard)
+            for actor, shard in zip(self.actors, shards)
+        ]
         try:
             parts = ray.get(futures)
         except ray.exceptions.RayTaskError as error:  # a sequence failed in a worker (a verifier guard tripped)

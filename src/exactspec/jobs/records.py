@@ -23,8 +23,16 @@ import torch
 from exactspec import __version__
 from exactspec.decoding.sampling import SamplingParams, processor_order
 
-__all__ = ["RECORD_VERSION", "DRAW_ORDER_VERSION", "model_identity", "redacted", "environment", "run_record",
-           "write_record", "replay_verdict"]
+__all__ = [
+    "RECORD_VERSION",
+    "DRAW_ORDER_VERSION",
+    "model_identity",
+    "redacted",
+    "environment",
+    "run_record",
+    "write_record",
+    "replay_verdict",
+]
 
 RECORD_VERSION = 1
 #: Version of the order in which a round consumes its generator: one uniform per drafted token (draft sampling),
@@ -35,12 +43,12 @@ DRAW_ORDER_VERSION = DRAW_ORDER_VERSIONS["block"]
 ACCEPTANCE = {
     "token": "accept draft token x with probability min(1, p(x) / q(x)); q is a point mass for deterministic drafts (lookup, greedy)",
     "block": "sampled drafts: the block rule (Sun et al. 2025), the last position i with u_i < h_i, h from capped running weights "
-             "w_i = min(1, w_(i-1) p(x_i) / q(x_i)); point-mass drafts (lookup) token-wise, min(1, p(x))",
+    "w_i = min(1, w_(i-1) p(x_i) / q(x_i)); point-mass drafts (lookup) token-wise, min(1, p(x))",
 }
 RESIDUAL = {
     "token": "at the first rejection a token from normalize(max(0, p - q)); when every draft is accepted a bonus token from p",
     "block": "after the accepted block a token from normalize(max(0, w_tau p - q)) (token-wise for point masses); when every "
-             "draft is accepted a bonus token from p",
+    "draft is accepted a bonus token from p",
 }
 CACHE = "per-sequence KV cache truncated to the accepted prefix after each round (the target's and the draft's)"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -70,12 +78,21 @@ def model_identity(path: str | Path | None) -> dict | None:
     path = Path(path)
     if path.is_file():
         weights = _sha256(path)
-        return {"path": str(path.resolve()), "config_sha256": weights, "weights_sha256": weights, "tokenizer_sha256": weights}
+        return {
+            "path": str(path.resolve()),
+            "config_sha256": weights,
+            "weights_sha256": weights,
+            "tokenizer_sha256": weights,
+        }
     files = [p for p in path.iterdir() if p.is_file()]
-    return {"path": str(path.resolve()),
-            "config_sha256": _digest_of([p for p in files if p.name == "config.json"]),
-            "weights_sha256": _digest_of([p for p in files if p.suffix in WEIGHT_SUFFIXES]),
-            "tokenizer_sha256": _digest_of([p for p in files if p.name.startswith("tokenizer") or p.name == "chat_template.jinja"])}
+    return {
+        "path": str(path.resolve()),
+        "config_sha256": _digest_of([p for p in files if p.name == "config.json"]),
+        "weights_sha256": _digest_of([p for p in files if p.suffix in WEIGHT_SUFFIXES]),
+        "tokenizer_sha256": _digest_of(
+            [p for p in files if p.name.startswith("tokenizer") or p.name == "chat_template.jinja"]
+        ),
+    }
 
 
 def _source_revision() -> str | None:
@@ -83,8 +100,15 @@ def _source_revision() -> str | None:
     if not (root / ".git").exists():
         return None
     try:
-        revision = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10).stdout.strip()
+        revision = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{revision}{'+modified' if dirty else ''}" if revision else None
@@ -97,11 +121,20 @@ def environment() -> dict:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = None
-    return {"exactspec": __version__, "source_revision": _source_revision(), "python": platform.python_version(),
-            "libraries": versions, "threads": torch.get_num_threads(),
-            "hardware": {"machine": platform.machine(), "processor": platform.processor() or None, "cpus": os.cpu_count(),
-                         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
-            "platform": platform.platform()}
+    return {
+        "exactspec": __version__,
+        "source_revision": _source_revision(),
+        "python": platform.python_version(),
+        "libraries": versions,
+        "threads": torch.get_num_threads(),
+        "hardware": {
+            "machine": platform.machine(),
+            "processor": platform.processor() or None,
+            "cpus": os.cpu_count(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        },
+        "platform": platform.platform(),
+    }
 
 
 SECRET_FLAGS = ("--api-key",)
@@ -117,14 +150,38 @@ def redacted(argv: list[str]) -> list[str]:
     return out
 
 
-def run_record(kind: str, argv: list[str], target: str | Path | None, draft: str | Path | None, params: SamplingParams | None,
-               proposal: str, gamma_policy: str, seed: int | None, precision: str, figures: dict, verify: str = "block") -> dict:
-    return {"record_version": RECORD_VERSION, "kind": kind, "argv": redacted(argv),
-            "target": model_identity(target), "draft": model_identity(draft),
-            "sampling": None if params is None else processor_order(params),
-            "proposal": proposal, "verify": verify, "acceptance": ACCEPTANCE[verify], "residual": RESIDUAL[verify], "cache": CACHE,
-            "gamma_policy": gamma_policy, "seed": seed, "draw_order_version": DRAW_ORDER_VERSIONS[verify],
-            "precision": precision, "environment": environment(), "figures": figures}
+def run_record(
+    kind: str,
+    argv: list[str],
+    target: str | Path | None,
+    draft: str | Path | None,
+    params: SamplingParams | None,
+    proposal: str,
+    gamma_policy: str,
+    seed: int | None,
+    precision: str,
+    figures: dict,
+    verify: str = "block",
+) -> dict:
+    return {
+        "record_version": RECORD_VERSION,
+        "kind": kind,
+        "argv": redacted(argv),
+        "target": model_identity(target),
+        "draft": model_identity(draft),
+        "sampling": None if params is None else processor_order(params),
+        "proposal": proposal,
+        "verify": verify,
+        "acceptance": ACCEPTANCE[verify],
+        "residual": RESIDUAL[verify],
+        "cache": CACHE,
+        "gamma_policy": gamma_policy,
+        "seed": seed,
+        "draw_order_version": DRAW_ORDER_VERSIONS[verify],
+        "precision": precision,
+        "environment": environment(),
+        "figures": figures,
+    }
 
 
 def write_record(record: dict, path: str | Path) -> Path:
@@ -143,11 +200,17 @@ def replay_verdict(record: dict, tokens: list[int]) -> dict:
         return {"identical": True, "tokens": len(tokens), "reason": "same tokens"}
     first = next((i for i, (a, b) in enumerate(zip(tokens, recorded)) if a != b), min(len(tokens), len(recorded)))
     now = environment()
-    changed = [key for key in ("exactspec", "source_revision", "libraries", "hardware") if now[key] != record["environment"][key]]
+    changed = [
+        key
+        for key in ("exactspec", "source_revision", "libraries", "hardware")
+        if now[key] != record["environment"][key]
+    ]
     if record["gamma_policy"].startswith("auto") and record["figures"].get("sampling") == "sampled":
-        reason = ("gamma auto picks each round's gamma from measured call costs and the acceptance remembered from earlier "
-                  "runs, so rounds split differently and the random draws fall elsewhere: the law is the same, the tokens "
-                  "are not; record with a fixed --gamma to replay")
+        reason = (
+            "gamma auto picks each round's gamma from measured call costs and the acceptance remembered from earlier "
+            "runs, so rounds split differently and the random draws fall elsewhere: the law is the same, the tokens "
+            "are not; record with a fixed --gamma to replay"
+        )
     elif "call-size invariant" not in record["precision"] and not record["precision"].startswith("float32"):
         reason = f"{record['precision']}: logits move with the call size, which can flip a token"
     elif changed:

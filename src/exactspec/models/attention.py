@@ -20,6 +20,7 @@ from .kv_cache import ATTENTION_CHUNK
 
 __all__ = ["causal_mask", "chunked_attention", "grouped_attention", "ragged_causal_mask"]
 
+
 def chunked_attention(
     q: torch.Tensor,  # (1, nh, R, hd): queries at positions pos, pos + 1, ...
     k_cache: torch.Tensor,  # (1, nkv, max_len, hd)
@@ -50,7 +51,6 @@ def chunked_attention(
     total = weights.sum(-1).cumsum(1)[:, -1]  # (nkv, group R)
     out = (weights @ v).cumsum(1)[:, -1] / total.unsqueeze(-1)  # (nkv, group R, hd)
     return out.reshape(1, nh, rows, hd).to(q.dtype)
-
 
 
 def ragged_causal_mask(positions: torch.Tensor, end: int) -> torch.Tensor:  # (B, T) -> (B, 1, T, end) bool

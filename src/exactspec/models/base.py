@@ -18,8 +18,9 @@ within floating-point tolerance for neural ones).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -82,7 +83,9 @@ def check_local_checkpoint(path: str | Path) -> Path:
     if is_gguf(path):
         return path
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory not found: {path} (exactspec loads local directories and .gguf files, never downloads)")
+        raise FileNotFoundError(
+            f"model directory not found: {path} (exactspec loads local directories and .gguf files, never downloads)"
+        )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
     return path

@@ -56,7 +56,9 @@ class Eagle3Block(Block):
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # x: (B, T, 2C) = [u ; e]
         u, e = x.chunk(2, dim=-1)
-        return self._project(torch.cat([self._norm(e, self.attn_norm), self._norm(u, self.hidden_norm)], dim=-1), cos, sin)
+        return self._project(
+            torch.cat([self._norm(e, self.attn_norm), self._norm(u, self.hidden_norm)], dim=-1), cos, sin
+        )
 
     def finish(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # (B, T, 2C), (B, nh, T, hd) -> (B, T, C)
         return super().finish(x.chunk(2, dim=-1)[0], y)
@@ -80,28 +82,49 @@ class FeatureDraftConfig:
             raise ValueError(f"a feature draft's layout is one of {', '.join(LAYOUTS)}, got {self.layout!r}")
 
     def layer_config(self) -> LlamaConfig:
-        return LlamaConfig(vocab_size=self.vocab_subset_size, hidden_size=self.target_hidden_size,
-                           intermediate_size=self.intermediate_size, num_hidden_layers=1,
-                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-                           rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                           max_position_embeddings=self.max_position_embeddings)
+        return LlamaConfig(
+            vocab_size=self.vocab_subset_size,
+            hidden_size=self.target_hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+        )
 
     @classmethod
-    def for_target(cls, target: LlamaConfig, vocab_subset_size: int, layout: str = "exactspec") -> "FeatureDraftConfig":
+    def for_target(cls, target: LlamaConfig, vocab_subset_size: int, layout: str = "exactspec") -> FeatureDraftConfig:
         """The target's attention shape, and the outputs of three of its layers: at a quarter, a half and the end
         (``exactspec``), or EAGLE-3's choice (``eagle3``: the inputs of layers 2, n/2 and n-3, which llama.cpp can
         hand a draft; it has no hook after the last layer)."""
         n = target.num_hidden_layers
-        picks = {max(0, n // 4 - 1), max(0, n // 2 - 1), n - 1} if layout == "exactspec" else {max(0, i - 1) for i in (2, n // 2, n - 3)}
-        return cls(target.hidden_size, tuple(sorted(picks)), vocab_subset_size, target.num_attention_heads,
-                   target.num_key_value_heads, target.intermediate_size, target.rms_norm_eps, target.rope_theta,
-                   target.max_position_embeddings, layout)
+        picks = (
+            {max(0, n // 4 - 1), max(0, n // 2 - 1), n - 1}
+            if layout == "exactspec"
+            else {max(0, i - 1) for i in (2, n // 2, n - 3)}
+        )
+        return cls(
+            target.hidden_size,
+            tuple(sorted(picks)),
+            vocab_subset_size,
+            target.num_attention_heads,
+            target.num_key_value_heads,
+            target.intermediate_size,
+            target.rms_norm_eps,
+            target.rope_theta,
+            target.max_position_embeddings,
+            layout,
+        )
 
 
 def layers_of_every_layout(target: LlamaConfig) -> tuple[int, ...]:
     """The target layers any layout's draft reads, ascending: a teacher pass that stores these serves every layout
     (``train-draft``'s, so that layouts are compared on the same data)."""
-    return tuple(sorted({i for layout in LAYOUTS for i in FeatureDraftConfig.for_target(target, 1, layout).feature_layers}))
+    return tuple(
+        sorted({i for layout in LAYOUTS for i in FeatureDraftConfig.for_target(target, 1, layout).feature_layers})
+    )
 
 
 class FeatureDraft(nn.Module):
@@ -125,10 +148,10 @@ class FeatureDraft(nn.Module):
         self.embed: torch.Tensor | None = None  # (V, C) the target's, frozen
         self.head: torch.Tensor | None = None  # (|S|, C) the target's LM head rows of S, frozen
 
-    def attach(self, target: LlamaDecoder) -> "FeatureDraft":
+    def attach(self, target: LlamaDecoder) -> FeatureDraft:
         return self.attach_weights(target.embed.weight.detach(), target.lm_head.weight.detach())
 
-    def attach_weights(self, embed: torch.Tensor, head: torch.Tensor) -> "FeatureDraft":
+    def attach_weights(self, embed: torch.Tensor, head: torch.Tensor) -> FeatureDraft:
         """The target's token embedding ``embed`` ``(V, C)`` and LM head ``head`` ``(V, C)`` (only S's rows kept),
         from a torch decoder or read from a file another runtime runs."""
         self.embed = embed
@@ -140,7 +163,9 @@ class FeatureDraft(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return F.linear(self.norm * xf.to(g.dtype), self.head.to(g.dtype))
 
-    def inputs(self, u: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:  # (B, T, C), (B, T) -> (B, T, C or 2C)
+    def inputs(
+        self, u: torch.Tensor, next_tokens: torch.Tensor
+    ) -> torch.Tensor:  # (B, T, C), (B, T) -> (B, T, C or 2C)
         """The block's input: h = w_in([u ; E x]) (``exactspec``), or the pair [u ; E x] itself (``eagle3``)."""
         pair = torch.cat([u, self.embed[next_tokens].to(u.dtype)], dim=-1)
         return pair if self.cfg.layout == "eagle3" else self.w_in(pair)
@@ -164,14 +189,19 @@ class FeatureDraft(nn.Module):
             keys.append(key)
             values.append(value)
             mask = ttt_mask(t, k, features.device)
-            y = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
-                                               enable_gqa=self.block.n_kv != self.block.n_head)
+            y = F.scaled_dot_product_attention(
+                q,
+                torch.cat(keys, 2),
+                torch.cat(values, 2),
+                attn_mask=mask,
+                enable_gqa=self.block.n_kv != self.block.n_head,
+            )
             g = self.block.finish(x, y)
             outputs.append(g)
             u = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)  # slot j reads g_{j-1}
         return outputs
 
-    def widened(self, intermediate_size: int, generator: torch.Generator | None = None) -> "FeatureDraft":
+    def widened(self, intermediate_size: int, generator: torch.Generator | None = None) -> FeatureDraft:
         """A copy whose MLP has ``intermediate_size`` units and computes the same function (Net2Net-style growth,
         Chen et al. 2016, arXiv 1511.05641): the new units' gate and up rows are drawn as a fresh layer's are and
         their down-projection columns are zero, so mlp(x) = W2 [silu(G x) * (U x)] is unchanged until training moves
@@ -181,11 +211,19 @@ class FeatureDraft(nn.Module):
             raise ValueError(f"a draft's MLP grows, it does not shrink: {intermediate_size} < its {old} units")
         wide = FeatureDraft(replace(self.cfg, intermediate_size=intermediate_size))
         state = self.state_dict()
-        bound = self.cfg.target_hidden_size ** -0.5  # nn.Linear's initialisation for this fan-in
-        new_gate, new_up = torch.empty(2, intermediate_size - old, self.cfg.target_hidden_size).uniform_(-bound, bound, generator=generator)
+        bound = self.cfg.target_hidden_size**-0.5  # nn.Linear's initialisation for this fan-in
+        new_gate, new_up = torch.empty(2, intermediate_size - old, self.cfg.target_hidden_size).uniform_(
+            -bound, bound, generator=generator
+        )
         gate, up = state["block.w13.weight"].chunk(2)  # (I, C) each
         state["block.w13.weight"] = torch.cat([gate, new_gate, up, new_up])
-        state["block.w2.weight"] = torch.cat([state["block.w2.weight"], state["block.w2.weight"].new_zeros(self.cfg.target_hidden_size, intermediate_size - old)], dim=1)
+        state["block.w2.weight"] = torch.cat(
+            [
+                state["block.w2.weight"],
+                state["block.w2.weight"].new_zeros(self.cfg.target_hidden_size, intermediate_size - old),
+            ],
+            dim=1,
+        )
         wide.load_state_dict(state)
         wide.embed, wide.head = self.embed, self.head
         return wide
@@ -196,12 +234,19 @@ class FeatureDraft(nn.Module):
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous() for k, v in self.state_dict().items()}
+        state = {
+            k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+            for k, v in self.state_dict().items()
+        }
         save_file(state, str(directory / WEIGHTS_FILE))
-        (directory / CONFIG_FILE).write_text(json.dumps({"kind": "exactspec-feature-draft", **asdict(self.cfg), **({"card": card} if card else {})}, indent=2))
+        (directory / CONFIG_FILE).write_text(
+            json.dumps(
+                {"kind": "exactspec-feature-draft", **asdict(self.cfg), **({"card": card} if card else {})}, indent=2
+            )
+        )
 
     @classmethod
-    def load(cls, directory: str | Path) -> "FeatureDraft":
+    def load(cls, directory: str | Path) -> FeatureDraft:
         from safetensors.torch import load_file
 
         directory = Path(directory)

@@ -14,7 +14,7 @@ with a feature-level draft).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -32,13 +32,22 @@ def padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:  # (n, C) -> (rows,
 
 
 class FeatureDraftRuntime:
-    def __init__(self, draft: FeatureDraft, slots: int, max_len: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, invariant: bool = False) -> None:
+    def __init__(
+        self,
+        draft: FeatureDraft,
+        slots: int,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        invariant: bool = False,
+    ) -> None:
         self.draft = draft.to(device=device, dtype=dtype).eval()
         self.device, self.dtype, self.invariant = torch.device(device), dtype, invariant
         self.slots, self.max_len = slots, max_len
         cfg = draft.cfg.layer_config()
-        self.cache = KVCache(1, slots, cfg.num_key_value_heads, cfg.head_size, max_len, cache_dtype(dtype, self.device), self.device)
+        self.cache = KVCache(
+            1, slots, cfg.num_key_value_heads, cfg.head_size, max_len, cache_dtype(dtype, self.device), self.device
+        )
         cos, sin = rope_tables(cfg, max_len + MAX_BLOCK)
         self._cos, self._sin = cos.to(self.device, dtype), sin.to(self.device, dtype)  # (max_len + MAX_BLOCK, hd)
 
@@ -82,7 +91,9 @@ class FeatureDraftRuntime:
         pos, n = self.cache.lengths[slot], len(tokens)
         rows = self._rows(n)
         ids = torch.tensor(tokens + [0] * (rows - n), dtype=torch.long, device=self.device).unsqueeze(0)  # (1, R)
-        x = self.draft.inputs(padded_rows(u.to(device=self.device, dtype=self.dtype), rows).unsqueeze(0), ids)  # (1, R, C)
+        x = self.draft.inputs(
+            padded_rows(u.to(device=self.device, dtype=self.dtype), rows).unsqueeze(0), ids
+        )  # (1, R, C)
         cos, sin = self._cos[pos : pos + rows], self._sin[pos : pos + rows]  # (R, hd); padding rows: any angle
         keys, values = self.cache.slot(0, slot)  # (1, nkv, capacity, hd) x 2
         if self.invariant and rows == INVARIANT_ROWS:
@@ -98,7 +109,9 @@ class FeatureDraftRuntime:
             if len(tokens) > MAX_BLOCK:  # all but its last slot alone
                 self._forward_one(slot, u[:-1], tokens[:-1])
                 rows[i] = (slot, u[-1:], tokens[-1:])
-        order = sorted(range(len(rows)), key=lambda i: rows[i][0])  # by slot: consecutive slots read the cache as a view
+        order = sorted(
+            range(len(rows)), key=lambda i: rows[i][0]
+        )  # by slot: consecutive slots read the cache as a view
         slots, inputs, tokens = [rows[i][0] for i in order], [rows[i][1] for i in order], [rows[i][2] for i in order]
         lengths = [len(t) for t in tokens]
         width, device = max(lengths), self.device
@@ -106,14 +119,18 @@ class FeatureDraftRuntime:
         for b, row in enumerate(inputs):
             u[b, : row.shape[0]] = row.to(device=device, dtype=self.dtype)
         ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens], device=device)  # (B, T)
-        positions = torch.tensor([self.cache.lengths[s] for s in slots], device=device)[:, None] + torch.arange(width, device=device)
+        positions = torch.tensor([self.cache.lengths[s] for s in slots], device=device)[:, None] + torch.arange(
+            width, device=device
+        )
         end = int(positions.max()) + 1
         block = self.draft.block
         x = self.draft.inputs(u, ids)  # (B, T, C)
         q, k, v = block.qkv(x, self._cos[positions], self._sin[positions])  # (B, nh, T, hd), (B, nkv, T, hd) x 2
         self.cache.write(0, torch.tensor(slots, device=device), positions, k, v)
         keys, values = self.cache.read(0, slot_rows(slots, device), end)  # (B, nkv, end, hd)
-        g = block.finish(x, grouped_attention(q.to(keys.dtype), keys, values, ragged_causal_mask(positions, end)).to(x.dtype))
+        g = block.finish(
+            x, grouped_attention(q.to(keys.dtype), keys, values, ragged_causal_mask(positions, end)).to(x.dtype)
+        )
         for slot, t in zip(slots, lengths):
             self.cache.lengths[slot] += t
         last = g[torch.arange(len(slots), device=device), torch.tensor(lengths, device=device) - 1]  # (B, C)

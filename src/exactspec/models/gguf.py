@@ -23,7 +23,6 @@ undoes it, so the lean decoder and transformers see the same matrices.
 from __future__ import annotations
 
 import functools
-
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,22 +33,71 @@ import torch
 
 from .llama_config import LlamaConfig, RopeScaling
 
-__all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "llama_config", "hf_state_dict", "dequantize", "unpermute_rotary",
-           "SUPPORTED_TYPES"]
+__all__ = [
+    "GGUFFile",
+    "GGUFTensor",
+    "read_gguf",
+    "llama_config",
+    "hf_state_dict",
+    "dequantize",
+    "unpermute_rotary",
+    "SUPPORTED_TYPES",
+]
 
 _MAGIC = b"GGUF"
 # metadata value type -> struct format (8: string and 9: array are read separately)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
-          10: np.uint64, 11: np.int64, 12: np.float64}
+_NUMPY = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 
 # ggml tensor type id -> (name, weights per block, bytes per block)
-SUPPORTED_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
-                   30: ("BF16", 1, 2)}
-_OTHER_TYPES = {6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K",
-                16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
-                23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0",
-                35: "TQ2_0", 39: "MXFP4"}
+SUPPORTED_TYPES = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+    30: ("BF16", 1, 2),
+}
+_OTHER_TYPES = {
+    6: "Q5_0",
+    7: "Q5_1",
+    9: "Q8_1",
+    10: "Q2_K",
+    11: "Q3_K",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+    15: "Q8_K",
+    16: "IQ2_XXS",
+    17: "IQ2_XS",
+    18: "IQ3_XXS",
+    19: "IQ1_S",
+    20: "IQ4_NL",
+    21: "IQ3_S",
+    22: "IQ2_S",
+    23: "IQ4_XS",
+    24: "I8",
+    25: "I16",
+    26: "I32",
+    27: "I64",
+    28: "F64",
+    29: "IQ1_M",
+    34: "TQ1_0",
+    35: "TQ2_0",
+    39: "MXFP4",
+}
 
 
 @dataclass(frozen=True)
@@ -91,19 +139,24 @@ class GGUFFile:
         """One tensor, dequantized to float32."""
         info = self.tensors[name]
         if not info.known:
-            raise ValueError(f"{self.path}: tensor {name} is {info.type_name}, which exactspec does not read "
-                             f"(it reads {', '.join(sorted(n for n, _, _ in SUPPORTED_TYPES.values()))}, and with the "
-                             "gguf package installed every type it dequantizes: pip install gguf)")
+            raise ValueError(
+                f"{self.path}: tensor {name} is {info.type_name}, which exactspec does not read "
+                f"(it reads {', '.join(sorted(n for n, _, _ in SUPPORTED_TYPES.values()))}, and with the "
+                "gguf package installed every type it dequantizes: pip install gguf)"
+            )
         raw = np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         if raw.size != info.nbytes:
-            raise ValueError(f"{self.path} is truncated: tensor {name} needs {info.nbytes} bytes at offset {info.offset}")
+            raise ValueError(
+                f"{self.path} is truncated: tensor {name} needs {info.nbytes} bytes at offset {info.offset}"
+            )
         if info.type_id not in SUPPORTED_TYPES:
             from gguf import quants
 
             rows = int(np.prod(info.shape[:-1]))
-            return torch.from_numpy(quants.dequantize(raw.reshape(rows, -1), _gguf_type(info.type_id)).astype(np.float32)).reshape(info.shape)
+            return torch.from_numpy(
+                quants.dequantize(raw.reshape(rows, -1), _gguf_type(info.type_id)).astype(np.float32)
+            ).reshape(info.shape)
         return dequantize(torch.from_numpy(raw), info.type_id, info.shape)
-
 
     def q4_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A ``Q4_0``/``Q4_1`` tensor as it is stored: ``q`` (N, K) in 0..15, ``d`` and ``m`` (N, K / 32) float32,
@@ -229,9 +282,22 @@ def _read_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
 # ---- the Llama architecture inside a GGUF file ------------------------------------------------
 
 # llama.* metadata keys the lean decoder reads, and those that cannot change a forward pass.
-_READ = {"block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
-         "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
-         "vocab_size", "attention.key_length", "attention.value_length", "rope.scaling.type", "rope.scaling.factor"}
+_READ = {
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "vocab_size",
+    "attention.key_length",
+    "attention.value_length",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+}
 _IGNORED = {"tensor_data_layout"}
 
 
@@ -241,7 +307,7 @@ def llama_config(gguf: GGUFFile) -> LlamaConfig:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{where} holds a {arch!r} model; the lean backend reads Llama GGUF files only")
-    unknown = sorted(k for k in meta if k.startswith("llama.") and k[len("llama."):] not in _READ | _IGNORED)
+    unknown = sorted(k for k in meta if k.startswith("llama.") and k[len("llama.") :] not in _READ | _IGNORED)
     if unknown:
         raise ValueError(f"{where}: metadata {', '.join(unknown)} unknown to the lean backend")
 
@@ -253,8 +319,13 @@ def llama_config(gguf: GGUFFile) -> LlamaConfig:
 
     heads = int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", int(get("embedding_length")) // heads))
-    if int(get("attention.value_length", head_dim)) != head_dim or int(get("rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError(f"{where}: value heads or rotary dimensions that differ from the key heads are not implemented")
+    if (
+        int(get("attention.value_length", head_dim)) != head_dim
+        or int(get("rope.dimension_count", head_dim)) != head_dim
+    ):
+        raise ValueError(
+            f"{where}: value heads or rotary dimensions that differ from the key heads are not implemented"
+        )
     scaling_type = get("rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):
         raise ValueError(f"{where}: rope scaling {scaling_type!r} is not implemented by the lean backend")
@@ -280,18 +351,35 @@ def llama_config(gguf: GGUFFile) -> LlamaConfig:
     )
 
 
-_LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def _hf_name(name: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES and parts[3] == "weight":
+    if (
+        len(parts) == 4
+        and parts[0] == "blk"
+        and parts[1].isdigit()
+        and parts[2] in _LAYER_NAMES
+        and parts[3] == "weight"
+    ):
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
     return None
 

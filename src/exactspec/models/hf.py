@@ -14,8 +14,8 @@ loading runs with ``local_files_only=True``.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -43,10 +43,12 @@ class HFModel:
         self._length = 0
         self.device = next(model.parameters()).device
         config = model.config  # the learned or trained position window, where the architecture has one
-        self.max_len: int | None = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        self.max_len: int | None = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "HFModel":
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> HFModel:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = check_local_checkpoint(path)
@@ -58,7 +60,9 @@ class HFModel:
         try:
             config = AutoConfig.from_pretrained(**location)
         except Exception as error:  # transformers raises many kinds for a config it cannot use
-            raise ValueError(f"transformers cannot use {path if is_gguf(path) else path / 'config.json'}: {_one_line(error)}") from None
+            raise ValueError(
+                f"transformers cannot use {path if is_gguf(path) else path / 'config.json'}: {_one_line(error)}"
+            ) from None
         causal_configs = getattr(AutoModelForCausalLM, "_model_mapping", None)  # transformers' registry of causal LMs
         if causal_configs is not None and type(config) not in causal_configs:
             kind = getattr(config, "model_type", "unknown")
@@ -92,7 +96,9 @@ class HFModel:
         with torch.inference_mode():
             out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_argument: self._cache})
         if self._length == 0 and not getattr(self._cache, "is_croppable", True):
-            raise ValueError(f"{type(self.model).__name__} uses a cache that cannot be rolled back; speculative decoding needs one that can")
+            raise ValueError(
+                f"{type(self.model).__name__} uses a cache that cannot be rolled back; speculative decoding needs one that can"
+            )
         self._length += len(ids)
         return out.logits[0].float().cpu()
 

@@ -23,8 +23,16 @@ ATTENTION_CHUNK = 64  # keys per fixed-shape chunk of the invariant attention
 
 
 class KVCache:
-    def __init__(self, layers: int, slots: int, kv_heads: int, head_size: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        layers: int,
+        slots: int,
+        kv_heads: int,
+        head_size: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         if slots < 1 or max_len < 1:
             raise ValueError(f"need slots >= 1 and max_len >= 1, got {slots} and {max_len}")
         self.slots, self.max_len = slots, max_len
@@ -33,8 +41,10 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (L, S, nkv, capacity, hd)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = [0] * slots
-        self._views = [[(self.keys[layer, slot : slot + 1], self.values[layer, slot : slot + 1]) for layer in range(layers)]
-                       for slot in range(slots)]  # made once: views stay valid, the tensors are never reallocated
+        self._views = [
+            [(self.keys[layer, slot : slot + 1], self.values[layer, slot : slot + 1]) for layer in range(layers)]
+            for slot in range(slots)
+        ]  # made once: views stay valid, the tensors are never reallocated
 
     def check_rows(self, slots: list[int], added: list[int]) -> None:
         """Distinct slots that exist, each with room for the positions a call adds to it."""
@@ -42,13 +52,15 @@ class KVCache:
             raise ValueError(f"rows need distinct slots in [0, {self.slots}), got {slots}")
         for slot, n in zip(slots, added):
             if self.lengths[slot] + n > self.max_len:
-                raise ValueError(f"sequence too long: {self.lengths[slot]} cached + {n} new tokens exceeds {self.max_len} positions")
+                raise ValueError(
+                    f"sequence too long: {self.lengths[slot]} cached + {n} new tokens exceeds {self.max_len} positions"
+                )
 
     def rollback(self, slot: int, length: int) -> None:
         check_rollback_length(length, self.lengths[slot])
         self.lengths[slot] = length
 
-    def copy_prefix(self, source: int, slot: int, length: int, source_cache: "KVCache | None" = None) -> None:
+    def copy_prefix(self, source: int, slot: int, length: int, source_cache: KVCache | None = None) -> None:
         """Give ``slot`` the first ``length`` positions of ``source`` (in ``source_cache``, by default this one),
         copied: a prompt that several sequences share is computed once."""
         origin = source_cache or self
@@ -63,13 +75,15 @@ class KVCache:
         """One slot's keys and values of one layer, as views that a single-sequence call writes into."""
         return self._views[slot][layer]
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         """Store row b's keys and values ``(B, nkv, T, hd)`` at its ``positions[b]`` ``(B, T)`` of slot ``slots[b]``."""
         index = slots[:, None]
         self.keys[layer][index, :, positions] = keys.transpose(1, 2).to(self.keys.dtype)  # indexed as (B, T, nkv, hd)
         self.values[layer][index, :, positions] = values.transpose(1, 2).to(self.values.dtype)
 
-    def read(self, layer: int, rows: "slice | torch.Tensor", end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, rows: slice | torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``end`` positions of the slots ``rows`` picks (:func:`slot_rows`): ``(B, nkv, end, hd)`` x 2."""
         return self.keys[layer, rows, :, :end], self.values[layer, rows, :, :end]
 

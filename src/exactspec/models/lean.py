@@ -26,15 +26,16 @@ slot. It loads Hugging Face directories and GGUF files (:meth:`LeanModel.from_pr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .attention import causal_mask, grouped_attention, ragged_causal_mask
 from .base import check_token_ids, is_gguf, read_json
-from .gguf import hf_state_dict as gguf_state_dict, llama_config, read_gguf
+from .gguf import hf_state_dict as gguf_state_dict
+from .gguf import llama_config, read_gguf
 from .kv_cache import MAX_BLOCK, KVCache, slot_rows
 from .llama import INVARIANT_ROWS, LlamaDecoder, cache_dtype, load_hf_state_dict, one_row_head
 from .llama_config import LlamaConfig, rope_tables
@@ -52,14 +53,28 @@ class LeanRuntime:
     Logits come back float32 on the CPU, ``(t_i, V)`` per row, cut to ``vocab_size`` (the tokenizer's, when the
     embedding has padding rows)."""
 
-    def __init__(self, decoder: LlamaDecoder, slots: int, max_len: int, device: torch.device | str = "cpu",
-                 vocab_size: int | None = None, invariant: bool = False) -> None:
+    def __init__(
+        self,
+        decoder: LlamaDecoder,
+        slots: int,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        vocab_size: int | None = None,
+        invariant: bool = False,
+    ) -> None:
         cfg = decoder.cfg
         self.decoder, self.cfg, self.invariant = decoder, cfg, invariant
         self.vocab_size = vocab_size or cfg.vocab_size
         self.device, self.dtype = torch.device(device), decoder.norm.dtype
-        self.cache = KVCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_size, max_len,
-                             cache_dtype(self.dtype, self.device), self.device)
+        self.cache = KVCache(
+            cfg.num_hidden_layers,
+            slots,
+            cfg.num_key_value_heads,
+            cfg.head_size,
+            max_len,
+            cache_dtype(self.dtype, self.device),
+            self.device,
+        )
         self.slots, self.max_len = slots, max_len
         cos, sin = rope_tables(cfg, max_len + MAX_BLOCK)
         self._cos = cos.to(self.device, self.dtype)  # (max_len + MAX_BLOCK, hd)
@@ -70,9 +85,18 @@ class LeanRuntime:
         self.last_features: list[torch.Tensor] = []  # per row of the last call, (t_i, F), when capture_features asked
 
     @classmethod
-    def like(cls, model: "LeanModel", slots: int, max_len: int | None = None, vocab_size: int | None = None) -> "LeanRuntime":
+    def like(
+        cls, model: LeanModel, slots: int, max_len: int | None = None, vocab_size: int | None = None
+    ) -> LeanRuntime:
         """A runtime over ``model``'s decoder (weights shared, not copied), in ``model``'s numerics mode."""
-        return cls(model.decoder, slots, min(max_len or model.max_len, model.max_len), model.device, vocab_size, model.invariant)
+        return cls(
+            model.decoder,
+            slots,
+            min(max_len or model.max_len, model.max_len),
+            model.device,
+            vocab_size,
+            model.invariant,
+        )
 
     @property
     def lengths(self) -> list[int]:
@@ -92,7 +116,9 @@ class LeanRuntime:
     def copy_prefix(self, source: int, slot: int, length: int) -> None:
         self.cache.copy_prefix(source, slot, length)
 
-    def forward(self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None) -> list[torch.Tensor]:
+    def forward(
+        self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
         """``rows``: (slot, tokens to append) per sequence, slots distinct. Returns the logits of each row's last
         ``outputs[i]`` positions ``(outputs_i, V)`` (every position without ``outputs``) and advances each slot's
         length by ``t_i``. The head runs only on those positions, except in the invariant mode, where it runs on
@@ -111,7 +137,9 @@ class LeanRuntime:
             outputs = [(logits[:, : self.vocab_size], features) for logits, features in outputs]
         return [logits.float().cpu() for logits, _ in outputs]
 
-    def _forward_one(self, slot: int, ids: list[int], count: int) -> tuple[torch.Tensor, torch.Tensor | None]:  # (count, V), (t, F)
+    def _forward_one(
+        self, slot: int, ids: list[int], count: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (count, V), (t, F)
         """One sequence's call against its slot, unpadded (or at INVARIANT_ROWS rows in the invariant mode); the
         logits of its last ``count`` positions."""
         pos, t = self.cache.lengths[slot], len(ids)
@@ -133,13 +161,17 @@ class LeanRuntime:
         if self.invariant:  # the head runs at the call's fixed row count too
             logits = self.decoder.logits(x)[0, t - count : t]  # (count, V)
         elif count == 1 and self.one_token_head is not None:
-            logits = F.linear(self.decoder.final_norm(x[:, t - 1 : t]).to(torch.float16), self.one_token_head)[0]  # (1, V)
+            logits = F.linear(self.decoder.final_norm(x[:, t - 1 : t]).to(torch.float16), self.one_token_head)[
+                0
+            ]  # (1, V)
         else:
             logits = self.decoder.logits(x[:, t - count : t])[0]  # (count, V)
         self.cache.lengths[slot] = pos + t
         return logits, torch.cat(features, dim=-1) if features else None
 
-    def _forward_ragged(self, slots: list[int], ids: list[list[int]], counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def _forward_ragged(
+        self, slots: list[int], ids: list[list[int]], counts: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Several sequences' rows right-padded into one batch; the logits of each row's last ``counts[i]``
         positions ``(counts_i, V)``, and its features."""
         width = max(len(t) for t in ids)
@@ -165,12 +197,19 @@ class LeanRuntime:
             if i in self.feature_layers:
                 features.append(x)
         wanted = [(b, i) for b, (t, count) in enumerate(zip(ids, counts)) for i in range(len(t) - count, len(t))]
-        rows_at, positions_at = (torch.tensor(v, dtype=torch.long, device=device) for v in zip(*wanted)) if wanted else (None, None)
-        logits = self.decoder.logits(x[rows_at, positions_at]) if wanted else x.new_empty((0, self.cfg.vocab_size))  # (sum(counts), V)
+        rows_at, positions_at = (
+            (torch.tensor(v, dtype=torch.long, device=device) for v in zip(*wanted)) if wanted else (None, None)
+        )
+        logits = (
+            self.decoder.logits(x[rows_at, positions_at]) if wanted else x.new_empty((0, self.cfg.vocab_size))
+        )  # (sum(counts), V)
         feature = torch.cat(features, dim=-1) if features else None  # (B, T, F)
         for slot, tokens in zip(slots, ids):
             self.cache.lengths[slot] += len(tokens)
-        by_slot = [(part, None if feature is None else feature[b, : len(t)]) for b, (t, part) in enumerate(zip(ids, logits.split(counts)))]
+        by_slot = [
+            (part, None if feature is None else feature[b, : len(t)])
+            for b, (t, part) in enumerate(zip(ids, logits.split(counts)))
+        ]
         return [by_slot[b] for b in torch.argsort(torch.tensor(order)).tolist()]  # back to the call's row order
 
 
@@ -182,12 +221,23 @@ class LeanModel(OneSlot):
     ``ValueError``. Logits are float32 CPU tensors ``(n, V)`` whatever the compute dtype and device.
     """
 
-    def __init__(self, decoder: LlamaDecoder, max_len: int | None = None, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = None, invariant: bool = False) -> None:
+    def __init__(
+        self,
+        decoder: LlamaDecoder,
+        max_len: int | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        invariant: bool = False,
+    ) -> None:
         if dtype is not None:
             decoder = decoder.to(dtype=dtype)
-        self.runtime = LeanRuntime(decoder.to(device).eval(), 1, int(max_len or decoder.cfg.max_position_embeddings), device,
-                                   invariant=invariant)
+        self.runtime = LeanRuntime(
+            decoder.to(device).eval(),
+            1,
+            int(max_len or decoder.cfg.max_position_embeddings),
+            device,
+            invariant=invariant,
+        )
         self.decoder, self.cfg, self.dtype, self.device = decoder, decoder.cfg, self.runtime.dtype, self.runtime.device
         self.max_len, self.invariant = self.runtime.max_len, invariant
 
@@ -200,7 +250,7 @@ class LeanModel(OneSlot):
         device: str | torch.device = "cpu",
         weights: str = "auto",
         invariant: bool = False,
-    ) -> "LeanModel":
+    ) -> LeanModel:
         """Load a local Hugging Face Llama directory (``config.json`` + ``model.safetensors``, or shards listed
         in ``model.safetensors.index.json``) or a Llama ``.gguf`` file (:mod:`exactspec.models.gguf`).
 
@@ -215,9 +265,15 @@ class LeanModel(OneSlot):
             raise ValueError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
         q4_possible = gguf_file is not None and dtype == torch.bfloat16 and torch.device(device).type == "cpu"
         if weights == "auto":
-            weights = "q4" if q4_possible and any(t.type_name in ("Q4_0", "Q4_1") for t in gguf_file.tensors.values()) else "dense"
+            weights = (
+                "q4"
+                if q4_possible and any(t.type_name in ("Q4_0", "Q4_1") for t in gguf_file.tensors.values())
+                else "dense"
+            )
         if weights == "q4" and not q4_possible:
-            raise ValueError("--weights q4 needs a .gguf checkpoint, --dtype bfloat16 and the CPU (torch's int4 kernel)")
+            raise ValueError(
+                "--weights q4 needs a .gguf checkpoint, --dtype bfloat16 and the CPU (torch's int4 kernel)"
+            )
         if gguf_file is not None:
             cfg = llama_config(gguf_file)
             decoder, tensors, source = LlamaDecoder(cfg), gguf_state_dict(gguf_file, cfg), path
@@ -237,7 +293,7 @@ class LeanModel(OneSlot):
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
-    def copy_prefix(self, source: "LeanModel", length: int) -> None:
+    def copy_prefix(self, source: LeanModel, length: int) -> None:
         """Hold the first ``length`` cached positions of ``source`` (a model over the same decoder), copied: a prompt
         that several sequences share is prefilled once."""
         if source.decoder is not self.decoder:
@@ -253,6 +309,7 @@ class LeanModel(OneSlot):
 
 
 # ---- checkpoint files ---------------------------------------------------------------------------
+
 
 def read_config(path: str | Path) -> LlamaConfig:
     path = Path(path)
@@ -284,7 +341,9 @@ def read_checkpoint_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
     if single.is_file():
         return read_safetensors(single), single
     if not index.is_file():
-        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json (the lean backend reads safetensors; try --backend hf)")
+        raise FileNotFoundError(
+            f"{path} has no model.safetensors or model.safetensors.index.json (the lean backend reads safetensors; try --backend hf)"
+        )
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"{index} has no weight_map")

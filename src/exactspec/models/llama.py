@@ -16,8 +16,8 @@ used by ``exactspec.training``. Which ``config.json`` keys are read and the rota
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from contextlib import contextmanager
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,15 @@ from torch import nn
 from .attention import chunked_attention
 from .llama_config import LlamaConfig, rope_tables
 
-__all__ = ["INVARIANT_ROWS", "Block", "LlamaDecoder", "cache_dtype", "hf_state_dict", "load_hf_state_dict", "one_row_head"]
+__all__ = [
+    "INVARIANT_ROWS",
+    "Block",
+    "LlamaDecoder",
+    "cache_dtype",
+    "hf_state_dict",
+    "load_hf_state_dict",
+    "one_row_head",
+]
 
 # Invariant mode: every call of up to this many tokens (every decoding call: gamma <= 16) runs its matmuls at
 # exactly this many rows, so a position's logits are the same bits whatever the call size. Longer calls (a
@@ -38,7 +46,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """Hugging Face's rotation: (x1, x2) -> (-x2, x1) on the two halves of the last dim."""
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
 
 
 class Block(nn.Module):
@@ -101,11 +108,13 @@ class Block(nn.Module):
         k_cache[:, :, pos:end] = k
         v_cache[:, :, pos:end] = v
         y = F.scaled_dot_product_attention(
-            q.to(k_cache.dtype), k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
+            q.to(k_cache.dtype),
+            k_cache[:, :, :end],
+            v_cache[:, :, :end],
+            attn_mask=mask,
             enable_gqa=self.n_kv != self.n_head,
         )  # (1, nh, T, hd)
         return self.finish(x, y.to(x.dtype))
-
 
     def forward_invariant(
         self,
@@ -185,6 +194,7 @@ class LlamaDecoder(nn.Module):
 
 # ---- Hugging Face parameter names <-> fused layout --------------------------------------------
 
+
 def hf_state_dict(model: LlamaDecoder) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face ``LlamaForCausalLM`` names (q/k/v, gate/up split)."""
     cfg = model.cfg
@@ -194,14 +204,19 @@ def hf_state_dict(model: LlamaDecoder) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         q, k, v = layer.wqkv.weight.split([nh * hd, nkv * hd, nkv * hd], dim=0)
         gate, up = layer.w13.weight.chunk(2, dim=0)
-        out.update({
-            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-            p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.wo.weight,
-            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": layer.w2.weight,
-            p + "input_layernorm.weight": layer.attn_norm,
-            p + "post_attention_layernorm.weight": layer.mlp_norm,
-        })
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": q,
+                p + "self_attn.k_proj.weight": k,
+                p + "self_attn.v_proj.weight": v,
+                p + "self_attn.o_proj.weight": layer.wo.weight,
+                p + "mlp.gate_proj.weight": gate,
+                p + "mlp.up_proj.weight": up,
+                p + "mlp.down_proj.weight": layer.w2.weight,
+                p + "input_layernorm.weight": layer.attn_norm,
+                p + "post_attention_layernorm.weight": layer.mlp_norm,
+            }
+        )
     out["model.norm.weight"] = model.norm
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = model.lm_head.weight
@@ -238,8 +253,9 @@ def _named_shape_errors():
     try:
         yield
     except RuntimeError as error:
-        raise ValueError(f"a weight does not match the shapes its config describes ({str(error).splitlines()[0]})") from None
-
+        raise ValueError(
+            f"a weight does not match the shapes its config describes ({str(error).splitlines()[0]})"
+        ) from None
 
 
 def cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -265,4 +281,3 @@ def one_row_head(decoder: LlamaDecoder, device: torch.device) -> torch.Tensor | 
     if bound >= torch.finfo(torch.float16).max / 2 or not torch.equal(copy.to(torch.bfloat16), weight):
         return None
     return copy
-

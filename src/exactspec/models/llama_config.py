@@ -27,34 +27,113 @@ from typing import Any
 
 import torch
 
-__all__ = ["LlamaConfig", "RopeScaling", "READ_KEYS", "FIXED_VALUES", "IGNORED_KEYS", "inverse_frequencies", "rope_tables"]
+__all__ = [
+    "LlamaConfig",
+    "RopeScaling",
+    "READ_KEYS",
+    "FIXED_VALUES",
+    "IGNORED_KEYS",
+    "inverse_frequencies",
+    "rope_tables",
+]
 
-READ_KEYS = frozenset({
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
-    "tie_word_embeddings", "head_dim", "bos_token_id", "eos_token_id",
-})
+READ_KEYS = frozenset(
+    {
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "head_dim",
+        "bos_token_id",
+        "eos_token_id",
+    }
+)
 FIXED_VALUES = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
-IGNORED_KEYS = frozenset({
-    # bookkeeping
-    "architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "id2label", "label2id",
-    "problem_type", "tokenizer_class", "finetuning_task", "task_specific_params", "prefix", "_attn_implementation_autoset",
-    # training-only or output plumbing: no effect on an inference forward pass
-    "initializer_range", "attention_dropout", "use_cache", "pad_token_id", "sep_token_id", "decoder_start_token_id",
-    "output_hidden_states", "output_attentions", "return_dict", "torchscript", "use_bfloat16", "tf_legacy_loss",
-    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
-    "cross_attention_hidden_size", "pruned_heads",
-    # pretraining_tp > 1 only splits the projections into slices whose products are summed: the same map
-    "pretraining_tp",
-    # generation defaults older transformers wrote into config.json (exactspec takes sampling settings elsewhere)
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
-    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
-    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate",
-    "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
-    "suppress_tokens", "begin_suppress_tokens",
-})
+IGNORED_KEYS = frozenset(
+    {
+        # bookkeeping
+        "architectures",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "_name_or_path",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "tokenizer_class",
+        "finetuning_task",
+        "task_specific_params",
+        "prefix",
+        "_attn_implementation_autoset",
+        # training-only or output plumbing: no effect on an inference forward pass
+        "initializer_range",
+        "attention_dropout",
+        "use_cache",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+        "torchscript",
+        "use_bfloat16",
+        "tf_legacy_loss",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "is_decoder",
+        "add_cross_attention",
+        "tie_encoder_decoder",
+        "cross_attention_hidden_size",
+        "pruned_heads",
+        # pretraining_tp > 1 only splits the projections into slices whose products are summed: the same map
+        "pretraining_tp",
+        # generation defaults older transformers wrote into config.json (exactspec takes sampling settings elsewhere)
+        "max_length",
+        "min_length",
+        "do_sample",
+        "early_stopping",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "num_return_sequences",
+        "output_scores",
+        "return_dict_in_generate",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+    }
+)
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-_ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+_ROPE_KEYS = {
+    "rope_type",
+    "type",
+    "rope_theta",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+}
 
 
 @dataclass(frozen=True)
@@ -69,7 +148,9 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if self.rope_type not in ("linear", "llama3"):
-            raise ValueError(f"rope type {self.rope_type!r} is not implemented by the lean backend (it knows default, linear, llama3)")
+            raise ValueError(
+                f"rope type {self.rope_type!r} is not implemented by the lean backend (it knows default, linear, llama3)"
+            )
         if not self.factor > 0 or (self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0):
             raise ValueError(f"invalid rope scaling {self}")
 
@@ -107,17 +188,23 @@ class LlamaConfig:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+    def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         """The config from a ``config.json`` dictionary; ValueError on an unknown key, a value the decoder does not
         implement, or a missing or ill-typed field."""
         if d.get("model_type") != "llama":
-            raise ValueError(f"expected a Llama checkpoint (model_type 'llama'), got model_type {d.get('model_type')!r}")
+            raise ValueError(
+                f"expected a Llama checkpoint (model_type 'llama'), got model_type {d.get('model_type')!r}"
+            )
         unknown = sorted(set(d) - READ_KEYS - IGNORED_KEYS - set(FIXED_VALUES))
         if unknown:
-            raise ValueError(f"config key(s) {', '.join(map(repr, unknown))} unknown to the lean backend; use --backend hf")
+            raise ValueError(
+                f"config key(s) {', '.join(map(repr, unknown))} unknown to the lean backend; use --backend hf"
+            )
         for key, value in FIXED_VALUES.items():
             if key in d and d[key] != value and not (value is False and d[key] is None):
-                raise ValueError(f"{key} = {d[key]!r} is not implemented by the lean backend (only {value!r}); use --backend hf")
+                raise ValueError(
+                    f"{key} = {d[key]!r} is not implemented by the lean backend (only {value!r}); use --backend hf"
+                )
         missing = [name for name in REQUIRED_FIELDS if d.get(name) is None]
         if missing:
             raise ValueError(f"config lacks the required field(s) {', '.join(map(repr, missing))}")
@@ -127,7 +214,7 @@ class LlamaConfig:
             raise ValueError(f"config has an invalid value: {error}") from None
 
     @classmethod
-    def _from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+    def _from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         rope_theta, scaling = _rope_settings(d)
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
@@ -161,7 +248,9 @@ class LlamaConfig:
             attention_dropout=0.0,
             mlp_bias=False,
             pretraining_tp=1,
-            rope_scaling=None if self.rope_scaling is None else {**asdict(self.rope_scaling), "rope_theta": self.rope_theta},
+            rope_scaling=None
+            if self.rope_scaling is None
+            else {**asdict(self.rope_scaling), "rope_theta": self.rope_theta},
             initializer_range=0.02,
             use_cache=True,
             torch_dtype=torch_dtype,
@@ -177,12 +266,18 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     parameters = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
     unknown = set(parameters) - _ROPE_KEYS
     if unknown:
-        raise ValueError(f"rope setting(s) {', '.join(sorted(unknown))} are not implemented by the lean backend; use --backend hf")
+        raise ValueError(
+            f"rope setting(s) {', '.join(sorted(unknown))} are not implemented by the lean backend; use --backend hf"
+        )
     theta = float(parameters.get("rope_theta", d.get("rope_theta") or 10000.0))
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    fields_given = {k: v for k, v in parameters.items() if k in {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
+    fields_given = {
+        k: v
+        for k, v in parameters.items()
+        if k in {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    }
     return theta, RopeScaling(rope_type, **fields_given)
 
 

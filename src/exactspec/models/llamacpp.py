@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -67,8 +67,10 @@ def _llama():
         try:
             import llama_cpp
         except ImportError:
-            raise ValueError("the llamacpp backend needs llama-cpp-python: pip install 'exactspec[llamacpp]' "
-                             "(it builds llama.cpp for this CPU, about 15 minutes on 2 cores)") from None
+            raise ValueError(
+                "the llamacpp backend needs llama-cpp-python: pip install 'exactspec[llamacpp]' "
+                "(it builds llama.cpp for this CPU, about 15 minutes on 2 cores)"
+            ) from None
         llama_cpp.llama_backend_init()
         _BACKEND["log"] = llama_cpp.llama_log_callback(lambda level, text, data: None)
         llama_cpp.llama_log_set(_BACKEND["log"], ctypes.c_void_p(0))
@@ -84,8 +86,12 @@ def _ggml() -> ctypes.CDLL:
         if not found:
             raise ValueError(f"llama-cpp-python's ggml library is not in {directory}: target features need it")
         lib = ctypes.CDLL(str(found[0]))
-        for name, result in (("ggml_get_name", ctypes.c_void_p), ("ggml_nrows", ctypes.c_int64), ("ggml_nbytes", ctypes.c_size_t),
-                             ("ggml_nelements", ctypes.c_int64)):
+        for name, result in (
+            ("ggml_get_name", ctypes.c_void_p),
+            ("ggml_nrows", ctypes.c_int64),
+            ("ggml_nbytes", ctypes.c_size_t),
+            ("ggml_nelements", ctypes.c_int64),
+        ):
             getattr(lib, name).restype, getattr(lib, name).argtypes = result, [ctypes.c_void_p]
         lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
         _BACKEND["ggml"] = lib
@@ -138,8 +144,10 @@ class _FeatureCapture:
             raise RuntimeError(f"copying the target's features out of llama.cpp failed: {error}") from error
         layers = [np.concatenate(c) if c else np.empty((0, 0), np.float32) for c in chunks]
         if any(layer.shape[0] != tokens for layer in layers):
-            raise RuntimeError(f"llama.cpp computed {[layer.shape[0] for layer in layers]} rows of layers {self.layers} "
-                               f"for {tokens} tokens (a graph without these layer names?)")
+            raise RuntimeError(
+                f"llama.cpp computed {[layer.shape[0] for layer in layers]} rows of layers {self.layers} "
+                f"for {tokens} tokens (a graph without these layer names?)"
+            )
         return torch.from_numpy(np.concatenate(layers, axis=1))
 
 
@@ -154,7 +162,11 @@ def requantize(source: str | Path, out: str | Path, ftype: str, threads: int | N
     (``ftype``: a name of llama.cpp's file types such as Q8_0, Q4_0, Q4_K_M, F16). The model's numbers change with
     the format: for measurement, and for trying formats other than the one a file ships in."""
     llama = _llama()
-    code = getattr(llama, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}", None) if ftype.upper() not in ("F32", "ALL_F32") else llama.LLAMA_FTYPE_ALL_F32
+    code = (
+        getattr(llama, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}", None)
+        if ftype.upper() not in ("F32", "ALL_F32")
+        else llama.LLAMA_FTYPE_ALL_F32
+    )
     if code is None:
         known = sorted(n.removeprefix("LLAMA_FTYPE_MOSTLY_") for n in dir(llama) if n.startswith("LLAMA_FTYPE_MOSTLY_"))
         raise ValueError(f"unknown llama.cpp file type {ftype!r}; choose one of {', '.join(known)}")
@@ -172,9 +184,15 @@ class _Weights:
     def __init__(self, path: Path, device: torch.device, extra_buffers: bool | None = None) -> None:
         llama = _llama()
         params = llama.llama_model_default_params()
-        params.n_gpu_layers = 0 if device.type == "cpu" else 999  # all layers on the accelerator llama.cpp was built for
-        if extra_buffers is None and device.type == "cpu":  # probed where llama.cpp's AMX kernels could crash this process
-            extra_buffers = extra_buffers_work(path, Path(llama.__file__).parent / "lib", llama.llama_print_system_info().decode())
+        params.n_gpu_layers = (
+            0 if device.type == "cpu" else 999
+        )  # all layers on the accelerator llama.cpp was built for
+        if (
+            extra_buffers is None and device.type == "cpu"
+        ):  # probed where llama.cpp's AMX kernels could crash this process
+            extra_buffers = extra_buffers_work(
+                path, Path(llama.__file__).parent / "lib", llama.llama_print_system_info().decode()
+            )
         if extra_buffers is not None:
             params.use_extra_bufts = extra_buffers
         self.handle = llama.llama_model_load_from_file(str(path).encode(), params)
@@ -193,9 +211,17 @@ class LlamaCppRuntime:
 
     invariant = False
 
-    def __init__(self, path: str | Path | _Weights, slots: int = 1, max_len: int | None = None, threads: int | None = None,
-                 device: str | torch.device = "cpu", vocab_size: int | None = None, split_cache: bool = False,
-                 extra_buffers: bool | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path | _Weights,
+        slots: int = 1,
+        max_len: int | None = None,
+        threads: int | None = None,
+        device: str | torch.device = "cpu",
+        vocab_size: int | None = None,
+        split_cache: bool = False,
+        extra_buffers: bool | None = None,
+    ) -> None:
         self.device = torch.device(device)
         self.weights = path if isinstance(path, _Weights) else _Weights(Path(path), self.device, extra_buffers)
         if slots < 1:
@@ -230,27 +256,46 @@ class LlamaCppRuntime:
             params.cb_eval = self._capture.callback
         context = llama.llama_init_from_model(self.weights.handle, params)
         if not context:
-            raise ValueError(f"llama.cpp could not make a context of {slots} x {self.max_len} positions for {self.weights.path}")
+            raise ValueError(
+                f"llama.cpp could not make a context of {slots} x {self.max_len} positions for {self.weights.path}"
+            )
         if self._ctx is not None:
             for slot, length in enumerate(self._lengths):
                 if length:
                     size = llama.llama_state_seq_get_size(self._ctx, slot)
                     state = (ctypes.c_uint8 * size)()
-                    if llama.llama_state_seq_get_data(self._ctx, state, size, slot) != size or \
-                            llama.llama_state_seq_set_data(context, state, size, slot) == 0:
+                    if (
+                        llama.llama_state_seq_get_data(self._ctx, state, size, slot) != size
+                        or llama.llama_state_seq_set_data(context, state, size, slot) == 0
+                    ):
                         llama.llama_free(context)
-                        raise RuntimeError(f"llama.cpp could not move slot {slot}'s {length} positions to a new context")
+                        raise RuntimeError(
+                            f"llama.cpp could not move slot {slot}'s {length} positions to a new context"
+                        )
             self._free_context()  # the context it replaces
         self._ctx, self._free_context = context, weakref.finalize(self, llama.llama_free, context)
         self._memory = llama.llama_get_memory(self._ctx)
 
     @classmethod
-    def like(cls, model: "LlamaCppModel", slots: int, max_len: int | None = None, vocab_size: int | None = None,
-             split_cache: bool = False) -> "LlamaCppRuntime":
+    def like(
+        cls,
+        model: LlamaCppModel,
+        slots: int,
+        max_len: int | None = None,
+        vocab_size: int | None = None,
+        split_cache: bool = False,
+    ) -> LlamaCppRuntime:
         """A runtime of ``slots`` slots over the same loaded file and threads as ``model`` (weights loaded once), its
         logits cut to ``vocab_size`` rows where the file's output has padding rows beyond the tokenizer's ids."""
-        return cls(model.runtime.weights, slots, max_len or model.max_len, model.runtime.threads, model.runtime.device,
-                   vocab_size, split_cache)
+        return cls(
+            model.runtime.weights,
+            slots,
+            max_len or model.max_len,
+            model.runtime.threads,
+            model.runtime.device,
+            vocab_size,
+            split_cache,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -269,8 +314,10 @@ class LlamaCppRuntime:
         ``last_features`` (see the module docstring). The context is made again with the callback."""
         layers = tuple(layers)
         if layers and self.split_cache:
-            raise ValueError("target features are captured only in the unified cache (split_cache=False): llama.cpp "
-                             "reorders the rows of a split cache's batch")
+            raise ValueError(
+                "target features are captured only in the unified cache (split_cache=False): llama.cpp "
+                "reorders the rows of a split cache's batch"
+            )
         if self._capture is not None and self._capture.layers == layers:
             return
         n_layers = int(_llama().llama_model_n_layer(self.weights.handle))
@@ -281,7 +328,9 @@ class LlamaCppRuntime:
         self._every_row = n_layers - 1 in layers
         self._make_context()
 
-    def forward(self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None) -> list[torch.Tensor]:
+    def forward(
+        self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
         """``rows``: (slot, tokens to append) per sequence, slots distinct. Returns the logits of each row's last
         ``outputs[i]`` positions (every position without ``outputs``), float32 on the CPU, and advances each slot's
         length by ``t_i``. llama.cpp computes logits only where asked, and the last layer only for those positions;
@@ -295,7 +344,9 @@ class LlamaCppRuntime:
         counts = outputs_per_row(rows, outputs)
         for slot, tokens in zip(slots, ids):
             if self._lengths[slot] + len(tokens) > self.max_len:
-                raise ValueError(f"slot {slot}: {self._lengths[slot]} cached + {len(tokens)} new tokens exceeds {self.max_len} positions")
+                raise ValueError(
+                    f"slot {slot}: {self._lengths[slot]} cached + {len(tokens)} new tokens exceeds {self.max_len} positions"
+                )
         computed = [len(t) for t in ids] if self._every_row else counts  # logits llama.cpp computes per row
         total = sum(len(t) for t in ids)
         # a split cache computes consecutive slots together only when the batch holds them in slot order
@@ -317,7 +368,9 @@ class LlamaCppRuntime:
                 raise RuntimeError(f"llama_decode failed with status {status} on {total} tokens in {len(rows)} rows")
             logits = torch.empty((0, self.vocab_size))  # (sum(computed), V): copied, llama.cpp reuses its buffer
             if sum(computed):
-                found = np.ctypeslib.as_array(llama.llama_get_logits(self._ctx), shape=(sum(computed), self.weights.vocab_size))
+                found = np.ctypeslib.as_array(
+                    llama.llama_get_logits(self._ctx), shape=(sum(computed), self.weights.vocab_size)
+                )
                 logits = torch.from_numpy(found[:, : self.vocab_size].copy())
             features = self._capture.take(total) if self._capture is not None else None  # (total, F)
         finally:
@@ -361,8 +414,13 @@ class LlamaCppModel(OneSlot):
         self.device = runtime.device
 
     @classmethod
-    def from_file(cls, path: str | Path, max_len: int | None = None, threads: int | None = None,
-                  device: str | torch.device = "cpu") -> "LlamaCppModel":
+    def from_file(
+        cls,
+        path: str | Path,
+        max_len: int | None = None,
+        threads: int | None = None,
+        device: str | torch.device = "cpu",
+    ) -> LlamaCppModel:
         return cls(LlamaCppRuntime(path, 1, max_len, threads, device))
 
     @property
@@ -381,4 +439,6 @@ class LlamaCppModel(OneSlot):
         self.runtime.set_threads(threads)
 
     def __repr__(self) -> str:
-        return f"LlamaCppModel({self.runtime.weights.path.name}, {self.runtime.threads} threads, max_len={self.max_len})"
+        return (
+            f"LlamaCppModel({self.runtime.weights.path.name}, {self.runtime.threads} threads, max_len={self.max_len})"
+        )

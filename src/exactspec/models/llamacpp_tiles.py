@@ -25,8 +25,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from exactspec.cache_files import default_cache_dir, read_json_object, write_json_atomically
 
@@ -87,15 +87,23 @@ def extra_buffers_work(model: Path, library: Path, system_info: str) -> bool:
     it (see the module docstring)."""
     if "AMX_INT8 = 1" not in system_info or not cpu_has_amx() or not model.is_file():
         return True  # (a file that is not there: the load itself says so)
-    return cached_verdict([library, model], lambda: survives(probe_command(model)),
-                          "llama.cpp's AMX kernels crash in this process (a GCC 12 build, or torch's own AMX kernels beside "
-                          "them): llama.cpp runs without them, slower on this CPU (docs/runtimes.md)")
+    return cached_verdict(
+        [library, model],
+        lambda: survives(probe_command(model)),
+        "llama.cpp's AMX kernels crash in this process (a GCC 12 build, or torch's own AMX kernels beside "
+        "them): llama.cpp runs without them, slower on this CPU (docs/runtimes.md)",
+    )
 
 
 def probe_command(model: Path) -> list[str]:
     """The child process that decodes batches of ``model`` with llama.cpp's defaults around a torch bfloat16 product
     (exit status 0 when it did)."""
-    return [sys.executable, "-c", "import sys; from exactspec.models.llamacpp_tiles import _probe; _probe(sys.argv[1])", str(model)]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from exactspec.models.llamacpp_tiles import _probe; _probe(sys.argv[1])",
+        str(model),
+    ]
 
 
 def _probe(model: str) -> None:

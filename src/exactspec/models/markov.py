@@ -9,7 +9,7 @@ same protocol (:mod:`exactspec.models.base`) as the neural backends.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ class MarkovLM:
         self._tokens: list[int] = []
 
     @classmethod
-    def random(cls, vocab_size: int, order: int = 1, seed: int = 0, scale: float = 1.5) -> "MarkovLM":
+    def random(cls, vocab_size: int, order: int = 1, seed: int = 0, scale: float = 1.5) -> MarkovLM:
         """A model with i.i.d. normal logits of standard deviation ``scale``, reproducible from ``seed``."""
         generator = torch.Generator().manual_seed(seed)
         table = torch.randn((vocab_size**order, vocab_size), generator=generator) * scale

@@ -38,8 +38,12 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features = q.shape[0]
         self.packed_weights = q.numel()
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1))
-        self.register_buffer("scale_zero", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype))  # (K/32, N, 2)
+        self.register_buffer(
+            "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        )
+        self.register_buffer(
+            "scale_zero", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        )  # (K/32, N, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
         flat = x.reshape(-1, x.shape[-1])
@@ -68,8 +72,11 @@ def use_q4_weights(decoder: nn.Module, gguf: GGUFFile) -> int:
     for i, layer in enumerate(decoder.layers):
         b = f"blk.{i}."
         groups = {
-            "wqkv": [(b + "attn_q.weight", cfg.num_attention_heads), (b + "attn_k.weight", cfg.num_key_value_heads),
-                     (b + "attn_v.weight", None)],
+            "wqkv": [
+                (b + "attn_q.weight", cfg.num_attention_heads),
+                (b + "attn_k.weight", cfg.num_key_value_heads),
+                (b + "attn_v.weight", None),
+            ],
             "wo": [(b + "attn_output.weight", None)],
             "w13": [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)],
             "w2": [(b + "ffn_down.weight", None)],

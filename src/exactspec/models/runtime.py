@@ -30,7 +30,8 @@ another), and refuses ``capture_features`` where it cannot hand back hidden stat
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -46,7 +47,9 @@ def outputs_per_row(rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence
         return [len(tokens) for _, tokens in rows]
     counts = [int(k) for k in outputs]
     if len(counts) != len(rows) or any(not 0 <= k <= len(tokens) for k, (_, tokens) in zip(counts, rows)):
-        raise ValueError(f"outputs must give each of the {len(rows)} rows a count between 0 and its length, got {list(outputs)}")
+        raise ValueError(
+            f"outputs must give each of the {len(rows)} rows a count between 0 and its length, got {list(outputs)}"
+        )
     return counts
 
 
@@ -62,7 +65,9 @@ class Runtime(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def forward(self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None) -> list[torch.Tensor]: ...
+    def forward(
+        self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None
+    ) -> list[torch.Tensor]: ...
 
     def rollback(self, slot: int, length: int) -> None: ...
 
@@ -138,7 +143,9 @@ class SequenceSlots:
             model.capture_features(layers)
         self.feature_layers = tuple(layers)
 
-    def forward(self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None) -> list[torch.Tensor]:
+    def forward(
+        self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
         slots = [slot for slot, _ in rows]
         if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
             raise ValueError(f"rows need distinct slots in [0, {self.slots}), got {slots}")
@@ -147,7 +154,9 @@ class SequenceSlots:
         for (slot, tokens), count in zip(rows, counts):
             model, held = self.models[slot], self._tokens[slot]
             if held and model.length != len(held):  # an empty slot prefills, whatever the model held
-                raise RuntimeError("the model's cache was changed outside this engine (another decoder on the same model?)")
+                raise RuntimeError(
+                    "the model's cache was changed outside this engine (another decoder on the same model?)"
+                )
             call = model.forward if held else model.prefill
             if isinstance(model, OneSlot):  # its runtime computes only the logits asked for
                 out.append(call(list(tokens), count))
@@ -177,6 +186,6 @@ class SequenceSlots:
         self._tokens[slot] = tokens
 
 
-def as_runtime(model: "LanguageModel | Runtime") -> "Runtime":
+def as_runtime(model: LanguageModel | Runtime) -> Runtime:
     """A runtime as it is; a single-sequence model as a runtime of one slot."""
     return model if isinstance(model, Runtime) else SequenceSlots([model])

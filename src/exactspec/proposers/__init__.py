@@ -5,5 +5,13 @@ from exactspec.proposers.combined import LookupOrDraft
 from exactspec.proposers.draft_model import DraftModelProposer
 from exactspec.proposers.prompt_lookup import PromptLookupProposer
 
-__all__ = ["Draft", "DraftRequest", "DraftModelProposer", "LookupOrDraft", "OneSequence", "PromptLookupProposer",
-           "Proposer", "SequenceProposer"]
+__all__ = [
+    "Draft",
+    "DraftRequest",
+    "DraftModelProposer",
+    "LookupOrDraft",
+    "OneSequence",
+    "PromptLookupProposer",
+    "Proposer",
+    "SequenceProposer",
+]

@@ -15,14 +15,25 @@ generator)``: :class:`SequenceProposer`) to the interface.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
 from exactspec.decoding.sampling import SamplingParams, block_probs
 
-__all__ = ["Draft", "DraftRequest", "DraftRule", "OneSequence", "Proposer", "SequenceProposer", "as_proposer", "common_prefix", "processed_q"]
+__all__ = [
+    "Draft",
+    "DraftRequest",
+    "DraftRule",
+    "OneSequence",
+    "Proposer",
+    "SequenceProposer",
+    "as_proposer",
+    "common_prefix",
+    "processed_q",
+]
 
 
 @dataclass(frozen=True)
@@ -52,11 +63,18 @@ class DraftRequest:
 
 #: ``(logits (1, W), prefix, prompt_length, params, token_ids) -> (q to draw from, q reported to the verifier)``,
 #: both ``(W,)``; ``token_ids`` names the columns of a reduced vocabulary (None: column c is token c).
-DraftRule = Callable[[torch.Tensor, list, int, SamplingParams, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
+DraftRule = Callable[
+    [torch.Tensor, list, int, SamplingParams, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]
+]
 
 
-def processed_q(logits: torch.Tensor, prefix: list[int], prompt_length: int, params: SamplingParams,
-                token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def processed_q(
+    logits: torch.Tensor,
+    prefix: list[int],
+    prompt_length: int,
+    params: SamplingParams,
+    token_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact rule: q from the same pipeline as the target's p (:func:`exactspec.decoding.sampling.block_probs`), the
     same distribution drawn from and reported."""
     q = block_probs(logits, prefix, [], prompt_length, params, token_ids=token_ids)[0]
@@ -139,7 +157,7 @@ class OneSequence(ReadsNothing):
         return [self.proposer.propose(r.context, r.gamma, r.generator) for r in requests]
 
 
-def as_proposer(proposer: "Proposer | SequenceProposer") -> Proposer:
+def as_proposer(proposer: Proposer | SequenceProposer) -> Proposer:
     """A :class:`Proposer` as it is; a single-sequence one in :class:`OneSequence`."""
     return proposer if hasattr(proposer, "start") else OneSequence(proposer)
 

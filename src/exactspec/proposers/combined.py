@@ -13,7 +13,7 @@ and catches up on its next proposal.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ __all__ = ["LookupOrDraft"]
 class LookupOrDraft:
     SOURCES = ("lookup", "draft")
 
-    def __init__(self, draft: "Proposer | SequenceProposer", min_match: int = 3, max_ngram: int = 8) -> None:
+    def __init__(self, draft: Proposer | SequenceProposer, min_match: int = 3, max_ngram: int = 8) -> None:
         if not 1 <= min_match <= max_ngram:
             raise ValueError(f"need 1 <= min_match <= max_ngram, got {min_match} and {max_ngram}")
         self.draft = draft = as_proposer(draft)
@@ -40,7 +40,9 @@ class LookupOrDraft:
         return "lookup" if find_continuation(context, 1, self.min_match, self.max_ngram) else "draft"
 
     def propose(self, requests: Sequence[DraftRequest], draft_rule: DraftRule) -> list[Draft]:
-        drafts = {r.slot: Draft(find_continuation(r.context, r.gamma, self.min_match, self.max_ngram), None) for r in requests}
+        drafts = {
+            r.slot: Draft(find_continuation(r.context, r.gamma, self.min_match, self.max_ngram), None) for r in requests
+        }
         drafting = [r for r in requests if not drafts[r.slot].tokens]
         if drafting:
             drafts.update(zip((r.slot for r in drafting), self.draft.propose(drafting, draft_rule)))

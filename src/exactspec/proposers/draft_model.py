@@ -16,15 +16,15 @@ a fully accepted round, the last drafted token and the bonus token).
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
+from exactspec.decoding.sampling import full_width
+from exactspec.decoding.verify import greedy_token, sample_from
 from exactspec.models.kv_cache import MAX_BLOCK
 from exactspec.models.runtime import as_runtime
 from exactspec.proposers.base import Draft, DraftRequest, DraftRule, ReadsNothing, common_prefix
-from exactspec.decoding.sampling import full_width
-from exactspec.decoding.verify import greedy_token, sample_from
 
 __all__ = ["DraftModelProposer", "ModelDraft"]
 
@@ -39,7 +39,9 @@ class ModelDraft(ReadsNothing):
     def route(self, context: Sequence[int]) -> str:
         return "draft"
 
-    def _step(self, step: int, live: list[DraftRequest], tokens: dict[int, list[int]]) -> tuple[list[torch.Tensor], bool]:
+    def _step(
+        self, step: int, live: list[DraftRequest], tokens: dict[int, list[int]]
+    ) -> tuple[list[torch.Tensor], bool]:
         """Logits ``(1, W)`` per live request after its context and its draft tokens so far, and whether the call
         was setup (feeding more than 2 tokens to a row: a prompt, a catch-up after plain rounds)."""
         raise NotImplementedError
@@ -63,7 +65,9 @@ class ModelDraft(ReadsNothing):
                 if r.params.greedy:
                     column = greedy_token(q)
                 else:
-                    column = sample_from(q.unsqueeze(0), torch.rand((1,), dtype=torch.float64, generator=r.generator))[0]
+                    column = sample_from(q.unsqueeze(0), torch.rand((1,), dtype=torch.float64, generator=r.generator))[
+                        0
+                    ]
                 token = int(column) if self.token_ids is None else int(self.token_ids[column])
                 tokens[r.slot].append(token)
                 rows[r.slot].append(reported)
@@ -73,7 +77,11 @@ class ModelDraft(ReadsNothing):
                 break
         drafts = []
         for r in requests:
-            probs = None if r.params.greedy or not rows[r.slot] else full_width(torch.stack(rows[r.slot]), self.token_ids, self.vocab_size)
+            probs = (
+                None
+                if r.params.greedy or not rows[r.slot]
+                else full_width(torch.stack(rows[r.slot]), self.token_ids, self.vocab_size)
+            )
             drafts.append(Draft(tokens[r.slot], probs, setup))
         return drafts
 
@@ -89,7 +97,9 @@ class DraftModelProposer(ModelDraft):
     def start(self, slot: int, prompt: Sequence[int]) -> None:
         self._fed[slot] = []  # fed lazily at the first proposal: a sequence that never drafts never pays for it
 
-    def _step(self, step: int, live: list[DraftRequest], tokens: dict[int, list[int]]) -> tuple[list[torch.Tensor], bool]:
+    def _step(
+        self, step: int, live: list[DraftRequest], tokens: dict[int, list[int]]
+    ) -> tuple[list[torch.Tensor], bool]:
         if step == 0:
             feeds = [(r.slot, self._catch_up(r.slot, r.context)) for r in live]
         else:
@@ -111,4 +121,3 @@ class DraftModelProposer(ModelDraft):
         self.model.rollback(slot, keep)
         self._fed[slot] = list(context)
         return context[keep:]
-

@@ -15,7 +15,7 @@ proposer. Drafting is :class:`exactspec.proposers.draft_model.ModelDraft`'s loop
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -39,8 +39,15 @@ class FeatureDraftProposer(ModelDraft):
         self._output: list[torch.Tensor | None] = [None] * self.slots  # (1, C) the draft's output at its last slot
 
     @classmethod
-    def solo(cls, draft: FeatureDraft, vocab_size: int, max_len: int, device: torch.device | str = "cpu",
-             dtype: torch.dtype = torch.float32, invariant: bool = True) -> "FeatureDraftProposer":
+    def solo(
+        cls,
+        draft: FeatureDraft,
+        vocab_size: int,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        invariant: bool = True,
+    ) -> FeatureDraftProposer:
         """A proposer of one slot; ``invariant``: in the invariant numerics (a row's bits never depend on its call's
         size, at the price of every call running at 17 rows: about twice the draft step on a CPU)."""
         return cls(FeatureDraftRuntime(draft, 1, max_len, device, dtype, invariant), vocab_size)
@@ -62,15 +69,21 @@ class FeatureDraftProposer(ModelDraft):
             self.draft.copy_prefix(donor, slot, length)
             self._built[slot] = self._known[slot] = length
 
-    def _step(self, step: int, live: list[DraftRequest], tokens: dict[int, list[int]]) -> tuple[list[torch.Tensor], bool]:
+    def _step(
+        self, step: int, live: list[DraftRequest], tokens: dict[int, list[int]]
+    ) -> tuple[list[torch.Tensor], bool]:
         if step == 0:
             rows = []
             for r in live:
                 n = len(r.context)
                 if self._known[r.slot] != n - 1:
-                    raise RuntimeError(f"the target's features cover {self._known[r.slot]} positions, the context needs {n - 1}")
+                    raise RuntimeError(
+                        f"the target's features cover {self._known[r.slot]} positions, the context needs {n - 1}"
+                    )
                 self.draft.rollback(r.slot, self._built[r.slot])
-                rows.append((r.slot, self.draft.project(torch.cat(self._new[r.slot])), r.context[self._built[r.slot] + 1 :]))
+                rows.append(
+                    (r.slot, self.draft.project(torch.cat(self._new[r.slot])), r.context[self._built[r.slot] + 1 :])
+                )
                 self._new[r.slot], self._built[r.slot] = [], n - 1
         else:
             rows = [(r.slot, self._output[r.slot], tokens[r.slot][-1:]) for r in live]

@@ -8,8 +8,8 @@ probability ``p(x)``, replace from ``p`` without ``x``). n is tried from
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from exactspec.proposers.base import Draft, DraftRequest, DraftRule, ReadsNothing
 

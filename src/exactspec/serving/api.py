@@ -21,16 +21,16 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
-from exactspec.decoding.sampling import SamplingParams
 from exactspec.decoding.engine import BatchEngine, SequenceHandle, SequenceRequest, TokenEvent
+from exactspec.decoding.sampling import SamplingParams
 from exactspec.serving.protocol import ChatRequest, CompletionRequest
 from exactspec.tokenizer import TextTokenizer
 
@@ -45,11 +45,20 @@ class ServerSettings:
     max_tokens: int = 1024  # largest max_tokens a request may ask for
     max_n: int = 8
     max_sequences: int = 64  # queued + running sequences; more: 429
-    record_base: dict | None = None  # the server's part of a run record (exactspec.jobs.records.run_record), for return_record
+    record_base: dict | None = (
+        None  # the server's part of a run record (exactspec.jobs.records.run_record), for return_record
+    )
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
@@ -111,10 +120,21 @@ class _Choice:
             return None
         text = self.tokenizer.token_text
         if chat:
-            return {"content": [{"token": text(e.token), "logprob": e.logprob,
-                                 "top_logprobs": [{"token": text(t), "logprob": lp} for t, lp in e.top]} for e in self.events]}
-        return {"tokens": [text(e.token) for e in self.events], "token_logprobs": [e.logprob for e in self.events],
-                "top_logprobs": [{text(t): lp for t, lp in e.top} for e in self.events]}
+            return {
+                "content": [
+                    {
+                        "token": text(e.token),
+                        "logprob": e.logprob,
+                        "top_logprobs": [{"token": text(t), "logprob": lp} for t, lp in e.top],
+                    }
+                    for e in self.events
+                ]
+            }
+        return {
+            "tokens": [text(e.token) for e in self.events],
+            "token_logprobs": [e.logprob for e in self.events],
+            "top_logprobs": [{text(t): lp for t, lp in e.top} for e in self.events],
+        }
 
 
 def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSettings) -> FastAPI:
@@ -140,10 +160,19 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
         if settings.api_key and request.url.path != "/health":
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
-                return _error_response(ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", "authentication_error", code="invalid_api_key"))
+                return _error_response(
+                    ApiError(
+                        401,
+                        "missing or wrong API key (Authorization: Bearer KEY)",
+                        "authentication_error",
+                        code="invalid_api_key",
+                    )
+                )
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > settings.max_request_bytes:
-            return _error_response(ApiError(413, f"request body of {length} bytes exceeds {settings.max_request_bytes}"))
+            return _error_response(
+                ApiError(413, f"request body of {length} bytes exceeds {settings.max_request_bytes}")
+            )
         return await call_next(request)
 
     @app.get("/health")
@@ -152,8 +181,18 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0, "owned_by": "exactspec",
-                                            "max_model_len": engine.target.max_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "exactspec",
+                    "max_model_len": engine.target.max_len,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -176,18 +215,33 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
             where = ".".join(str(p) for p in first["loc"]) or None
             raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
         if parsed.model != settings.model_name:
-            raise ApiError(404, f"the model `{parsed.model}` does not exist; this server has `{settings.model_name}`", param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model `{parsed.model}` does not exist; this server has `{settings.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
         return parsed
 
     def sequences(body, prompt: list[int], default_max: int) -> list[SequenceRequest]:
         window = engine.target.max_len
         if len(prompt) >= window:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context window is {window}", param="prompt")
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or min(default_max, window - len(prompt))
+            raise ApiError(
+                400, f"the prompt has {len(prompt)} tokens; this model's context window is {window}", param="prompt"
+            )
+        max_tokens = (
+            getattr(body, "max_completion_tokens", None) or body.max_tokens or min(default_max, window - len(prompt))
+        )
         if max_tokens > settings.max_tokens:
-            raise ApiError(400, f"max_tokens {max_tokens} exceeds this server's limit of {settings.max_tokens}", param="max_tokens")
+            raise ApiError(
+                400, f"max_tokens {max_tokens} exceeds this server's limit of {settings.max_tokens}", param="max_tokens"
+            )
         if len(prompt) + max_tokens > window:
-            raise ApiError(400, f"prompt ({len(prompt)} tokens) + max_tokens {max_tokens} exceeds the context window of {window}", param="max_tokens")
+            raise ApiError(
+                400,
+                f"prompt ({len(prompt)} tokens) + max_tokens {max_tokens} exceeds the context window of {window}",
+                param="max_tokens",
+            )
         if body.n > settings.max_n:
             raise ApiError(400, f"n {body.n} exceeds this server's limit of {settings.max_n}", param="n")
         vocab = engine.target.vocab_size
@@ -196,19 +250,40 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
             bad = [t for t in [*bias, *(body.stop_token_ids or [])] if t >= vocab]
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary of {vocab}")
-            params = SamplingParams(temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p, min_p=body.min_p,
-                                    repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-                                    frequency_penalty=body.frequency_penalty, logit_bias=bias)
+            params = SamplingParams(
+                temperature=body.temperature,
+                top_k=max(0, body.top_k),
+                top_p=body.top_p,
+                min_p=body.min_p,
+                repetition_penalty=body.repetition_penalty,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                logit_bias=bias,
+            )
         except ValueError as error:
             raise ApiError(400, str(error)) from None
         stops = frozenset(body.stop_token_ids or []) | tokenizer.eos_token_ids
-        return [SequenceRequest(tuple(prompt), params, max_tokens, stops, None if body.seed is None else body.seed + i,
-                                body.speculation, body.top_logprobs_count(), verify=body.verify) for i in range(body.n)]
+        return [
+            SequenceRequest(
+                tuple(prompt),
+                params,
+                max_tokens,
+                stops,
+                None if body.seed is None else body.seed + i,
+                body.speculation,
+                body.top_logprobs_count(),
+                verify=body.verify,
+            )
+            for i in range(body.n)
+        ]
 
     def start(requests: list[SequenceRequest], stops: list[str]) -> list[_Choice]:
         if state["sequences"] + len(requests) > settings.max_sequences:
-            raise ApiError(429, f"the server is busy ({state['sequences']} sequences in flight, limit {settings.max_sequences}); retry later",
-                           "rate_limit_error")
+            raise ApiError(
+                429,
+                f"the server is busy ({state['sequences']} sequences in flight, limit {settings.max_sequences}); retry later",
+                "rate_limit_error",
+            )
         loop = asyncio.get_running_loop()
         choices = [_Choice(i, tokenizer, stops, loop) for i in range(len(requests))]
         for choice, sequence in zip(choices, requests):
@@ -239,11 +314,17 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
             raise ApiError(400, "this server keeps no run records", param="return_record")
         requests = sequences(body, prompt, 16 if not chat else settings.max_tokens)
         choices = start(requests, body.stops())
-        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", "created": int(time.time()), "model": settings.model_name}
+        meta = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            "created": int(time.time()),
+            "model": settings.model_name,
+        }
         stop_ids = requests[0].stop_token_ids
         if body.stream:
-            return StreamingResponse(_stream(choices, meta, chat, len(prompt), stop_ids, body.include_usage(), state),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _stream(choices, meta, chat, len(prompt), stop_ids, body.include_usage(), state),
+                media_type="text/event-stream",
+            )
         try:
             texts = await asyncio.gather(*(_collect(c, stop_ids) for c in choices))
         finally:
@@ -274,12 +355,24 @@ def _record(base: dict, requests: list[SequenceRequest], choices: list[_Choice],
     from exactspec.jobs.records import ACCEPTANCE, DRAW_ORDER_VERSIONS, RESIDUAL
 
     request = requests[0]
-    return {**base, "kind": "served request", "sampling": processor_order(request.params),
-            "seed": [r.seed for r in requests], "speculation": request.speculation, "verify": request.verify,
-            "acceptance": ACCEPTANCE[request.verify], "residual": RESIDUAL[request.verify],
-            "draw_order_version": DRAW_ORDER_VERSIONS[request.verify],
-            "gamma_policy": base["gamma_policy"] if request.seed is not None or request.speculation != "auto" else "batch policy (auto, unseeded)",
-            "figures": {"prompt_token_ids": prompt, "choices": [{"token_ids": c.tokens, **c.handle.figures()} for c in choices]}}
+    return {
+        **base,
+        "kind": "served request",
+        "sampling": processor_order(request.params),
+        "seed": [r.seed for r in requests],
+        "speculation": request.speculation,
+        "verify": request.verify,
+        "acceptance": ACCEPTANCE[request.verify],
+        "residual": RESIDUAL[request.verify],
+        "draw_order_version": DRAW_ORDER_VERSIONS[request.verify],
+        "gamma_policy": base["gamma_policy"]
+        if request.seed is not None or request.speculation != "auto"
+        else "batch policy (auto, unseeded)",
+        "figures": {
+            "prompt_token_ids": prompt,
+            "choices": [{"token_ids": c.tokens, **c.handle.figures()} for c in choices],
+        },
+    }
 
 
 def _release(choices: list[_Choice], state: dict) -> None:
@@ -310,21 +403,39 @@ def _usage(choices: list[_Choice], prompt_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
-def _response(choices: list[_Choice], texts: list[str], meta: dict, chat: bool, prompt: list[int] | None, prompt_tokens: int) -> dict:
+def _response(
+    choices: list[_Choice], texts: list[str], meta: dict, chat: bool, prompt: list[int] | None, prompt_tokens: int
+) -> dict:
     """The whole response; with ``prompt`` (return_token_ids), each choice's prompt and completion token ids."""
     out = []
     for choice, text in zip(choices, texts):
-        row = {"index": choice.index, "finish_reason": choice.finish_reason, "logprobs": choice.logprobs(chat),
-               "speculation": choice.handle.figures()}
+        row = {
+            "index": choice.index,
+            "finish_reason": choice.finish_reason,
+            "logprobs": choice.logprobs(chat),
+            "speculation": choice.handle.figures(),
+        }
         if prompt is not None:
             row.update(prompt_token_ids=prompt, token_ids=choice.tokens)
         row.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         out.append(row)
-    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": out, "usage": _usage(choices, prompt_tokens)}
+    return {
+        **meta,
+        "object": "chat.completion" if chat else "text_completion",
+        "choices": out,
+        "usage": _usage(choices, prompt_tokens),
+    }
 
 
-async def _stream(choices: list[_Choice], meta: dict, chat: bool, prompt_tokens: int, stop_ids: frozenset[int],
-                  include_usage: bool, state: dict) -> AsyncIterator[str]:
+async def _stream(
+    choices: list[_Choice],
+    meta: dict,
+    chat: bool,
+    prompt_tokens: int,
+    stop_ids: frozenset[int],
+    include_usage: bool,
+    state: dict,
+) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choice: _Choice, text: str, finish: str | None, extra: dict | None = None) -> str:
@@ -378,16 +489,37 @@ def _prometheus(engine: BatchEngine, state: dict) -> str:
     metric("exactspec_tokens_per_second", "gauge", "tokens committed per second since start", m.tokens / elapsed)
     metric("exactspec_drafted_tokens_total", "counter", "draft tokens proposed", m.drafted)
     metric("exactspec_accepted_tokens_total", "counter", "draft tokens accepted", m.accepted)
-    metric("exactspec_acceptance_rate", "gauge", "accepted over drafted tokens", m.accepted / m.drafted if m.drafted else 0.0)
+    metric(
+        "exactspec_acceptance_rate",
+        "gauge",
+        "accepted over drafted tokens",
+        m.accepted / m.drafted if m.drafted else 0.0,
+    )
     metric("exactspec_target_calls_total", "counter", "batched target calls", m.target_calls)
-    metric("exactspec_mean_accepted_length", "gauge", "tokens committed per sequence and target call",
-           m.tokens / max(1, m.sequence_rounds))
+    metric(
+        "exactspec_mean_accepted_length",
+        "gauge",
+        "tokens committed per sequence and target call",
+        m.tokens / max(1, m.sequence_rounds),
+    )
     metric("exactspec_queue_depth", "gauge", "sequences waiting for a slot", engine.queue_depth)
     metric("exactspec_batch_size", "gauge", "sequences in the running batch", engine.batch_size)
-    metric("exactspec_speculation_decisions_total", "counter", "steps whose auto sequences speculated (on) or not (off)", m.speculation_on, '{decision="on"}')
+    metric(
+        "exactspec_speculation_decisions_total",
+        "counter",
+        "steps whose auto sequences speculated (on) or not (off)",
+        m.speculation_on,
+        '{decision="on"}',
+    )
     metric("exactspec_speculation_decisions_total", "counter", "", m.speculation_off, '{decision="off"}')
     for reason, count in sorted(m.finished.items()):
-        metric("exactspec_finished_sequences_total", "counter", "sequences by finish reason", count, f'{{reason="{reason}"}}')
+        metric(
+            "exactspec_finished_sequences_total",
+            "counter",
+            "sequences by finish reason",
+            count,
+            f'{{reason="{reason}"}}',
+        )
     memory = _resident_bytes()
     if memory is not None:
         metric("exactspec_resident_memory_bytes", "gauge", "resident memory of the server process", memory)

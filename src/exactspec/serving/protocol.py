@@ -11,7 +11,7 @@ rather than a silently ignored setting.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -35,7 +35,7 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
@@ -80,7 +80,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[int]]
+    prompt: str | list[int]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
     suffix: None = None

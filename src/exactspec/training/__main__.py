@@ -23,20 +23,36 @@ def main(argv: list[str] | None = None) -> None:
     d = TrainArgs(out=Path("runs/default"))
     p = argparse.ArgumentParser(prog="python -m exactspec.training", description=__doc__)
     p.add_argument("--out", type=Path, required=True, help="run directory (checkpoints, data, models, metrics)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted run in --out (its saved settings are reused)")
-    p.add_argument("--export", type=Path, default=None, metavar="DIR",
-                   help="only copy the finished run's target/ and draft/ into DIR and write MODEL_CARD.md")
+    p.add_argument(
+        "--resume", action="store_true", help="continue an interrupted run in --out (its saved settings are reused)"
+    )
+    p.add_argument(
+        "--export",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="only copy the finished run's target/ and draft/ into DIR and write MODEL_CARD.md",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--target-shape", type=_shape, default=d.target, metavar="L,C,I,H,KV",
-                   help="target layers,hidden,intermediate,heads,kv_heads (default 12,192,512,3,1)")
-    p.add_argument("--draft-shape", type=_shape, default=d.draft, metavar="L,C,I,H,KV",
-                   help="draft layers,hidden,intermediate,heads,kv_heads (default 1,192,512,3,1)")
+    p.add_argument(
+        "--target-shape",
+        type=_shape,
+        default=d.target,
+        metavar="L,C,I,H,KV",
+        help="target layers,hidden,intermediate,heads,kv_heads (default 12,192,512,3,1)",
+    )
+    p.add_argument(
+        "--draft-shape",
+        type=_shape,
+        default=d.draft,
+        metavar="L,C,I,H,KV",
+        help="draft layers,hidden,intermediate,heads,kv_heads (default 1,192,512,3,1)",
+    )
     p.add_argument("--target-minutes", type=float, default=d.target_minutes)
     p.add_argument("--draft-minutes", type=float, default=d.draft_minutes)
     p.add_argument("--target-tokens", type=int, default=d.target_tokens, help="token budget (0 = time only)")
@@ -50,17 +66,35 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-files", type=int, default=0, help="use only the first N training files (smoke runs)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    command = "python -m exactspec.training " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m exactspec.training " + " ".join(
+        shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])
+    )
     if a.export is not None:
         export_models(a.out, a.export)
         return
     args = TrainArgs(
-        out=a.out, resume=a.resume, device=a.device, seed=a.seed, threads=a.threads, vocab_size=a.vocab_size,
-        seq_len=a.seq_len, batch_size=a.batch_size, target=a.target_shape, draft=a.draft_shape,
-        target_minutes=a.target_minutes, draft_minutes=a.draft_minutes, target_tokens=a.target_tokens,
-        draft_tokens=a.draft_tokens, lr=a.lr, draft_lr=a.draft_lr, warmup_steps=a.warmup_steps,
-        ce_weight=a.ce_weight, checkpoint_minutes=a.checkpoint_minutes, eval_tokens=a.eval_tokens,
-        max_files=a.max_files, progress=not a.no_progress,
+        out=a.out,
+        resume=a.resume,
+        device=a.device,
+        seed=a.seed,
+        threads=a.threads,
+        vocab_size=a.vocab_size,
+        seq_len=a.seq_len,
+        batch_size=a.batch_size,
+        target=a.target_shape,
+        draft=a.draft_shape,
+        target_minutes=a.target_minutes,
+        draft_minutes=a.draft_minutes,
+        target_tokens=a.target_tokens,
+        draft_tokens=a.draft_tokens,
+        lr=a.lr,
+        draft_lr=a.draft_lr,
+        warmup_steps=a.warmup_steps,
+        ce_weight=a.ce_weight,
+        checkpoint_minutes=a.checkpoint_minutes,
+        eval_tokens=a.eval_tokens,
+        max_files=a.max_files,
+        progress=not a.no_progress,
     )
     state = _load_state(a.out)
     if not state.get("command"):  # remembered for the model card; a resume keeps the original

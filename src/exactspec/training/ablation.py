@@ -46,15 +46,23 @@ import torch
 
 from exactspec.decoding import costmodel
 from exactspec.decoding.calibration import calibrate
+from exactspec.decoding.sampling import SamplingParams
 from exactspec.loading import PACKAGED_MODELS, resolve_checkpoint
 from exactspec.models.eagle import CONFIG_FILE, FeatureDraft, FeatureDraftConfig
 from exactspec.models.lean import LeanModel
 from exactspec.proposers.feature_draft import FeatureDraftProposer
-from exactspec.decoding.sampling import SamplingParams
 from exactspec.tokenizer import TextTokenizer
-from exactspec.training.feature_draft import (POOL_BYTES, TrainDraftArgs, held_out_acceptance, teacher_model, train_precision, train_steps,
-                                             vocabulary_subset)
+from exactspec.training.feature_draft import (
+    POOL_BYTES,
+    TrainDraftArgs,
+    held_out_acceptance,
+    teacher_model,
+    train_precision,
+    train_steps,
+    vocabulary_subset,
+)
 from exactspec.training.teacher import ShardPool, load_shards, shard_paths, stored_layers
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -99,21 +107,42 @@ def run_variant(name: str, run: Path, target: LeanModel, tokenizer: TextTokenize
     draft.embed, draft.head = draft.embed.float(), draft.head.float()
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
-    train_args = TrainDraftArgs(target=run, out=out, steps=variant.ttt, seed=args.seed, layout=draft.cfg.layout, lr=args.lr,
-                                train_dtype=variant.train_dtype, tv_weight=variant.tv_weight)
+    train_args = TrainDraftArgs(
+        target=run,
+        out=out,
+        steps=variant.ttt,
+        seed=args.seed,
+        layout=draft.cfg.layout,
+        lr=args.lr,
+        train_dtype=variant.train_dtype,
+        tv_weight=variant.tv_weight,
+    )
     began = time.monotonic()
     state = train_steps(train_args, draft, pool, target.cfg.vocab_size, deadline=math.inf, max_steps=args.steps)
     acceptance = held_out_acceptance(draft.eval(), held, POSITIONS, target.cfg.vocab_size)
     draft.save(out / "draft")
-    return {"variant": name, "layout": draft.cfg.layout, "draft_dir": str(out / "draft"), "feature_layers": list(draft.cfg.feature_layers),
-            "vocab_subset": draft.cfg.vocab_subset_size, "subset_coverage": coverage, "mlp_units": draft.cfg.intermediate_size,
-            "ttt_steps": variant.ttt, "train_dtype": train_precision(variant.train_dtype), "tv_weight": variant.tv_weight,
-            "init_from": str(args.init_from) if args.init_from else None, "steps": state["step"],
-            "tokens_seen": state["tokens"], "train_seconds": time.monotonic() - began, "acceptance": acceptance}
+    return {
+        "variant": name,
+        "layout": draft.cfg.layout,
+        "draft_dir": str(out / "draft"),
+        "feature_layers": list(draft.cfg.feature_layers),
+        "vocab_subset": draft.cfg.vocab_subset_size,
+        "subset_coverage": coverage,
+        "mlp_units": draft.cfg.intermediate_size,
+        "ttt_steps": variant.ttt,
+        "train_dtype": train_precision(variant.train_dtype),
+        "tv_weight": variant.tv_weight,
+        "init_from": str(args.init_from) if args.init_from else None,
+        "steps": state["step"],
+        "tokens_seen": state["tokens"],
+        "train_seconds": time.monotonic() - began,
+        "acceptance": acceptance,
+    }
 
 
-def _starting_draft(name: str, variant: Variant, target: LeanModel, tokenizer: TextTokenizer, run: Path,
-                    args: argparse.Namespace) -> tuple[FeatureDraft, float]:
+def _starting_draft(
+    name: str, variant: Variant, target: LeanModel, tokenizer: TextTokenizer, run: Path, args: argparse.Namespace
+) -> tuple[FeatureDraft, float]:
     """The variant's draft before training and its vocabulary subset's coverage: fresh (the subset counted on the
     run's shards), or the draft ``args.init_from`` names with its MLP widened by the variant's scale (the variant
     may change nothing else of it)."""
@@ -123,10 +152,19 @@ def _starting_draft(name: str, variant: Variant, target: LeanModel, tokenizer: T
         card = json.loads((init_from / CONFIG_FILE).read_text()).get("card", {})
         coverage = card.get("data", {}).get("vocabulary_subset_coverage", math.nan)
         fresh = FeatureDraftConfig.for_target(target.cfg, start.cfg.vocab_subset_size, variant.layout)
-        if variant.layers != "all" or variant.vocab != TrainDraftArgs.vocab_subset or fresh.feature_layers != start.cfg.feature_layers:
-            raise SystemExit(f"variant {name} changes the draft's layout, layers or vocabulary: it cannot start from {init_from}")
+        if (
+            variant.layers != "all"
+            or variant.vocab != TrainDraftArgs.vocab_subset
+            or fresh.feature_layers != start.cfg.feature_layers
+        ):
+            raise SystemExit(
+                f"variant {name} changes the draft's layout, layers or vocabulary: it cannot start from {init_from}"
+            )
         return (start.widened(units) if units > start.cfg.intermediate_size else start), coverage
-    cfg = replace(FeatureDraftConfig.for_target(target.cfg, variant.vocab or target.cfg.vocab_size, variant.layout), intermediate_size=units)
+    cfg = replace(
+        FeatureDraftConfig.for_target(target.cfg, variant.vocab or target.cfg.vocab_size, variant.layout),
+        intermediate_size=units,
+    )
     if variant.layers == "last":
         cfg = replace(cfg, feature_layers=cfg.feature_layers[-1:])
     if variant.vocab:
@@ -148,14 +186,21 @@ def evaluate_given(directory: Path, target: LeanModel, run: Path) -> dict:
         raise SystemExit(f"{directory}: {error}") from None
     draft.embed, draft.head = draft.embed.float(), draft.head.float()
     card = json.loads((directory / "feature_draft.json").read_text()).get("card", {})
-    return {"variant": f"given: {directory.name}", "layout": draft.cfg.layout, "draft_dir": str(directory),
-            "feature_layers": list(draft.cfg.feature_layers), "vocab_subset": draft.cfg.vocab_subset_size, "mlp_units": draft.cfg.intermediate_size,
-            "subset_coverage": card.get("data", {}).get("vocabulary_subset_coverage", math.nan),
-            "ttt_steps": card.get("training", {}).get("ttt_steps", 0),
-            "train_dtype": card.get("training", {}).get("precision", "float32"), "tv_weight": card.get("training", {}).get("tv_weight", 0.0),
-            "steps": card.get("training", {}).get("steps", 0),
-            "train_seconds": card.get("training", {}).get("seconds", math.nan),
-            "acceptance": held_out_acceptance(draft.eval(), held, POSITIONS, target.cfg.vocab_size)}
+    return {
+        "variant": f"given: {directory.name}",
+        "layout": draft.cfg.layout,
+        "draft_dir": str(directory),
+        "feature_layers": list(draft.cfg.feature_layers),
+        "vocab_subset": draft.cfg.vocab_subset_size,
+        "mlp_units": draft.cfg.intermediate_size,
+        "subset_coverage": card.get("data", {}).get("vocabulary_subset_coverage", math.nan),
+        "ttt_steps": card.get("training", {}).get("ttt_steps", 0),
+        "train_dtype": card.get("training", {}).get("precision", "float32"),
+        "tv_weight": card.get("training", {}).get("tv_weight", 0.0),
+        "steps": card.get("training", {}).get("steps", 0),
+        "train_seconds": card.get("training", {}).get("seconds", math.nan),
+        "acceptance": held_out_acceptance(draft.eval(), held, POSITIONS, target.cfg.vocab_size),
+    }
 
 
 def measure_costs(results: list[dict], target: LeanModel, context: list[int], repeats: int) -> dict[int, float]:
@@ -179,27 +224,41 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2", help="the target the run was made for")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=300, help="training steps per variant (batch 8 x 256 tokens)")
-    parser.add_argument("--compare", type=Path, action="append", default=[],
-                        help="a trained draft directory to evaluate beside the variants, untrained here ('packaged': the "
-                             "target's shipped draft); repeatable")
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        action="append",
+        default=[],
+        help="a trained draft directory to evaluate beside the variants, untrained here ('packaged': the "
+        "target's shipped draft); repeatable",
+    )
     parser.add_argument("--out", type=Path, help="where the variants go (default: RUN/ablation)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20, help="timed proposals per variant")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=TrainDraftArgs.lr, help="peak learning rate (warm-up, then cosine to a tenth)")
-    parser.add_argument("--init-from", type=Path,
-                        help="a trained draft every variant starts from ('packaged': the target's shipped draft); variants "
-                             "may then only change its training or widen its MLP")
+    parser.add_argument(
+        "--lr", type=float, default=TrainDraftArgs.lr, help="peak learning rate (warm-up, then cosine to a tenth)"
+    )
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        help="a trained draft every variant starts from ('packaged': the target's shipped draft); variants "
+        "may then only change its training or widen its MLP",
+    )
     args = parser.parse_args()
     unknown = sorted(set(filter(None, args.variants.split(","))) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     missing = [part for part in ("teacher", "held_out") if not shard_paths(args.run / part)]
     if missing:
-        raise SystemExit(f"{args.run} has no {' or '.join(missing)} shards: give the directory of an `exactspec train-draft` run")
+        raise SystemExit(
+            f"{args.run} has no {' or '.join(missing)} shards: give the directory of an `exactspec train-draft` run"
+        )
     if stored_layers(args.run / "teacher") is None:
-        raise SystemExit(f"{args.run}'s teacher shards do not record their target layers (an older train-draft): run train-draft "
-                         "again with a new --out")
+        raise SystemExit(
+            f"{args.run}'s teacher shards do not record their target layers (an older train-draft): run train-draft "
+            "again with a new --out"
+        )
     if str(args.init_from) == "packaged":
         if args.target not in PACKAGED_MODELS:
             raise SystemExit(f"--init-from packaged: {args.target} is not a packaged model; name a draft directory")
@@ -232,21 +291,33 @@ def main() -> None:
             result[f"predicted_{mode}"] = {"gamma": best.gamma, "speedup": best.speedup}
         ceiling = costmodel.chain_speedup([1.0] * POSITIONS, result["draft_step_ms"], target_ms)
         result["ceiling"] = {"gamma": ceiling.gamma, "speedup": ceiling.speedup}  # every draft token accepted
-    report = {"threads": args.threads, "dtype": dtype, "weights": "auto (q4 where the GGUF has it)",
-              "steps": args.steps, "target_ms_by_call_size": target_ms, "variants": results}
+    report = {
+        "threads": args.threads,
+        "dtype": dtype,
+        "weights": "auto (q4 where the GGUF has it)",
+        "steps": args.steps,
+        "target_ms_by_call_size": target_ms,
+        "variants": results,
+    }
     (args.out / "ablation.json").write_text(json.dumps(report, indent=2))
-    print(f"\n{args.steps} steps per variant trained here; target {', '.join(f'{n} tok {ms:.1f} ms' for n, ms in target_ms.items())}; "
-          f"{dtype}, {args.threads} threads")
-    print("| variant | layout | layers | |S| (coverage) | MLP units | TTT | train dtype | TV weight | train s | T=1 acceptance by position | greedy | draft step ms "
-          "| predicted T=1 (gamma) | predicted greedy (gamma) | all accepted (gamma) |")
+    print(
+        f"\n{args.steps} steps per variant trained here; target {', '.join(f'{n} tok {ms:.1f} ms' for n, ms in target_ms.items())}; "
+        f"{dtype}, {args.threads} threads"
+    )
+    print(
+        "| variant | layout | layers | |S| (coverage) | MLP units | TTT | train dtype | TV weight | train s | T=1 acceptance by position | greedy | draft step ms "
+        "| predicted T=1 (gamma) | predicted greedy (gamma) | all accepted (gamma) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         acc = {m: " / ".join(f"{a:.2f}" for a in r["acceptance"][m]) for m in ("sampled", "greedy")}
-        print(f"| {r['variant']} | {r['layout']} | {r['feature_layers']} | {r['vocab_subset']} ({r['subset_coverage']:.3f}) | {r['mlp_units']} | "
-              f"{r['ttt_steps']} | {r['train_dtype']} | {r['tv_weight']:g} | {r['train_seconds']:.0f} | {acc['sampled']} | {acc['greedy']} | {r['draft_step_ms']:.2f} | "
-              f"{r['predicted_sampled']['speedup']:.2f}x ({r['predicted_sampled']['gamma']}) | "
-              f"{r['predicted_greedy']['speedup']:.2f}x ({r['predicted_greedy']['gamma']}) | "
-              f"{r['ceiling']['speedup']:.2f}x ({r['ceiling']['gamma']}) |")
+        print(
+            f"| {r['variant']} | {r['layout']} | {r['feature_layers']} | {r['vocab_subset']} ({r['subset_coverage']:.3f}) | {r['mlp_units']} | "
+            f"{r['ttt_steps']} | {r['train_dtype']} | {r['tv_weight']:g} | {r['train_seconds']:.0f} | {acc['sampled']} | {acc['greedy']} | {r['draft_step_ms']:.2f} | "
+            f"{r['predicted_sampled']['speedup']:.2f}x ({r['predicted_sampled']['gamma']}) | "
+            f"{r['predicted_greedy']['speedup']:.2f}x ({r['predicted_greedy']['gamma']}) | "
+            f"{r['ceiling']['speedup']:.2f}x ({r['ceiling']['gamma']}) |"
+        )
 
 
 if __name__ == "__main__":

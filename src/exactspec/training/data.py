@@ -12,14 +12,22 @@ from __future__ import annotations
 import functools
 import json
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
 __all__ = [
-    "HELD_OUT", "EOT", "stdlib_root", "corpus_files", "held_out_files", "train_files",
-    "read_source", "train_tokenizer", "write_tokenizer_files", "encode_files",
+    "HELD_OUT",
+    "EOT",
+    "stdlib_root",
+    "corpus_files",
+    "held_out_files",
+    "train_files",
+    "read_source",
+    "train_tokenizer",
+    "write_tokenizer_files",
+    "encode_files",
 ]
 
 #: The separator / BOS / EOS token between files.
@@ -27,12 +35,32 @@ EOT = "<|endoftext|>"
 
 #: Held-out modules, relative to the stdlib root; a trailing "/" means a whole package.
 HELD_OUT: tuple[str, ...] = (
-    "argparse.py", "csv.py", "json/", "difflib.py", "textwrap.py", "ftplib.py", "smtplib.py",
-    "calendar.py", "fractions.py", "shlex.py", "configparser.py", "statistics.py", "tomllib/",
-    "test/test_argparse.py", "test/test_csv.py", "test/test_json/", "test/test_difflib.py",
-    "test/test_textwrap.py", "test/test_ftplib.py", "test/test_smtplib.py", "test/test_calendar.py",
-    "test/test_fractions.py", "test/test_shlex.py", "test/test_configparser.py",
-    "test/test_statistics.py", "test/test_tomllib/",
+    "argparse.py",
+    "csv.py",
+    "json/",
+    "difflib.py",
+    "textwrap.py",
+    "ftplib.py",
+    "smtplib.py",
+    "calendar.py",
+    "fractions.py",
+    "shlex.py",
+    "configparser.py",
+    "statistics.py",
+    "tomllib/",
+    "test/test_argparse.py",
+    "test/test_csv.py",
+    "test/test_json/",
+    "test/test_difflib.py",
+    "test/test_textwrap.py",
+    "test/test_ftplib.py",
+    "test/test_smtplib.py",
+    "test/test_calendar.py",
+    "test/test_fractions.py",
+    "test/test_shlex.py",
+    "test/test_configparser.py",
+    "test/test_statistics.py",
+    "test/test_tomllib/",
 )
 
 
@@ -103,15 +131,25 @@ def write_tokenizer_files(tok, directory: Path) -> None:
     """``tokenizer.json`` plus the small JSON files that make ``AutoTokenizer`` work offline."""
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": EOT, "eos_token": EOT, "unk_token": EOT,
-        "add_bos_token": False, "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 1024,
-    }, indent=2) + "\n")
-    (directory / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}, indent=2) + "\n")
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": EOT,
+                "eos_token": EOT,
+                "unk_token": EOT,
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": 1024,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    (directory / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}, indent=2) + "\n"
+    )
 
 
 def encode_files(tok, files: list[Path]) -> np.ndarray:
@@ -123,6 +161,6 @@ def encode_files(tok, files: list[Path]) -> np.ndarray:
     i = 0
     for e in encs:
         out[i] = eot
-        out[i + 1:i + 1 + len(e.ids)] = e.ids
+        out[i + 1 : i + 1 + len(e.ids)] = e.ids
         i += 1 + len(e.ids)
     return out

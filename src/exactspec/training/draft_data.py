@@ -13,13 +13,22 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from exactspec.training.data import read_source, train_files
 from exactspec.training.prompts import Prompt
 
-__all__ = ["ANSWER_TEMPERATURE", "generate_answers", "data_rates", "read_answers", "import_answers", "answer_key", "answer_text", "corpus_chunks"]
+__all__ = [
+    "ANSWER_TEMPERATURE",
+    "generate_answers",
+    "data_rates",
+    "read_answers",
+    "import_answers",
+    "answer_key",
+    "answer_text",
+    "corpus_chunks",
+]
 
 #: The temperature answers are sampled at unless asked otherwise (and that of rows written before rows recorded theirs).
 ANSWER_TEMPERATURE = 0.7
@@ -55,12 +64,18 @@ def import_answers(source: Path, out: Path, tokenizer) -> int:
         try:
             prompt = Prompt.from_key(row["prompt"], row.get("source", "chat"))
             ids, start = row["ids"], row["answer_start"]
-            valid = isinstance(start, int) and 0 < start <= len(ids) and ids[:start] == tokenizer.encode_chat(prompt.messages)
+            valid = (
+                isinstance(start, int)
+                and 0 < start <= len(ids)
+                and ids[:start] == tokenizer.encode_chat(prompt.messages)
+            )
         except (KeyError, TypeError, AttributeError):
             valid = False
         if not valid:
-            raise ValueError(f"--answers {source}: row {number} is not an answer of this target (its prompt's ids differ "
-                             "from this tokenizer's, or a field is missing)")
+            raise ValueError(
+                f"--answers {source}: row {number} is not an answer of this target (its prompt's ids differ "
+                "from this tokenizer's, or a field is missing)"
+            )
         if answer_key(row) not in have:
             have.add(answer_key(row))
             new.append(row)
@@ -117,8 +132,8 @@ def generate_answers(
     (a resumed one included)."""
     import hashlib
 
-    from exactspec.decoding.sampling import SamplingParams
     from exactspec.decoding.engine import BatchEngine, SequenceRequest
+    from exactspec.decoding.sampling import SamplingParams
     from exactspec.tokenizer import TextTokenizer
 
     done = {answer_key(row) for row in read_answers(out)}
@@ -139,19 +154,37 @@ def generate_answers(
     failures: list[str] = []
     submitted = 0
     with out.open("a") as sink:
+
         def submit(prompt: Prompt, sample: int) -> None:
             ids = encoded[prompt]
             answer: list[int] = []
             digest = hashlib.sha256(f"{seed}:{sample}:{prompt.key}".encode()).digest()
-            request = SequenceRequest(tuple(ids), params, min(max_new_tokens, window - len(ids)),
-                                      frozenset(tokenizer.eos_token_ids), int.from_bytes(digest[:7], "big"), "off")
+            request = SequenceRequest(
+                tuple(ids),
+                params,
+                min(max_new_tokens, window - len(ids)),
+                frozenset(tokenizer.eos_token_ids),
+                int.from_bytes(digest[:7], "big"),
+                "off",
+            )
 
             def finished(handle) -> None:
                 if handle.finish_reason == "error":
                     failures.append(handle.error)
                     return
-                sink.write(json.dumps({"prompt": prompt.key, "source": prompt.source, "sample": sample, "ids": ids + answer,
-                                       "answer_start": len(ids), "temperature": temperature}) + "\n")
+                sink.write(
+                    json.dumps(
+                        {
+                            "prompt": prompt.key,
+                            "source": prompt.source,
+                            "sample": sample,
+                            "ids": ids + answer,
+                            "answer_start": len(ids),
+                            "temperature": temperature,
+                        }
+                    )
+                    + "\n"
+                )
                 sink.flush()
                 done.add((prompt.key, sample))
                 if progress:

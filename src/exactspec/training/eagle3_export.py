@@ -46,30 +46,45 @@ def eagle3_state(draft: FeatureDraft, target_vocab_size: int) -> dict[str, torch
     from exactspec's fused matrices, the head rows of S as ``lm_head``, S as ``d2t`` offsets and ``t2d``."""
     cfg = draft.cfg
     if cfg.layout != "eagle3":
-        raise ValueError("only an eagle3-layout draft maps to EAGLE-3 exactly: the exactspec layout mixes the fused state and the "
-                         "token embedding in w_in before one norm, where EAGLE-3 norms each apart and its q, k and v read both "
-                         "(train one with train-draft --layout eagle3)")
+        raise ValueError(
+            "only an eagle3-layout draft maps to EAGLE-3 exactly: the exactspec layout mixes the fused state and the "
+            "token embedding in w_in before one norm, where EAGLE-3 norms each apart and its q, k and v read both "
+            "(train one with train-draft --layout eagle3)"
+        )
     if draft.head is None:
-        raise ValueError("attach the target's embedding and head first (FeatureDraft.attach_weights): lm_head is the head's rows of S")
+        raise ValueError(
+            "attach the target's embedding and head first (FeatureDraft.attach_weights): lm_head is the head's rows of S"
+        )
     block, heads, kv, hd = draft.block, draft.block.n_head, draft.block.n_kv, draft.block.hd
     q, k, v = block.wqkv.weight.split([heads * hd, kv * hd, kv * hd])
     gate, up = block.w13.weight.chunk(2)
     ids = draft.vocab_ids.long()
     t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
     t2d[ids] = True
-    tensors = {"fc.weight": draft.fc.weight, "midlayer.input_layernorm.weight": block.attn_norm,
-               "midlayer.hidden_norm.weight": block.hidden_norm, "midlayer.self_attn.q_proj.weight": q,
-               "midlayer.self_attn.k_proj.weight": k, "midlayer.self_attn.v_proj.weight": v,
-               "midlayer.self_attn.o_proj.weight": block.wo.weight, "midlayer.post_attention_layernorm.weight": block.mlp_norm,
-               "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up, "midlayer.mlp.down_proj.weight": block.w2.weight,
-               "norm.weight": draft.norm, "lm_head.weight": draft.head}
+    tensors = {
+        "fc.weight": draft.fc.weight,
+        "midlayer.input_layernorm.weight": block.attn_norm,
+        "midlayer.hidden_norm.weight": block.hidden_norm,
+        "midlayer.self_attn.q_proj.weight": q,
+        "midlayer.self_attn.k_proj.weight": k,
+        "midlayer.self_attn.v_proj.weight": v,
+        "midlayer.self_attn.o_proj.weight": block.wo.weight,
+        "midlayer.post_attention_layernorm.weight": block.mlp_norm,
+        "midlayer.mlp.gate_proj.weight": gate,
+        "midlayer.mlp.up_proj.weight": up,
+        "midlayer.mlp.down_proj.weight": block.w2.weight,
+        "norm.weight": draft.norm,
+        "lm_head.weight": draft.head,
+    }
     state = {name: tensor.detach().to(torch.float32).contiguous() for name, tensor in tensors.items()}
     state["d2t"] = (ids - torch.arange(len(ids))).contiguous()
     state["t2d"] = t2d
     return state
 
 
-def export_eagle3(draft: FeatureDraft, out: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_eagle3(
+    draft: FeatureDraft, out: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.bfloat16
+) -> Path:
     """``config.json`` and ``model.safetensors`` in EAGLE-3's format in directory ``out``; the directory."""
     from safetensors.torch import save_file
 
@@ -78,14 +93,30 @@ def export_eagle3(draft: FeatureDraft, out: str | Path, target_vocab_size: int, 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     layer_ids = eagle3_layer_ids(draft)
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": cfg.target_hidden_size,
-              "target_hidden_size": cfg.target_hidden_size, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1,
-              "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-              "head_dim": cfg.target_hidden_size // cfg.num_attention_heads, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
-              "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": target_vocab_size,
-              "draft_vocab_size": cfg.vocab_subset_size, "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
-              "eagle_aux_hidden_state_layer_ids": layer_ids, "eagle_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}
-    save_file({name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}, str(out / "model.safetensors"))
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": cfg.target_hidden_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.target_hidden_size // cfg.num_attention_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": target_vocab_size,
+        "draft_vocab_size": cfg.vocab_subset_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "eagle_aux_hidden_state_layer_ids": layer_ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": layer_ids},
+    }
+    save_file(
+        {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}, str(out / "model.safetensors")
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
@@ -100,34 +131,76 @@ def target_hf_layout(gguf_path: str | Path, out: str | Path) -> Path:
     tokenizer = TextTokenizer.from_gguf(gguf_path)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-              "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
-              "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-              "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
-              "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
-              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": sorted(tokenizer.eos_token_ids)}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": "silu",
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": sorted(tokenizer.eos_token_ids),
+    }
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.tokenizer.save(str(out / "tokenizer.json"))
     names = {"bos_token": tokenizer.token_text(tokenizer.bos_token_id)} if tokenizer.bos_token_id is not None else {}
     eos = sorted(tokenizer.eos_token_ids)
     if eos:
         names["eos_token"] = tokenizer.token_text(eos[0])
-    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **names,
-                                                           **({"chat_template": tokenizer.chat_template} if tokenizer.chat_template else {})}, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                **names,
+                **({"chat_template": tokenizer.chat_template} if tokenizer.chat_template else {}),
+            },
+            indent=2,
+        )
+    )
     return out
 
 
-def convert_to_gguf(draft_dir: str | Path, target_dir: str | Path, out_file: str | Path, llama_cpp_source: str | Path,
-                    outtype: str = "f32") -> Path:
+def convert_to_gguf(
+    draft_dir: str | Path,
+    target_dir: str | Path,
+    out_file: str | Path,
+    llama_cpp_source: str | Path,
+    outtype: str = "f32",
+) -> Path:
     """Run llama.cpp's ``convert_hf_to_gguf.py`` (from the source tree ``llama_cpp_source``, with its own ``gguf-py``)
     on an exported draft; the GGUF file that llama-server loads with ``--spec-type draft-eagle3 --model-draft``."""
     source = Path(llama_cpp_source)
     script = source / "convert_hf_to_gguf.py"
     if not script.is_file():
         raise FileNotFoundError(f"{source} is not a llama.cpp source tree (no convert_hf_to_gguf.py)")
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(source / "gguf-py"), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(script), str(draft_dir), "--target-model-dir", str(target_dir), "--outfile", str(out_file),
-                           "--outtype", outtype], capture_output=True, text=True, env=environment, check=False)
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(source / "gguf-py"), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(draft_dir),
+            "--target-model-dir",
+            str(target_dir),
+            "--outfile",
+            str(out_file),
+            "--outtype",
+            outtype,
+        ],
+        capture_output=True,
+        text=True,
+        env=environment,
+        check=False,
+    )
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise RuntimeError(f"llama.cpp's converter failed: {last}")

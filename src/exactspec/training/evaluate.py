@@ -23,8 +23,13 @@ from pathlib import Path
 __all__ = ["engine_acceptance", "offline_on_sequences", "main"]
 
 
-def engine_acceptance(speculator, prompts: dict[str, list[list[int]]], temperature: float, max_new_tokens: int,
-                      sequences: list | None = None) -> dict[str, dict]:
+def engine_acceptance(
+    speculator,
+    prompts: dict[str, list[list[int]]],
+    temperature: float,
+    max_new_tokens: int,
+    sequences: list | None = None,
+) -> dict[str, dict]:
     """Per source (and ``"all"``): rounds drafted, tokens accepted and their ratio, from generating each prompt (its
     token ids) with one drafted token per round; seeded by the prompt's place in its source. Each generated sequence
     is appended to ``sequences`` (as a :class:`exactspec.training.teacher.TeacherSequence`) when one is given."""
@@ -35,15 +40,26 @@ def engine_acceptance(speculator, prompts: dict[str, list[list[int]]], temperatu
     for source, items in prompts.items():
         drafted = accepted = 0
         for index, ids in enumerate(items):
-            completion = speculator.generate(ids, max_new_tokens, SamplingParams(temperature=temperature), gamma=1, seed=index)
+            completion = speculator.generate(
+                ids, max_new_tokens, SamplingParams(temperature=temperature), gamma=1, seed=index
+            )
             if sequences is not None:
                 sequences.append(TeacherSequence(f"{source}#{index}", ids + completion.tokens, len(ids) - 1, source))
             own = completion.generation.stats.by_source().get("draft", {"drafted": 0, "accepted": 0})
             drafted, accepted = drafted + own["drafted"], accepted + own["accepted"]
-        totals[source] = {"prompts": len(items), "drafted": drafted, "accepted": accepted, "acceptance": accepted / max(1, drafted)}
+        totals[source] = {
+            "prompts": len(items),
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance": accepted / max(1, drafted),
+        }
     drafted, accepted = sum(t["drafted"] for t in totals.values()), sum(t["accepted"] for t in totals.values())
-    totals["all"] = {"prompts": sum(t["prompts"] for t in totals.values()), "drafted": drafted, "accepted": accepted,
-                     "acceptance": accepted / max(1, drafted)}
+    totals["all"] = {
+        "prompts": sum(t["prompts"] for t in totals.values()),
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": accepted / max(1, drafted),
+    }
     return totals
 
 
@@ -91,8 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=20, help="held-out prompts per source")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--backend", choices=["lean", "llamacpp"],
-                        help="the runtime the engine runs (default: the one the draft's data came from, as its card says)")
+    parser.add_argument(
+        "--backend",
+        choices=["lean", "llamacpp"],
+        help="the runtime the engine runs (default: the one the draft's data came from, as its card says)",
+    )
     args = parser.parse_args(argv)
     from exactspec.machine import machine_signature
     from exactspec.models.eagle import CONFIG_FILE
@@ -102,11 +121,19 @@ def main(argv: list[str] | None = None) -> None:
     card = json.loads((draft / CONFIG_FILE).read_text()).get("card", {})
     target = card["target"]
     backend = args.backend or card.get("data", {}).get("runtime", "lean")
-    speculator = Speculator.load(target, draft, policy_cache=False, backend=backend, threads=args.threads, lookup_routing=False)
+    speculator = Speculator.load(
+        target, draft, policy_cache=False, backend=backend, threads=args.threads, lookup_routing=False
+    )
     prompts = _held_out_prompts(args.run, args.prompts)
     offline = card.get("held_out_acceptance_by_source", {})
-    report = {"machine": machine_signature(), "threads": args.threads, "backend": backend, "draft": str(draft),
-              "max_new_tokens": args.max_new_tokens, "gamma": 1}
+    report = {
+        "machine": machine_signature(),
+        "threads": args.threads,
+        "backend": backend,
+        "draft": str(draft),
+        "max_new_tokens": args.max_new_tokens,
+        "gamma": 1,
+    }
     sampled_sequences: list = []
     report["sampled"] = engine_acceptance(speculator, prompts, 1.0, args.max_new_tokens, sampled_sequences)
     report["greedy"] = engine_acceptance(speculator, prompts, 0.0, args.max_new_tokens)
@@ -114,10 +141,15 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("sampled", "greedy"):
         for source, row in report[name].items():
             estimate = offline.get(source, {}).get(name, [float("nan")])[0]
-            own = (f"  offline on the engine's sequences {report['offline_on_engine_sequences'][source]['sampled'][0]:.3f}"
-                   if name == "sampled" else "")
-            print(f"{name:7s} {source:10s} engine {row['acceptance']:.3f} ({row['accepted']}/{row['drafted']}, "
-                  f"{row['prompts']} prompts)  offline {estimate:.3f}{own}")
+            own = (
+                f"  offline on the engine's sequences {report['offline_on_engine_sequences'][source]['sampled'][0]:.3f}"
+                if name == "sampled"
+                else ""
+            )
+            print(
+                f"{name:7s} {source:10s} engine {row['acceptance']:.3f} ({row['accepted']}/{row['drafted']}, "
+                f"{row['prompts']} prompts)  offline {estimate:.3f}{own}"
+            )
     (args.run / "engine_acceptance.json").write_text(json.dumps(report, indent=1))
 
 

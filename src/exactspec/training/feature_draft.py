@@ -29,23 +29,38 @@ import random
 import sys
 import time
 from collections import Counter
-from datetime import datetime, timezone
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from exactspec.decoding.priors import write_shipped_prior
 from exactspec.models.eagle import CONFIG_FILE, LAYOUTS, FeatureDraft, FeatureDraftConfig, layers_of_every_layout
 from exactspec.models.lean import LeanModel
-from exactspec.decoding.priors import write_shipped_prior
 from exactspec.tokenizer import TextTokenizer
 from exactspec.training.draft_data import (
-    ANSWER_TEMPERATURE, answer_text, corpus_chunks, data_rates, generate_answers, import_answers, keep_answers, read_answers,
+    ANSWER_TEMPERATURE,
+    answer_text,
+    corpus_chunks,
+    data_rates,
+    generate_answers,
+    import_answers,
+    keep_answers,
+    read_answers,
 )
 from exactspec.training.prompts import Prompt, chat_prompts, follow_ups
-from exactspec.training.teacher import (TEACHER_BATCH, ShardPool, TeacherSequence, lean_teacher, load_shards, runtime_teacher,
-                                        stored_keys, teacher_pass)
+from exactspec.training.teacher import (
+    TEACHER_BATCH,
+    ShardPool,
+    TeacherSequence,
+    lean_teacher,
+    load_shards,
+    runtime_teacher,
+    stored_keys,
+    teacher_pass,
+)
 
 __all__ = ["TrainDraftArgs", "train_draft", "held_out_acceptance"]
 
@@ -73,14 +88,24 @@ class TrainDraftArgs:
     seed: int = 0
     threads: int | None = None
     backend: str = "auto"  # the answers' and teacher's runtime: lean, llamacpp, or auto (the faster here: data_backend)
-    layout: str = "eagle3"  # the draft's layer: EAGLE-3's (exportable: exactspec.training.eagle3_export), or exactspec's first
+    layout: str = (
+        "eagle3"  # the draft's layer: EAGLE-3's (exportable: exactspec.training.eagle3_export), or exactspec's first
+    )
     answers: Path | None = None  # an earlier run's answers (answers.jsonl, or gzipped) to start from
-    keep_answers: Path | None = None  # every answer of the run, gzipped here after the answers phase (where it survives)
-    init_from: Path | None = None  # a trained draft of the same layout for this target, whose weights training starts from
-    mlp_units: int = 0  # the draft's MLP width (0: the target's); an --init-from draft with fewer units is widened to it
+    keep_answers: Path | None = (
+        None  # every answer of the run, gzipped here after the answers phase (where it survives)
+    )
+    init_from: Path | None = (
+        None  # a trained draft of the same layout for this target, whose weights training starts from
+    )
+    mlp_units: int = (
+        0  # the draft's MLP width (0: the target's); an --init-from draft with fewer units is widened to it
+    )
     train_dtype: str = "auto"  # the training steps' arithmetic: float32, bfloat16 (autocast), or auto (train_precision)
     tv_weight: float = 4.0  # weight of the total-variation term beside the cross-entropy (step_losses; docs/smollm2.md)
-    answer_temperature: float = ANSWER_TEMPERATURE  # the temperature new answers are sampled at (each answer row records its own)
+    answer_temperature: float = (
+        ANSWER_TEMPERATURE  # the temperature new answers are sampled at (each answer row records its own)
+    )
 
     def __post_init__(self) -> None:
         if not self.minutes > 0 or self.vocab_subset < 16 or self.steps < 1 or self.batch_size < 1:
@@ -94,7 +119,9 @@ class TrainDraftArgs:
         if not 0 <= self.tv_weight < math.inf:
             raise ValueError(f"--tv-weight {self.tv_weight}: must be >= 0 and finite")
         if not 0 < self.answer_temperature < math.inf:
-            raise ValueError(f"--answer-temperature {self.answer_temperature}: must be > 0 and finite (answers are samples)")
+            raise ValueError(
+                f"--answer-temperature {self.answer_temperature}: must be > 0 and finite (answers are samples)"
+            )
         if self.train_dtype not in TRAIN_DTYPES:
             raise ValueError(f"--train-dtype {self.train_dtype}: must be one of {', '.join(TRAIN_DTYPES)}")
         if self.backend not in ("auto", "lean", "llamacpp"):
@@ -119,8 +146,11 @@ class TrainDraftArgs:
             return "lean"
         rates = data_rates(self.target, ("llamacpp", "lean"), DATA_RATE_SLOTS)
         chosen = max(rates, key=rates.get)
-        log(f"data runtime: {chosen} (one call decoding {DATA_RATE_SLOTS} slots: "
-            + ", ".join(f"{name} {rate:,.0f} tokens/s" for name, rate in rates.items()) + ")")
+        log(
+            f"data runtime: {chosen} (one call decoding {DATA_RATE_SLOTS} slots: "
+            + ", ".join(f"{name} {rate:,.0f} tokens/s" for name, rate in rates.items())
+            + ")"
+        )
         return chosen
 
 
@@ -142,9 +172,17 @@ def _log(message: str) -> None:
 
 # ---- phase 2: the teacher ----------------------------------------------------------------------
 
+
 def answer_sequences(args: TrainDraftArgs, answers: list[dict]) -> list[TeacherSequence]:
-    return [TeacherSequence(f"{row['prompt']}#{row.get('sample', 0)}", row["ids"][: args.max_sequence],
-                            max(0, row["answer_start"] - 1), row.get("source", "chat")) for row in answers]
+    return [
+        TeacherSequence(
+            f"{row['prompt']}#{row.get('sample', 0)}",
+            row["ids"][: args.max_sequence],
+            max(0, row["answer_start"] - 1),
+            row.get("source", "chat"),
+        )
+        for row in answers
+    ]
 
 
 def _sequences(args: TrainDraftArgs, tokenizer: TextTokenizer, answers: list[dict]) -> list[TeacherSequence]:
@@ -152,8 +190,10 @@ def _sequences(args: TrainDraftArgs, tokenizer: TextTokenizer, answers: list[dic
     chat = answer_sequences(args, answers)
     chat_tokens = sum(len(s.ids) for s in chat)
     corpus_tokens = int(chat_tokens * args.corpus_share / max(1e-9, 1 - args.corpus_share))
-    corpus = [TeacherSequence(f"corpus:{i}", ids, 0, "corpus")
-              for i, ids in enumerate(corpus_chunks(tokenizer, corpus_tokens, args.window, args.seed))]
+    corpus = [
+        TeacherSequence(f"corpus:{i}", ids, 0, "corpus")
+        for i, ids in enumerate(corpus_chunks(tokenizer, corpus_tokens, args.window, args.seed))
+    ]
     sequences = chat + corpus
     random.Random(args.seed).shuffle(sequences)
     return sequences
@@ -175,27 +215,35 @@ def vocabulary_subset(sequences: list, size: int, always: set[int]) -> tuple[tor
 
 # ---- phase 3: training ---------------------------------------------------------------------------
 
+
 def _batch(rows: list[dict], size: int, window: int, rng: random.Random):
     """Random windows of ``size`` sequences, padded to one length: features (B, T, F), ids (B, T), probs and ids of
     the top-k (B, T, K), and the positions the loss counts (B, T) bool."""
     picked = [rows[rng.randrange(len(rows))] for _ in range(size)]
     starts = [rng.randrange(0, max(1, len(r["ids"]) - window)) for r in picked]
     length = min(window, max(len(r["ids"]) for r in picked))
+
     def take(r, s, key, fill=0):
         x = r[key][s : s + length]
         pad = length - x.shape[0]
         return torch.cat([x, torch.full((pad, *x.shape[1:]), fill, dtype=x.dtype)]) if pad else x
+
     feats = torch.stack([take(r, s, "features") for r, s in zip(picked, starts)]).float()
     ids = torch.stack([take(r, s, "ids") for r, s in zip(picked, starts)]).long()
     probs = torch.stack([take(r, s, "top_probs") for r, s in zip(picked, starts)]).float()
     top = torch.stack([take(r, s, "top_ids") for r, s in zip(picked, starts)]).long()
-    counted = torch.stack([(torch.arange(length) + s >= r["loss_from"]) & (torch.arange(length) + s < len(r["ids"]))
-                           for r, s in zip(picked, starts)])
+    counted = torch.stack(
+        [
+            (torch.arange(length) + s >= r["loss_from"]) & (torch.arange(length) + s < len(r["ids"]))
+            for r, s in zip(picked, starts)
+        ]
+    )
     return feats, ids, probs, top, counted
 
 
-def step_losses(draft: FeatureDraft, subset_index: torch.Tensor, feats, ids, probs, top, counted, steps: int,
-                tv_weight: float = 0.0) -> list[torch.Tensor]:
+def step_losses(
+    draft: FeatureDraft, subset_index: torch.Tensor, feats, ids, probs, top, counted, steps: int, tv_weight: float = 0.0
+) -> list[torch.Tensor]:
     """Per TTT step, the mean over counted slots of the loss for the token two places ahead: the cross-entropy
     -sum_{v in S} p(v) log q(v), plus ``tv_weight`` times 1 - sum_{v in S} min(p(v), q(v)), which is the rejection
     probability 1 - beta of one drafted token at T=1 (reference: acceptance rule, beta = sum_v min(p, q)) with p
@@ -242,7 +290,10 @@ def held_out_acceptance(draft: FeatureDraft, rows: list[dict], steps: int, vocab
                 sampled[k] += float(overlap[keep].sum())
                 greedy[k] += float(match[keep].sum())
                 counts[k] += int(keep.sum())
-    return {"sampled": [s / max(1, c) for s, c in zip(sampled, counts)], "greedy": [g / max(1, c) for g, c in zip(greedy, counts)]}
+    return {
+        "sampled": [s / max(1, c) for s, c in zip(sampled, counts)],
+        "greedy": [g / max(1, c) for g, c in zip(greedy, counts)],
+    }
 
 
 def acceptance_by_source(draft: FeatureDraft, rows: list[dict], steps: int, vocab_size: int) -> dict[str, dict]:
@@ -251,7 +302,10 @@ def acceptance_by_source(draft: FeatureDraft, rows: list[dict], steps: int, voca
     groups: dict[str, list[dict]] = {"all": rows}
     for row in rows:
         groups.setdefault(row.get("source", "chat"), []).append(row)
-    return {name: {**held_out_acceptance(draft, group, steps, vocab_size), "sequences": len(group)} for name, group in groups.items()}
+    return {
+        name: {**held_out_acceptance(draft, group, steps, vocab_size), "sequences": len(group)}
+        for name, group in groups.items()
+    }
 
 
 def lineage(card: dict) -> list[dict]:
@@ -269,8 +323,12 @@ def teacher_model(target: Path, weights: str = "auto") -> LeanModel:
     return LeanModel.from_pretrained(target, dtype=getattr(torch, default_dtype("cpu", target)), weights=weights)
 
 
-def fastest_teacher(target: Path, log: Callable[[str], None] = lambda message: None,
-                    rate: Callable[[LeanModel], float] | None = None, loaded: LeanModel | None = None) -> tuple[LeanModel, str]:
+def fastest_teacher(
+    target: Path,
+    log: Callable[[str], None] = lambda message: None,
+    rate: Callable[[LeanModel], float] | None = None,
+    loaded: LeanModel | None = None,
+) -> tuple[LeanModel, str]:
     """The lean teacher and its weights (``q4`` or ``dense``). Where the CPU computes bfloat16 natively and the
     target is a GGUF file whose 4-bit projections the lean runtime keeps, both forms run and the faster at the
     teacher's own work, a batch of whole sequences (``rate``: tokens/s, :func:`teacher_rate` by default), is kept:
@@ -289,7 +347,11 @@ def fastest_teacher(target: Path, log: Callable[[str], None] = lambda message: N
     forms = {"q4": model, "dense": teacher_model(target, weights="dense")}
     rates = {name: rate(form) for name, form in forms.items()}
     chosen = max(rates, key=rates.get)
-    log(f"teacher weights: {chosen} (a batch of {TEACHER_BATCH} sequences: " + ", ".join(f"{name} {value:,.0f} tokens/s" for name, value in rates.items()) + ")")
+    log(
+        f"teacher weights: {chosen} (a batch of {TEACHER_BATCH} sequences: "
+        + ", ".join(f"{name} {value:,.0f} tokens/s" for name, value in rates.items())
+        + ")"
+    )
     return forms[chosen], chosen
 
 
@@ -313,8 +375,16 @@ def train_precision(requested: str) -> str:
     return ("bfloat16" if native_bfloat16("cpu") else "float32") if requested == "auto" else requested
 
 
-def train_steps(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict] | ShardPool, vocab_size: int, deadline: float,
-                max_steps: int | None = None, measure: Callable[[dict], None] | None = None, tokens_before: int = 0) -> dict:
+def train_steps(
+    args: TrainDraftArgs,
+    draft: FeatureDraft,
+    rows: list[dict] | ShardPool,
+    vocab_size: int,
+    deadline: float,
+    max_steps: int | None = None,
+    measure: Callable[[dict], None] | None = None,
+    tokens_before: int = 0,
+) -> dict:
     """Train on ``rows`` (in memory, or drawn from a pool of shards) until ``deadline`` (or ``max_steps``, whichever
     comes first); the learning rate's cosine follows the larger share of either budget spent (a resumed run's cosine
     spans its time and the time already trained). Checkpoints every two minutes and resumes from the last
@@ -343,7 +413,9 @@ def train_steps(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict] | Sh
     while state["seconds"] < state["budget"] and state["step"] < (max_steps or math.inf):
         progress = max(state["seconds"] / state["budget"], state["step"] / (max_steps or math.inf))
         for group in optimizer.param_groups:
-            group["lr"] = args.lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+            group["lr"] = (
+                args.lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+            )
         feats, ids, probs, top, counted = _batch(rows_for(state["step"]), args.batch_size, args.window, rng)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
             losses = step_losses(draft, subset_index, feats, ids, probs, top, counted, args.steps, args.tv_weight)
@@ -356,8 +428,10 @@ def train_steps(args: TrainDraftArgs, draft: FeatureDraft, rows: list[dict] | Sh
         state["tokens"] += int(counted.sum())
         state["seconds"] = seconds0 + time.monotonic() - start
         if state["step"] % 20 == 0:
-            _log(f"train: step {state['step']}, {state['tokens']} tokens, losses {[round(float(l.detach()), 3) for l in losses]}, "
-                 f"{100 * progress:.0f}% of the time")
+            _log(
+                f"train: step {state['step']}, {state['tokens']} tokens, losses {[round(float(l.detach()), 3) for l in losses]}, "
+                f"{100 * progress:.0f}% of the time"
+            )
         if time.monotonic() - last_save > 120 or state["seconds"] >= state["budget"] or state["step"] == max_steps:
             torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "state": state}, checkpoint)
             last_save = time.monotonic()
@@ -381,10 +455,18 @@ class _RunLog:
 
         self.path = path
         self.entries = json.loads(path.read_text()) if path.is_file() else []
-        self.entries.append({"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "minutes": args.minutes,
-                             "exactspec": __version__, "layout": args.layout, "tv_weight": args.tv_weight, "lr": args.lr,
-                             "answer_temperature": args.answer_temperature,
-                             **({"init_from": str(args.init_from)} if args.init_from else {})})
+        self.entries.append(
+            {
+                "started": datetime.now(UTC).isoformat(timespec="seconds"),
+                "minutes": args.minutes,
+                "exactspec": __version__,
+                "layout": args.layout,
+                "tv_weight": args.tv_weight,
+                "lr": args.lr,
+                "answer_temperature": args.answer_temperature,
+                **({"init_from": str(args.init_from)} if args.init_from else {}),
+            }
+        )
         self._write()
 
     def _write(self) -> None:
@@ -392,7 +474,7 @@ class _RunLog:
         self.path.write_text(json.dumps(self.entries, indent=1))
 
     def finish(self, **held: int | str) -> list[dict]:
-        self.entries[-1].update(held, finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        self.entries[-1].update(held, finished=datetime.now(UTC).isoformat(timespec="seconds"))
         self._write()
         return self.entries
 
@@ -407,12 +489,23 @@ class _Curve:
     def measure(self, state: dict) -> None:
         acceptance = held_out_acceptance(self.draft.eval(), self.held_rows, 1, self.vocab_size)
         self.draft.train()
-        self.points = [p for p in self.points if p["tokens_seen"] < state["tokens"]]  # a resumed run replaces what it redoes
-        self.points.append({"tokens_seen": state["tokens"], "steps": state["step"], "minutes": round(state["seconds"] / 60, 1),
-                            "sampled": round(acceptance["sampled"][0], 4), "greedy": round(acceptance["greedy"][0], 4)})
+        self.points = [
+            p for p in self.points if p["tokens_seen"] < state["tokens"]
+        ]  # a resumed run replaces what it redoes
+        self.points.append(
+            {
+                "tokens_seen": state["tokens"],
+                "steps": state["step"],
+                "minutes": round(state["seconds"] / 60, 1),
+                "sampled": round(acceptance["sampled"][0], 4),
+                "greedy": round(acceptance["greedy"][0], 4),
+            }
+        )
         self.path.write_text(json.dumps(self.points, indent=1))
-        _log(f"train: held-out first-position acceptance {self.points[-1]['sampled']:.3f} (T=1), "
-             f"{self.points[-1]['greedy']:.3f} (greedy) after {state['tokens']:,} tokens")
+        _log(
+            f"train: held-out first-position acceptance {self.points[-1]['sampled']:.3f} (T=1), "
+            f"{self.points[-1]['greedy']:.3f} (greedy) after {state['tokens']:,} tokens"
+        )
 
     def plot(self, path: Path) -> None:
         import matplotlib
@@ -424,16 +517,21 @@ class _Curve:
         tokens = [p["tokens_seen"] / 1e6 for p in self.points]
         for key, label in (("sampled", "T=1"), ("greedy", "greedy")):
             axes.plot(tokens, [p[key] for p in self.points], marker="o", label=label)
-        axes.set(xlabel="teacher tokens seen in training (millions)", ylabel="first-position acceptance", ylim=(0, 1),
-                 title="held-out acceptance while training")
+        axes.set(
+            xlabel="teacher tokens seen in training (millions)",
+            ylabel="first-position acceptance",
+            ylim=(0, 1),
+            title="held-out acceptance while training",
+        )
         axes.legend()
         figure.tight_layout()
         figure.savefig(path, dpi=100)
         plt.close(figure)
 
 
-def _vocabulary(args: TrainDraftArgs, sequences: list[list[int]], always: set[int],
-                given: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+def _vocabulary(
+    args: TrainDraftArgs, sequences: list[list[int]], always: set[int], given: torch.Tensor | None = None
+) -> tuple[torch.Tensor, float]:
     """The draft's vocabulary subset, chosen from the first run's data (or ``given``: the subset of the draft it
     starts from) and kept (``vocabulary.pt``): a resumed run's checkpoint has head rows for exactly these tokens."""
     path = args.out / "vocabulary.pt"
@@ -465,7 +563,11 @@ def _starting_draft(args: TrainDraftArgs, cfg: FeatureDraftConfig) -> tuple[Feat
         start = start.widened(cfg.intermediate_size)
     mine = replace(cfg, vocab_subset_size=start.cfg.vocab_subset_size)
     if start.cfg != mine:
-        differs = [f"{k} {getattr(start.cfg, k)} (this run: {getattr(mine, k)})" for k in asdict(mine) if getattr(start.cfg, k) != getattr(mine, k)]
+        differs = [
+            f"{k} {getattr(start.cfg, k)} (this run: {getattr(mine, k)})"
+            for k in asdict(mine)
+            if getattr(start.cfg, k) != getattr(mine, k)
+        ]
         raise ValueError(f"--init-from {args.init_from} is a draft of another shape: {'; '.join(differs)}")
     return start, card
 
@@ -478,11 +580,14 @@ def _check_layout(record: Path, cfg: FeatureDraftConfig, target_units: int) -> N
     if record.is_file():
         saved = {"mlp_units": target_units, **json.loads(record.read_text())}
         if saved != mine:
-            raise ValueError(f"{record.parent} was made for the {saved['layout']} layout (target layers {saved['feature_layers']}) "
-                             f"with {saved['mlp_units']} MLP units: rerun it with --layout {saved['layout']} --mlp-units "
-                             f"{saved['mlp_units']}, or give a new --out")
+            raise ValueError(
+                f"{record.parent} was made for the {saved['layout']} layout (target layers {saved['feature_layers']}) "
+                f"with {saved['mlp_units']} MLP units: rerun it with --layout {saved['layout']} --mlp-units "
+                f"{saved['mlp_units']}, or give a new --out"
+            )
     else:
         record.write_text(json.dumps(mine))
+
 
 def train_draft(args: TrainDraftArgs) -> dict:
     """Every phase in turn within ``args.minutes``; returns the model card (also written to ``args.out``)."""
@@ -491,8 +596,14 @@ def train_draft(args: TrainDraftArgs) -> dict:
     global _bar
     from tqdm import tqdm
 
-    bar = tqdm(total=round(budget), desc="train-draft", unit="s", disable=None, leave=False,
-               bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of the budget, {remaining} left")
+    bar = tqdm(
+        total=round(budget),
+        desc="train-draft",
+        unit="s",
+        disable=None,
+        leave=False,
+        bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of the budget, {remaining} left",
+    )
     _bar = None if bar.disable else bar
     try:
         return _run_phases(args, started, budget)
@@ -501,7 +612,9 @@ def train_draft(args: TrainDraftArgs) -> dict:
         _bar = None
 
 
-def _answer_phase(args: TrainDraftArgs, tokenizer: TextTokenizer, answers_file: Path, deadline: float, backend: str) -> set[str]:
+def _answer_phase(
+    args: TrainDraftArgs, tokenizer: TextTokenizer, answers_file: Path, deadline: float, backend: str
+) -> set[str]:
     """The target answers every single-turn prompt once, then the follow-ups to its own training and held-out
     answers (:func:`exactspec.training.prompts.follow_ups`), then every training prompt again up to
     ``answers_per_prompt`` times, as time allows (held-out prompts keep one answer: more would buy no training
@@ -509,16 +622,31 @@ def _answer_phase(args: TrainDraftArgs, tokenizer: TextTokenizer, answers_file: 
     held-out prompts."""
     train_prompts, held_prompts = chat_prompts(args.seed)
     singles = held_prompts + train_prompts
-    _log(f"answers: {len(held_prompts)} held-out and {len(train_prompts)} training prompts on {backend}, then follow-ups, "
-         f"then up to {args.answers_per_prompt} answers each")
+    _log(
+        f"answers: {len(held_prompts)} held-out and {len(train_prompts)} training prompts on {backend}, then follow-ups, "
+        f"then up to {args.answers_per_prompt} answers each"
+    )
+
     def run(prompts: list[Prompt], samples: int) -> None:
-        generate_answers(args.target, prompts, answers_file, deadline, samples, temperature=args.answer_temperature, seed=args.seed, backend=backend,
-                         progress=lambda done, left: None if done % 64 else _log(f"answers: {done} done, {left} left"))
+        generate_answers(
+            args.target,
+            prompts,
+            answers_file,
+            deadline,
+            samples,
+            temperature=args.answer_temperature,
+            seed=args.seed,
+            backend=backend,
+            progress=lambda done, left: None if done % 64 else _log(f"answers: {done} done, {left} left"),
+        )
 
     run(singles, 1)
     first = {row["prompt"]: row for row in read_answers(answers_file) if row.get("sample", 0) == 0}
-    answered = [(p, answer_text(first[p.key], tokenizer)) for p in singles if p.key in first
-                and len(first[p.key]["ids"]) - first[p.key]["answer_start"] <= FOLLOW_UP_MAX_ANSWER]
+    answered = [
+        (p, answer_text(first[p.key], tokenizer))
+        for p in singles
+        if p.key in first and len(first[p.key]["ids"]) - first[p.key]["answer_start"] <= FOLLOW_UP_MAX_ANSWER
+    ]
     held_keys = {p.key for p in held_prompts}
     multi = follow_ups(answered, seed=args.seed)
     held_keys |= {p.key for p in multi if p.turns[0][1] in held_keys}  # a follow-up is held out with its first turn
@@ -529,8 +657,15 @@ def _answer_phase(args: TrainDraftArgs, tokenizer: TextTokenizer, answers_file: 
 
 
 def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
-    deadline = lambda phase: started + budget * sum(  # noqa: E731
-        share for name, share in PHASE_SHARES.items() if list(PHASE_SHARES).index(name) <= list(PHASE_SHARES).index(phase))
+    deadline = lambda phase: (
+        started
+        + budget
+        * sum(  # noqa: E731
+            share
+            for name, share in PHASE_SHARES.items()
+            if list(PHASE_SHARES).index(name) <= list(PHASE_SHARES).index(phase)
+        )
+    )
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -553,8 +688,12 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     held = [r for r in answers if r["prompt"] in held_keys]
     train = [r for r in answers if r["prompt"] not in held_keys]
 
-    args = replace(args, max_sequence=min(args.max_sequence, model.cfg.max_position_embeddings),
-                   window=min(args.window, model.cfg.max_position_embeddings), train_dtype=train_precision(args.train_dtype))
+    args = replace(
+        args,
+        max_sequence=min(args.max_sequence, model.cfg.max_position_embeddings),
+        window=min(args.window, model.cfg.max_position_embeddings),
+        train_dtype=train_precision(args.train_dtype),
+    )
     layers = layers_of_every_layout(model.cfg)
     if backend == "llamacpp":
         from exactspec.models.llamacpp import LlamaCppRuntime
@@ -573,7 +712,9 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
         raise RuntimeError("no teacher data: give train-draft more --minutes")
     held_rows = load_shards(args.out / "held_out", cfg.feature_layers)
 
-    subset, coverage = _vocabulary(args, [s.ids for s in sequences], set(tokenizer.eos_token_ids), start and start.vocab_ids)
+    subset, coverage = _vocabulary(
+        args, [s.ids for s in sequences], set(tokenizer.eos_token_ids), start and start.vocab_ids
+    )
     cfg = replace(cfg, vocab_subset_size=len(subset))
     draft = FeatureDraft(cfg)
     if start is not None:
@@ -585,31 +726,69 @@ def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
     if start is not None:
         curve.measure({"tokens": tokens_before, "step": 0, "seconds": 0.0})  # where the curve starts
     pool = ShardPool.within(args.out / "teacher", POOL_BYTES, args.seed, layers=cfg.feature_layers)
-    state = train_steps(args, draft, pool, model.cfg.vocab_size, deadline("train"), measure=curve.measure, tokens_before=tokens_before)
+    state = train_steps(
+        args, draft, pool, model.cfg.vocab_size, deadline("train"), measure=curve.measure, tokens_before=tokens_before
+    )
     by_source = acceptance_by_source(draft.eval(), held_rows, max(args.steps, 4), model.cfg.vocab_size)
     acceptance = {k: by_source["all"][k] for k in ("sampled", "greedy")}
     sources = Counter(row.get("source", "chat") for row in train)
     temperatures = Counter(f"{row.get('temperature', ANSWER_TEMPERATURE):g}" for row in train)
     card = {
-        "target": str(args.target), "out": str(args.out / "draft"), "architecture": asdict(cfg),
-        "data": {"runtime": backend, "teacher_weights": teacher_weights, "chat_answers": len(train), "held_out_answers": len(held), "answers_by_source": dict(sources),
-                 "answers_by_temperature": dict(temperatures),
-                 "teacher_sequences": len(sequences), "teacher_tokens": sum(len(s.ids) for s in sequences),
-                 "corpus_share": args.corpus_share, "vocabulary_subset_coverage": coverage},
-        "training": {"steps": state["step"], "tokens_seen": state["tokens"], "seconds": state["seconds"],
-                     "precision": args.train_dtype, "tv_weight": args.tv_weight, "ttt_steps": args.steps, "batch_size": args.batch_size, "window": args.window, "lr": args.lr,
-                     **({"initialised_from": str(args.init_from), "tokens_seen_before": tokens_before,
-                         "runs_before": lineage(start_card)} if args.init_from else {})},
+        "target": str(args.target),
+        "out": str(args.out / "draft"),
+        "architecture": asdict(cfg),
+        "data": {
+            "runtime": backend,
+            "teacher_weights": teacher_weights,
+            "chat_answers": len(train),
+            "held_out_answers": len(held),
+            "answers_by_source": dict(sources),
+            "answers_by_temperature": dict(temperatures),
+            "teacher_sequences": len(sequences),
+            "teacher_tokens": sum(len(s.ids) for s in sequences),
+            "corpus_share": args.corpus_share,
+            "vocabulary_subset_coverage": coverage,
+        },
+        "training": {
+            "steps": state["step"],
+            "tokens_seen": state["tokens"],
+            "seconds": state["seconds"],
+            "precision": args.train_dtype,
+            "tv_weight": args.tv_weight,
+            "ttt_steps": args.steps,
+            "batch_size": args.batch_size,
+            "window": args.window,
+            "lr": args.lr,
+            **(
+                {
+                    "initialised_from": str(args.init_from),
+                    "tokens_seen_before": tokens_before,
+                    "runs_before": lineage(start_card),
+                }
+                if args.init_from
+                else {}
+            ),
+        },
         "held_out_acceptance_by_position": acceptance,
         "held_out_acceptance_by_source": by_source,
         "acceptance_curve": curve.points,
-        "runs": runs.finish(runtime=backend, answers=len(answers), teacher_sequences=len(sequences), steps=state["step"], tokens_seen=state["tokens"]),
+        "runs": runs.finish(
+            runtime=backend,
+            answers=len(answers),
+            teacher_sequences=len(sequences),
+            steps=state["step"],
+            tokens_seen=state["tokens"],
+        ),
         "total_minutes": (time.monotonic() - started) / 60,
     }
     draft.save(args.out / "draft", card)
-    write_shipped_prior(args.out / "draft", args.target, acceptance, "held-out chat answers, training-time-test forward")
+    write_shipped_prior(
+        args.out / "draft", args.target, acceptance, "held-out chat answers, training-time-test forward"
+    )
     (args.out / "MODEL_CARD.json").write_text(json.dumps(card, indent=2))
     curve.plot(args.out / "acceptance_curve.png")
-    _log(f"done: held-out acceptance by position, T=1 {[round(a, 3) for a in acceptance['sampled']]}, "
-         f"greedy {[round(a, 3) for a in acceptance['greedy']]}")
+    _log(
+        f"done: held-out acceptance by position, T=1 {[round(a, 3) for a in acceptance['sampled']]}, "
+        f"greedy {[round(a, 3) for a in acceptance['greedy']]}"
+    )
     return card

@@ -72,6 +72,7 @@ class TrainArgs:
 
 # ---------------------------------------------------------------------------------------------
 
+
 def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -114,7 +115,7 @@ def _batch(tokens: np.ndarray, args: TrainArgs, step: int, salt: int) -> tuple[t
     """Random windows, a pure function of (seed, salt, step): resuming replays the same stream."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + salt * 7919 + step)
     starts = torch.randint(0, len(tokens) - args.seq_len - 1, (args.batch_size,), generator=g).numpy()
-    win = np.stack([tokens[s:s + args.seq_len + 1] for s in starts]).astype(np.int64)
+    win = np.stack([tokens[s : s + args.seq_len + 1] for s in starts]).astype(np.int64)
     t = torch.from_numpy(win).to(args.device)  # (B, T + 1)
     return t[:, :-1], t[:, 1:]
 
@@ -129,7 +130,9 @@ def _optimizer(model: torch.nn.Module, lr: float, wd: float) -> torch.optim.Opti
     no_decay = [p for p in params if p.dim() < 2]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
 
 
@@ -167,8 +170,17 @@ def _train_loop(
 
     def save() -> None:
         tmp = ckpt.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "elapsed": elapsed, "tokens": seen, "ema": ema}, tmp)
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "elapsed": elapsed,
+                "tokens": seen,
+                "ema": ema,
+            },
+            tmp,
+        )
         os.replace(tmp, ckpt)
 
     budget_s = minutes * 60.0
@@ -180,8 +192,14 @@ def _train_loop(
         return p
 
     model.train()
-    bar = tqdm(total=1000, desc=name, unit="‰", disable=not args.progress, mininterval=5.0,
-               initial=int(1000 * min(1.0, progress())))
+    bar = tqdm(
+        total=1000,
+        desc=name,
+        unit="‰",
+        disable=not args.progress,
+        mininterval=5.0,
+        initial=int(1000 * min(1.0, progress())),
+    )
     last_ckpt = time.monotonic()
     history = []
     while progress() < 1.0:
@@ -206,17 +224,27 @@ def _train_loop(
         bar.update(max(0, new - bar.n))
         bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.1e}", tok_s=f"{x.numel() / dt:.0f}", step=step, refresh=False)
         if step % 25 == 0:
-            history.append({"step": step, "tokens": seen, "minutes": round(elapsed / 60, 2), "loss": round(ema, 4), **extra})
-            _log(f"{name} step {step} tokens {seen:,} loss(ema) {ema:.4f} lr {lr:.2e} {x.numel() / dt:.0f} tok/s "
-                 f"{elapsed / 60:.1f}/{minutes:.1f} min")
+            history.append(
+                {"step": step, "tokens": seen, "minutes": round(elapsed / 60, 2), "loss": round(ema, 4), **extra}
+            )
+            _log(
+                f"{name} step {step} tokens {seen:,} loss(ema) {ema:.4f} lr {lr:.2e} {x.numel() / dt:.0f} tok/s "
+                f"{elapsed / 60:.1f}/{minutes:.1f} min"
+            )
         if time.monotonic() - last_ckpt > args.checkpoint_minutes * 60:
             save()
             last_ckpt = time.monotonic()
     bar.close()
     save()
     model.eval()
-    return {"steps": step, "tokens": seen, "minutes": round(elapsed / 60, 2), "final_loss_ema": ema,
-            "tokens_per_s": round(seen / max(elapsed, 1e-9)), "log": history}
+    return {
+        "steps": step,
+        "tokens": seen,
+        "minutes": round(elapsed / 60, 2),
+        "final_loss_ema": ema,
+        "tokens_per_s": round(seen / max(elapsed, 1e-9)),
+        "log": history,
+    }
 
 
 def _lm_loss(model: LlamaDecoder, x: torch.Tensor, y: torch.Tensor):
@@ -232,10 +260,12 @@ def _distill_loss(teacher: LlamaDecoder, ce_weight: float):
         kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()  # KL(target || draft)
         ce = F.nll_loss(s_logp.flatten(0, 1), y.flatten())
         return kl + ce_weight * ce, {"ce": round(float(ce.detach()), 4)}
+
     return fn
 
 
 # ---------------------------------------------------------------------------------------------
+
 
 def _write_model_dir(model: LlamaDecoder, tok_dir: Path, directory: Path) -> None:
     from safetensors.torch import save_file
@@ -245,8 +275,7 @@ def _write_model_dir(model: LlamaDecoder, tok_dir: Path, directory: Path) -> Non
     save_file(sd, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "model.safetensors").chmod(0o644)
     _save_json(directory / "config.json", model.cfg.to_hf_dict("bfloat16"))
-    _save_json(directory / "generation_config.json",
-               {"bos_token_id": 0, "eos_token_id": 0, "do_sample": False})
+    _save_json(directory / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 0, "do_sample": False})
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(tok_dir / f, directory / f)
 
@@ -261,7 +290,7 @@ def _evaluate(args: TrainArgs, val: np.ndarray) -> dict[str, Any]:
     sums = {"target_nll": 0.0, "draft_nll": 0.0, "alpha": 0.0, "argmax_agree": 0.0, "kl": 0.0}
     count = 0
     for w in range(0, n_win, 8):
-        rows = [val[(w + j) * T:(w + j) * T + T + 1].astype(np.int64) for j in range(min(8, n_win - w))]
+        rows = [val[(w + j) * T : (w + j) * T + T + 1].astype(np.int64) for j in range(min(8, n_win - w))]
         rows = [r for r in rows if len(r) == T + 1]
         if not rows:
             break
@@ -296,10 +325,12 @@ def _time_calls(directory: Path, n: int = 100) -> dict[str, float]:
     res = {}
     for k in (1, 8):
         for _ in range(10):
-            m.forward([5] * k); m.rollback(200)
+            m.forward([5] * k)
+            m.rollback(200)
         t0 = time.perf_counter()
         for _ in range(n):
-            m.forward([5] * k); m.rollback(200)
+            m.forward([5] * k)
+            m.rollback(200)
         res[f"ms_per_call_{k}tok_bf16"] = round((time.perf_counter() - t0) / n * 1e3, 3)
     return res
 
@@ -345,6 +376,7 @@ def run(args: TrainArgs) -> dict[str, Any]:
         data.write_tokenizer_files(tok, tok_dir)
         _mark_done(out, state, "tokenizer")
     from tokenizers import Tokenizer
+
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
 
     if "data" not in state["done"]:
@@ -355,8 +387,16 @@ def run(args: TrainArgs) -> dict[str, Any]:
         np.save(data_dir / "val.npy", va)
         (data_dir / "held_out.txt").write_text("\n".join(p.relative_to(root).as_posix() for p in val_f) + "\n")
         chars = sum(len(data.read_source(p)) for p in train_f)
-        _mark_done(out, state, "data", train_tokens=int(len(tr)), val_tokens=int(len(va)),
-                   train_files=len(train_f), val_files=len(val_f), train_chars=chars)
+        _mark_done(
+            out,
+            state,
+            "data",
+            train_tokens=int(len(tr)),
+            val_tokens=int(len(va)),
+            train_files=len(train_f),
+            val_files=len(val_f),
+            train_chars=chars,
+        )
         _log(f"train {len(tr):,} tokens ({chars / len(tr):.2f} chars/token), held-out {len(va):,} tokens")
     train_tok = np.load(data_dir / "train.npy")
     val_tok = np.load(data_dir / "val.npy")
@@ -366,12 +406,15 @@ def run(args: TrainArgs) -> dict[str, Any]:
     if "target" not in state["done"]:
         target.init_weights(torch.Generator().manual_seed(args.seed))
         _log(f"target: {_n_params(target):,} parameters {args.target}")
-        info = _train_loop(args, "target", target, train_tok, _lm_loss, args.lr,
-                           args.target_minutes, args.target_tokens, salt=1)
+        info = _train_loop(
+            args, "target", target, train_tok, _lm_loss, args.lr, args.target_minutes, args.target_tokens, salt=1
+        )
         _write_model_dir(target, tok_dir, out / "target")
         _mark_done(out, state, "target", target_train=info)
     else:
-        target.load_state_dict(torch.load(out / "ckpt_target.pt", map_location=args.device, weights_only=False)["model"])
+        target.load_state_dict(
+            torch.load(out / "ckpt_target.pt", map_location=args.device, weights_only=False)["model"]
+        )
     target.eval()
     for p in target.parameters():
         p.requires_grad_(False)
@@ -385,8 +428,17 @@ def run(args: TrainArgs) -> dict[str, Any]:
                 draft.norm.copy_(target.norm)
             _log("draft: embedding (= tied LM head) and final norm initialised from the target")
         _log(f"draft: {_n_params(draft):,} parameters {args.draft}")
-        info = _train_loop(args, "draft", draft, train_tok, _distill_loss(target, args.ce_weight), args.draft_lr,
-                           args.draft_minutes, args.draft_tokens, salt=2)
+        info = _train_loop(
+            args,
+            "draft",
+            draft,
+            train_tok,
+            _distill_loss(target, args.ce_weight),
+            args.draft_lr,
+            args.draft_minutes,
+            args.draft_tokens,
+            salt=2,
+        )
         _write_model_dir(draft, tok_dir, out / "draft")
         _mark_done(out, state, "draft", draft_train=info)
 
@@ -407,8 +459,9 @@ def run(args: TrainArgs) -> dict[str, Any]:
         if args.timing_calls:
             metrics["target_timing"] = _time_calls(out / "target", args.timing_calls)
             metrics["draft_timing"] = _time_calls(out / "draft", args.timing_calls)
-            metrics["cost_ratio_1tok"] = round(metrics["draft_timing"]["ms_per_call_1tok_bf16"]
-                                               / metrics["target_timing"]["ms_per_call_1tok_bf16"], 4)
+            metrics["cost_ratio_1tok"] = round(
+                metrics["draft_timing"]["ms_per_call_1tok_bf16"] / metrics["target_timing"]["ms_per_call_1tok_bf16"], 4
+            )
         _save_json(out / "metrics.json", metrics)
         _mark_done(out, state, "eval")
         _log("metrics: " + json.dumps({k: v for k, v in metrics.items() if not isinstance(v, (dict, list))}))
@@ -482,20 +535,35 @@ def export_models(out: Path, dest: Path, command: str | None = None) -> None:
     shutil.copy(out / "metrics.json", dest / "metrics.json")
     card = MODEL_CARD.format(
         pyver=".".join(map(str, sys.version_info[:3])),
-        train_files=state["train_files"], train_tokens=state["train_tokens"],
-        val_files=state["val_files"], val_tokens=state["val_tokens"],
-        held_out="`, `".join(data.HELD_OUT), vocab=a["vocab_size"],
-        t=metrics["target_shape"], d=metrics["draft_shape"],
-        tp=metrics["target_params"], dp=metrics["draft_params"],
-        ttok=metrics["target_train_tokens"], dtok=metrics["draft_train_tokens"],
-        tmin=metrics["target_train_minutes"], dmin=metrics["draft_train_minutes"],
-        tl=metrics["target_heldout_loss"], tppl=metrics["target_heldout_ppl"],
-        dl=metrics["draft_heldout_loss"], dppl=metrics["draft_heldout_ppl"],
-        theta=a["rope_theta"], maxpos=a["max_position_embeddings"], seqlen=a["seq_len"], ce=a["ce_weight"],
-        ho_tok=metrics["heldout_tokens"], alpha=metrics["alpha_stochastic"], agree=metrics["argmax_agreement"],
+        train_files=state["train_files"],
+        train_tokens=state["train_tokens"],
+        val_files=state["val_files"],
+        val_tokens=state["val_tokens"],
+        held_out="`, `".join(data.HELD_OUT),
+        vocab=a["vocab_size"],
+        t=metrics["target_shape"],
+        d=metrics["draft_shape"],
+        tp=metrics["target_params"],
+        dp=metrics["draft_params"],
+        ttok=metrics["target_train_tokens"],
+        dtok=metrics["draft_train_tokens"],
+        tmin=metrics["target_train_minutes"],
+        dmin=metrics["draft_train_minutes"],
+        tl=metrics["target_heldout_loss"],
+        tppl=metrics["target_heldout_ppl"],
+        dl=metrics["draft_heldout_loss"],
+        dppl=metrics["draft_heldout_ppl"],
+        theta=a["rope_theta"],
+        maxpos=a["max_position_embeddings"],
+        seqlen=a["seq_len"],
+        ce=a["ce_weight"],
+        ho_tok=metrics["heldout_tokens"],
+        alpha=metrics["alpha_stochastic"],
+        agree=metrics["argmax_agreement"],
         kl=metrics["kl_target_draft"],
         tms=metrics.get("target_timing", {}).get("ms_per_call_1tok_bf16", "n/a"),
-        dms=metrics.get("draft_timing", {}).get("ms_per_call_1tok_bf16", "n/a"), c=metrics.get("cost_ratio_1tok", "n/a"),
+        dms=metrics.get("draft_timing", {}).get("ms_per_call_1tok_bf16", "n/a"),
+        c=metrics.get("cost_ratio_1tok", "n/a"),
         command=command or state.get("command", "python -m exactspec.training --out runs/default"),
     )
     (dest / "MODEL_CARD.md").write_text(card)

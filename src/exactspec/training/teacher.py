@@ -23,14 +23,28 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["TOP_K", "SHARD_SEQUENCES", "TEACHER_BATCH", "TeacherSequence", "Teacher", "lean_teacher", "runtime_teacher",
-           "teacher_pass", "shard_paths", "stored_keys", "stored_layers", "select_layers", "load_shards", "ShardPool"]
+__all__ = [
+    "TOP_K",
+    "SHARD_SEQUENCES",
+    "TEACHER_BATCH",
+    "TeacherSequence",
+    "Teacher",
+    "lean_teacher",
+    "runtime_teacher",
+    "teacher_pass",
+    "shard_paths",
+    "stored_keys",
+    "stored_layers",
+    "select_layers",
+    "load_shards",
+    "ShardPool",
+]
 
 TOP_K = 16  # target probabilities kept per position
 SHARD_SEQUENCES = 64
@@ -53,12 +67,14 @@ Teacher = Callable[[list[list[int]]], list[tuple[torch.Tensor, torch.Tensor]]]
 def lean_teacher(model, layers: tuple[int, ...]) -> Teacher:
     """The torch decoder's cache-free forward over a right-padded batch (causal: a position never reads the padding
     after it)."""
+
     def run(batch: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         width = max(map(len, batch))
         ids = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in batch])  # (B, T)
         with torch.inference_mode():
             logits, features = model.decoder.forward_train(ids, layers)  # (B, T, V), (B, T, F)
         return [(logits[row, : len(tokens)], features[row, : len(tokens)]) for row, tokens in enumerate(batch)]
+
     return run
 
 
@@ -73,6 +89,7 @@ def runtime_teacher(runtime, layers: tuple[int, ...]) -> Teacher:
         for slot in range(len(batch)):
             runtime.rollback(slot, 0)
         return out
+
     return run
 
 
@@ -98,7 +115,9 @@ def _record_layers(shards: Path, layers: tuple[int, ...]) -> None:
     if stored is None and shard_paths(shards):
         raise ValueError(f"{shards} holds features of unrecorded layers: give the run a new --out")
     if stored is not None and stored != layers:
-        raise ValueError(f"{shards} holds features of target layers {list(stored)}, not {list(layers)}: give the run a new --out")
+        raise ValueError(
+            f"{shards} holds features of target layers {list(stored)}, not {list(layers)}: give the run a new --out"
+        )
     shards.mkdir(parents=True, exist_ok=True)
     (shards / LAYERS_FILE).write_text(json.dumps(list(layers)))
 
@@ -113,7 +132,9 @@ def select_layers(rows: list[dict], stored: Sequence[int] | None, wanted: Sequen
     if missing:
         raise ValueError(f"the teacher's features hold target layers {list(stored)}, not {missing}")
     width = rows[0]["features"].shape[-1] // len(stored)
-    index = torch.cat([torch.arange(stored.index(layer) * width, (stored.index(layer) + 1) * width) for layer in wanted])
+    index = torch.cat(
+        [torch.arange(stored.index(layer) * width, (stored.index(layer) + 1) * width) for layer in wanted]
+    )
     return [{**row, "features": row["features"][:, index]} for row in rows]
 
 
@@ -123,8 +144,14 @@ def _save_atomically(path: Path, write: Callable[[Path], None]) -> None:
     os.replace(tmp, path)
 
 
-def teacher_pass(teacher: Teacher, layers: Sequence[int], sequences: Sequence[TeacherSequence], shards: Path, deadline: float,
-                 log: Callable[[str], None] = lambda message: None) -> int:
+def teacher_pass(
+    teacher: Teacher,
+    layers: Sequence[int],
+    sequences: Sequence[TeacherSequence],
+    shards: Path,
+    deadline: float,
+    log: Callable[[str], None] = lambda message: None,
+) -> int:
     """Store features (of the target ``layers`` the ``teacher`` reads) and top-k next-token probabilities of the
     ``sequences`` not yet in ``shards``, in their order, until done or ``deadline`` (a ``time.monotonic()``
     value); returns how many sequences the shards hold."""
@@ -142,9 +169,15 @@ def teacher_pass(teacher: Teacher, layers: Sequence[int], sequences: Sequence[Te
             batch = by_length[first : first + TEACHER_BATCH]
             for i, (logits, features) in zip(batch, teacher([shard[i].ids for i in batch])):
                 top = logits.float().softmax(-1).topk(TOP_K)
-                rows[i] = {"key": shard[i].key, "source": shard[i].source, "ids": torch.tensor(shard[i].ids, dtype=torch.int32),
-                           "loss_from": shard[i].loss_from, "features": features.to(torch.bfloat16),
-                           "top_probs": top.values.half(), "top_ids": top.indices.int()}
+                rows[i] = {
+                    "key": shard[i].key,
+                    "source": shard[i].source,
+                    "ids": torch.tensor(shard[i].ids, dtype=torch.int32),
+                    "loss_from": shard[i].loss_from,
+                    "features": features.to(torch.bfloat16),
+                    "top_probs": top.values.half(),
+                    "top_ids": top.indices.int(),
+                }
         path = shards / f"shard_{index:04d}.pt"
         _save_atomically(path, lambda tmp: torch.save(rows, tmp))
         _save_atomically(path.with_suffix(".keys.json"), lambda tmp: tmp.write_text(json.dumps([s.key for s in shard])))
@@ -169,8 +202,14 @@ class ShardPool:
     shards ``random.Random(seed, b // swap_every).sample(paths, capacity)`` (every shard, loaded once, when they
     all fit), so a resumed run sees what an uninterrupted one would."""
 
-    def __init__(self, paths: Sequence[Path], capacity: int, seed: int = 0, swap_every: int = 200,
-                 layers: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        paths: Sequence[Path],
+        capacity: int,
+        seed: int = 0,
+        swap_every: int = 200,
+        layers: Sequence[int] | None = None,
+    ) -> None:
         if not paths:
             raise ValueError("no teacher shards to train on")
         self.paths, self.capacity, self.seed, self.swap_every = list(paths), max(1, capacity), seed, swap_every
@@ -179,8 +218,14 @@ class ShardPool:
         self.rows: list[dict] = []
 
     @classmethod
-    def within(cls, shards: Path, memory_bytes: float, seed: int = 0, swap_every: int = 200,
-               layers: Sequence[int] | None = None) -> "ShardPool":
+    def within(
+        cls,
+        shards: Path,
+        memory_bytes: float,
+        seed: int = 0,
+        swap_every: int = 200,
+        layers: Sequence[int] | None = None,
+    ) -> ShardPool:
         """A pool over a directory's shards holding about ``memory_bytes`` of them once cut to ``layers`` (the
         features are nearly all of a shard)."""
         paths = shard_paths(shards)
@@ -194,7 +239,9 @@ class ShardPool:
         everything = self.capacity >= len(self.paths)
         period = 0 if everything else batch // self.swap_every
         if period != self._period:
-            chosen = self.paths if everything else random.Random(f"{self.seed}:{period}").sample(self.paths, self.capacity)
+            chosen = (
+                self.paths if everything else random.Random(f"{self.seed}:{period}").sample(self.paths, self.capacity)
+            )
             self.rows, self._period = [], None  # the old set freed before the new one loads
             self.rows, self._period = load_shards(sorted(chosen), self.layers), period
         return self.rows
