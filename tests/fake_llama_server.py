@@ -1,13 +1,14 @@
 """A stand-in for llama-server in tests where the real one is not installed: the flags exactspec passes, /health and
 /completion. Its answers are a fixed function of the request (no model): token i of a completion is
-``(sum(prompt) + i) % 7``, one more with a --spec-type, where every other token counts as an accepted draft; the request's body
-and the server's command line come back in the answer, so a test sees what was sent.
+``(sum(prompt) + i) % 7``, one more with a --spec-type, where every other token counts as an accepted draft; the
+request's body and the server's command line come back in the answer, so a test sees what was sent.
 
 Environment: FAKE_LLAMA_SERVER_FAIL=1 (or =MODE: only with --spec-type MODE) exits at start with llama-server's
 message for a bad model file;
 FAKE_LLAMA_SERVER_NO_TOKENS=1 answers without token ids; FAKE_LLAMA_SERVER_BODIES=FILE appends each request's body
-and the server's --spec-type to FILE, one JSON line each; FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK=request (or =start) dies of
-SIGSEGV in the middle of answering a request (or at start) unless started with --no-repack, as a GCC 12 build's AMX kernels do.
+and the server's --spec-type to FILE, one JSON line each; FAKE_LLAMA_SERVER_CRASH_WITHOUT_NO_REPACK=request (or =start)
+dies of SIGSEGV in the middle of answering a request (or at start) unless started with --no-repack, as a GCC 12 build's
+AMX kernels do.
 """
 
 import argparse

@@ -1,4 +1,5 @@
-"""The llama.cpp kernel bench: both arms timed in child processes, and an arm that crashes or fails reported, not fatal."""
+"""The llama.cpp kernel bench: both arms timed in child processes, and an arm that crashes or fails reported, not
+fatal."""
 
 from __future__ import annotations
 

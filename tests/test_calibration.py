@@ -33,7 +33,8 @@ def test_every_size_is_timed_after_a_warm_up_call():
     result = calibrate(target, None, [1, 2, 3], max_gamma=4, repeats=1)  # one timed call: a timed warm-up would show
     assert sorted(result.target_ms) == [1, 2, 3, 4, 5] and result.draft_step_ms is None
     for n, ms in result.target_ms.items():
-        # sleep never returns early; the 50 ms first call is never among the timed ones (a 2 s margin for a busy machine)
+        # sleep never returns early; the 50 ms first call is never among the timed ones (a 2 s margin for a busy
+        # machine)
         assert 2 + n <= ms < 50, (n, ms)
     assert all(target.calls.count(n) == 2 for n in range(1, 6))  # one warm-up and one timed call per size
     assert result.seconds > 0

@@ -47,9 +47,12 @@ def test_pit_is_uniform_under_the_law_and_not_under_a_shifted_one():
 def test_goodness_of_fit_rejects_a_shifted_law_and_passes_the_true_one():
     p = laws(1)[0]
     wrong = torch.roll(p, 1)
-    counts = lambda law: {
-        int(t): int(c) for t, c in zip(*np.unique(draws(law.expand(3000, -1), 3000, 5).numpy(), return_counts=True))
-    }  # noqa: E731
+
+    def counts(law):
+        return {
+            int(t): int(c) for t, c in zip(*np.unique(draws(law.expand(3000, -1), 3000, 5).numpy(), return_counts=True))
+        }
+
     assert token_goodness_of_fit("true", [(counts(p), p)]).p_value > 1e-3
     assert token_goodness_of_fit("wrong", [(counts(wrong), p)]).p_value < 1e-6
     impossible = torch.zeros_like(p)

@@ -4,8 +4,8 @@ engine's pass fails with at most that probability; seeds are fixed, so each run 
 
 The sample here is small to keep the suite short: 160 x 32 tokens per configuration. It detects the residual
 drawn from p, the unprocessed q and the argmax draft. The penalties bug needs more tokens (rejected at 400 x 48
-tokens, p ~ 3e-8, see docs/certification.md), and the bf16 precision mismatch (about 0.002 TV per drafted token on this pair)
-is below the resolution of any sample certify draws in minutes: the draw replay catches it instead."""
+tokens, p ~ 3e-8, see docs/certification.md), and the bf16 precision mismatch (about 0.002 TV per drafted token on this
+pair) is below the resolution of any sample certify draws in minutes: the draw replay catches it instead."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def test_the_command_passes_the_real_engine_and_writes_its_outputs(tmp_path):
     ).read_text()
 
 
-@pytest.mark.slow  # 4 x 10,240 shipped-pair tokens (100 s); the same bugs are rejected in the quick run by test_exactness
+# 4 x 10,240 shipped-pair tokens (100 s); the same bugs are rejected in the quick run by test_exactness
+@pytest.mark.slow
 def test_the_self_check_rejects_the_known_wrong_samplers():
     pair = load_pair(*default_pair_dirs())
     mutants = ("residual_from_p", "unprocessed_q", "argmax_draft_sampled_ratio")

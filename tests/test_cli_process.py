@@ -199,7 +199,8 @@ def test_help_shows_every_default():
 
 
 def test_prompt_from_stdin_or_a_file_and_threads(tmp_path):
-    """`-` reads standard input, --prompt-file a file; the same prompt gives the same greedy text; --threads is applied."""
+    """`-` reads standard input, --prompt-file a file; the same prompt gives the same greedy text; --threads is
+    applied."""
     import subprocess
     import sys
 

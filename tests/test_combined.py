@@ -108,7 +108,8 @@ def combined_counts(params: SamplingParams, n: int, proposer_class=LookupOrDraft
     proposer.route = lambda context: routes.__setitem__(r := route(context), routes[r] + 1) or r
     engine = BatchEngine(LeanRuntime.like(LeanModel(target), SLOTS, 32), proposer, EngineConfig(gamma=GAMMA))
     # A fixed gamma: the policy would learn from these tiny calls' timings to stop drafting (its per-source choice
-    # is test_engine_asks_and_teaches_the_policy_per_source's), and every round should draft from one source or the other.
+    # is test_engine_asks_and_teaches_the_policy_per_source's), and every round should draft from one source or the
+    # other.
     counts = engine_counts(engine, PROMPT, n, params, NEW_TOKENS, GAMMA)
     return counts, exact_law(LeanModel(tiny_target()), params), routes
 

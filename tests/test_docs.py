@@ -3,8 +3,9 @@
 Commands are taken from the pages themselves: each line of a ```bash block (continuations joined, comments cut)
 and each ``$ exactspec ...`` line of a ```text block, whose shown output must be what the command prints. The
 quick checks run in the README's test command; running every command (about 12 minutes on 2 cores: each loads
-models) is behind the ``extended`` marker (``python -m pytest -m extended``, before a release). A command that takes minutes runs with only its size
-flags reduced (``REDUCED``); the few that need something this machine may lack say so and are skipped (``NEEDS``).
+models) is behind the ``extended`` marker (``python -m pytest -m extended``, before a release). A command that takes
+minutes runs with only its size flags reduced (``REDUCED``); the few that need something this machine may lack say so
+and are skipped (``NEEDS``).
 """
 
 from __future__ import annotations
@@ -155,9 +156,8 @@ def test_the_library_snippets_run(page, tmp_path, monkeypatch):
 
 def test_the_reduction_touches_only_size_flags():
     """Power of the extended test's reductions: they change sizes and nothing else."""
-    assert (
-        reduced("exactspec bench --no-hf --workloads code --modes greedy --repeats 2")
-        == "exactspec bench --no-hf --workloads code --modes greedy --repeats 1 --prompts 1 --max-new-tokens 4 --gammas 2"
+    assert reduced("exactspec bench --no-hf --workloads code --modes greedy --repeats 2") == (
+        "exactspec bench --no-hf --workloads code --modes greedy --repeats 1 --prompts 1 --max-new-tokens 4 --gammas 2"
     )
     assert (
         reduced("exactspec explain --target 0.5,0.5 --draft 0.5,0.5")
@@ -199,7 +199,8 @@ else:
 
 
 def test_every_exactspec_command_shown_parses():
-    """The quick half of the extended test below: every ``exactspec`` command on the pages parses, long ones included."""
+    """The quick half of the extended test below: every ``exactspec`` command on the pages parses, long ones
+    included."""
     from exactspec.cli import build_parser
 
     shown = [

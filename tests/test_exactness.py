@@ -329,5 +329,5 @@ def test_mutant_power_over_several_seed_offsets(mutant, monkeypatch):
     p_values = [
         g_test_p_value(sample_counts(target, draft, params, N, offset=k * N, verify=verify), law) for k in range(1, 6)
     ]
-    print(mutant, ["%.1e" % p for p in p_values])
+    print(mutant, [f"{p:.1e}" for p in p_values])
     assert max(p_values) < ALPHA

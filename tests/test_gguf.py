@@ -15,7 +15,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader, GGUFValueType, GGUFWriter  # noqa: E402
 
 from exactspec.models.gguf import llama_config, read_gguf  # noqa: E402
 from exactspec.models.lean import LeanModel  # noqa: E402

@@ -27,7 +27,7 @@ def worst_block_difference(model: LeanModel, tokens: list[int], history: int) ->
     model.prefill(tokens[:history])
     alone = torch.cat([model.forward([t]) for t in tokens[history : history + span]])  # (span, V)
     worst = 0.0
-    for start, size in sorted({(start, size) for size in BLOCKS for start in (0, span - size)}, reverse=True):
+    for start, size in sorted({(s, n) for n in BLOCKS for s in (0, span - n)}, reverse=True):
         model.rollback(history + start)
         block = model.forward(tokens[history + start : history + start + size])
         worst = max(worst, (block - alone[start : start + size]).abs().max().item())

@@ -1,4 +1,5 @@
-"""config.json keys on the lean backend: every key is read, checked, ignored or refused; rotary variants match transformers."""
+"""config.json keys on the lean backend: every key is read, checked, ignored or refused; rotary variants match
+transformers."""
 
 from __future__ import annotations
 

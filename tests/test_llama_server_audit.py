@@ -3,9 +3,10 @@ audited against the exact law and against its plain mode.
 
 Against the stand-in (fake_llama_server.py, whose answers are a fixed function of the prompt, so no law at all):
 the requests reach /completion with token ids, the speculation's counts are kept per mode, the plain server is
-sampled once per configuration however many modes lean on it (its own audit's samples are their baseline), and the audit rejects the stand-in's deterministic
-answers. Against the real llama-server where one is installed (slow): plain and a speculative mode pass at T=1, and
-a server sampling at T=1.3 while T=1 is declared is rejected. Family-wise false-positive rate 1e-3 per mode (Holm)."""
+sampled once per configuration however many modes lean on it (its own audit's samples are their baseline), and the audit
+rejects the stand-in's deterministic answers. Against the real llama-server where one is installed (slow): plain and a
+speculative mode pass at T=1, and a server sampling at T=1.3 while T=1 is declared is rejected. Family-wise
+false-positive rate 1e-3 per mode (Holm)."""
 
 from __future__ import annotations
 

@@ -12,11 +12,12 @@ model with noise (0.15 of the weights' scale) added to every matrix (acceptance 
   llama.cpp's micro-batches, equal the torch decoder's to FEATURE_RTOL of their spread, in the rows' order (a
   position or a layer out of place is off by more than the spread).
 * Exactness through the engine: greedy speculative equals plain greedy (a draft model, and a feature-level draft
-  reading llama.cpp's features); a seeded request draws the same tokens alone and among others; and a G-test of the law of 4 new tokens over 4 allowed tokens (256 outcomes) against the law
-  computed from the runtime's own single-prefix logits, with the same false-positive rate as test_exactness (ALPHA
-  = 1e-3, N_QUICK and N sizes). Power: the same test rejects the engine with the replacement drawn from p instead
-  of the residual (test_exactness.replacement_from_target). Measured at N = 2,000 (seeds 0..1999): the correct
-  engine p = 0.38 with acceptance 0.87; the mutant p = 4.5e-22, so the test asserts p < 1e-12, far below ALPHA.
+  reading llama.cpp's features); a seeded request draws the same tokens alone and among others; and a G-test of the law
+  of 4 new tokens over 4 allowed tokens (256 outcomes) against the law computed from the runtime's own single-prefix
+  logits, with the same false-positive rate as test_exactness (ALPHA = 1e-3, N_QUICK and N sizes). Power: the same test
+  rejects the engine with the replacement drawn from p instead of the residual (test_exactness.replacement_from_target).
+  Measured at N = 2,000 (seeds 0..1999): the correct engine p = 0.38 with acceptance 0.87; the mutant p = 4.5e-22, so
+  the test asserts p < 1e-12, far below ALPHA.
 
 llama.cpp's numerics are call-size dependent (its kernels tile by batch size): the measured largest logit
 difference of a position computed alone and inside a block or beside other rows is printed by
@@ -370,8 +371,8 @@ def test_the_same_test_rejects_the_replacement_drawn_from_the_target(target, dra
 
 
 def test_certify_scores_with_llama_cpps_own_logits(files):
-    """certify's scoring on llama.cpp (runtime_prompt_logits: the prompt once, shared by every slot) gives the cache-free
-    torch forward's logits on the same file, the rows of continuations that end early included."""
+    """certify's scoring on llama.cpp (runtime_prompt_logits: the prompt once, shared by every slot) gives the
+    cache-free torch forward's logits on the same file, the rows of continuations that end early included."""
     from exactspec.certification.certify import runtime_prompt_logits, shared_prompt_logits
 
     lean = LeanModel.from_pretrained(files[0], dtype=torch.float32, weights="dense")

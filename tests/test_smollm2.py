@@ -221,7 +221,8 @@ def generate(capsys, *args):
 
 @pytest.fixture(scope="module")
 def float32_lookup_run():
-    """`--user QUESTION`, float32 greedy, the default drafting (the shipped draft + prompt lookup): (exit code, JSON result)."""
+    """`--user QUESTION`, float32 greedy, the default drafting (the shipped draft + prompt lookup): (exit code, JSON
+    result)."""
     out = io.StringIO()  # capsys is function-scoped: capture by hand
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         code = main(["generate", *FLOAT32_GREEDY, "--user", QUESTION])

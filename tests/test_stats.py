@@ -16,7 +16,8 @@ def stats_of(*rounds: tuple[int, int]) -> GenerationStats:
 
 
 def test_modelled_seconds_charge_each_round_its_own_gamma():
-    """prefill as measured + sum over later rounds of gamma d + c(gamma + 1): here 0.2 + (10) + (2 * 3 + 16) + (4 * 3 + 30) ms."""
+    """prefill as measured + sum over later rounds of gamma d + c(gamma + 1): here
+    0.2 + (10) + (2 * 3 + 16) + (4 * 3 + 30) ms."""
     costs = {1: 10.0, 3: 16.0, 5: 30.0}
     assert stats_of((0, 0), (2, 1), (4, 4)).modelled_seconds(costs, 3.0) == pytest.approx(0.2 + (10 + 22 + 42) / 1000)
     assert stats_of((0, 0)).modelled_seconds(costs, None) == pytest.approx(0.21)  # plain rounds need no draft cost

@@ -379,8 +379,8 @@ def test_a_broken_feature_draft_is_a_one_line_error(target, tmp_path, capsys):
 
 
 def test_the_architecture_ablation_trains_each_variant_for_its_steps_on_one_run(target, tmp_path, monkeypatch, capsys):
-    """python -m exactspec.training.ablation on a train-draft run: every variant stops at --steps, reads the feature layers
-    and vocabulary it names, and gets acceptance by position, a draft step cost and a predicted speedup.
+    """python -m exactspec.training.ablation on a train-draft run: every variant stops at --steps, reads the feature
+    layers and vocabulary it names, and gets acceptance by position, a draft step cost and a predicted speedup.
 
     Training in bfloat16 only where the CPU computes it natively: under ``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512
     CPU (how this suite imitates an AVX2-only machine) torch's bfloat16 attention fails outright."""
@@ -776,7 +776,10 @@ def test_the_lean_teacher_reads_in_the_weight_form_measured_faster_here(target, 
         )
         assert form == expected and is_q4(model) == (expected == "q4") and model.dtype == torch.bfloat16
         assert lines == [
-            f"teacher weights: {expected} (a batch of 8 sequences: q4 {rates['q4']:,.0f} tokens/s, dense {rates['dense']:,.0f} tokens/s)"
+            (
+                f"teacher weights: {expected} (a batch of 8 sequences: q4 "
+                f"{rates['q4']:,.0f} tokens/s, dense {rates['dense']:,.0f} tokens/s)"
+            )
         ]
     monkeypatch.setattr(
         exactspec.loading, "native_bfloat16", lambda device="cpu": False
@@ -821,7 +824,7 @@ def test_training_steps_run_in_the_precision_asked_and_auto_follows_the_cpu(prec
     assert state["step"] == 2 and set(seen) == {getattr(torch, precision)}
     assert draft.fc.weight.dtype == torch.float32 and not torch.equal(draft.fc.weight, before)
     for native, expected in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr("exactspec.loading.native_bfloat16", lambda device="cpu": native)
+        monkeypatch.setattr("exactspec.loading.native_bfloat16", lambda device="cpu", native=native: native)
         assert train_precision("auto") == expected and train_precision(precision) == precision
     with pytest.raises(ValueError, match="--train-dtype"):
         TrainDraftArgs(tmp_path, tmp_path, train_dtype="float16")
@@ -829,7 +832,8 @@ def test_training_steps_run_in_the_precision_asked_and_auto_follows_the_cpu(prec
 
 def test_the_total_variation_term_adds_the_rejection_probability_of_one_drafted_token(tmp_path):
     """step_losses with --tv-weight w adds w * (1 - sum_v min(p(v), q(v))) per slot, over the teacher's top-k tokens
-    inside the head's subset, to the cross-entropy (each step's mean over its own slots); a negative weight is refused."""
+    inside the head's subset, to the cross-entropy (each step's mean over its own slots); a negative weight is
+    refused."""
     from exactspec.models.eagle import FeatureDraftConfig
     from exactspec.training.feature_draft import TrainDraftArgs, step_losses
 
@@ -870,7 +874,8 @@ def test_the_total_variation_term_adds_the_rejection_probability_of_one_drafted_
 
 @pytest.mark.parametrize("tv_weight", [0.0, 2.5])
 def test_training_steps_use_the_total_variation_weight_asked(tv_weight, tmp_path, monkeypatch):
-    """train_steps hands --tv-weight to step_losses at every step (the weight a run records is the one it trained with)."""
+    """train_steps hands --tv-weight to step_losses at every step (the weight a run records is the one it trained
+    with)."""
     from exactspec.training import feature_draft
     from exactspec.training.feature_draft import TrainDraftArgs, train_steps
 

@@ -23,7 +23,10 @@ def test_held_out_split_is_fixed_and_disjoint():
     assert "argparse.py" in rels and any(r.startswith("json/") for r in rels)
     assert all("site-packages" not in p.parts for p in train)
     assert len(HELD_OUT) >= 12
-    size = lambda ps: sum(p.stat().st_size for p in ps)
+
+    def size(ps):
+        return sum(p.stat().st_size for p in ps)
+
     assert 0.02 < size(held) / size(corpus_files(root)) < 0.08
 
 

@@ -143,7 +143,8 @@ def load_model(
 ) -> LanguageModel:
     """One model from a local checkpoint directory or ``.gguf`` file (never a download), on ``device``.
     ``weights`` and ``invariant`` are the lean backend's (:meth:`exactspec.models.lean.LeanModel.from_pretrained`);
-    the llamacpp backend runs a ``.gguf`` file as it is stored (``dtype`` does not apply: llama.cpp computes in float32)."""
+    the llamacpp backend runs a ``.gguf`` file as it is stored (``dtype`` does not apply: llama.cpp computes in
+    float32)."""
     device = check_device(device)
     if backend == "llamacpp":
         return _llama_cpp_model(path, weights, invariant, device)
@@ -205,12 +206,14 @@ def _feature_draft(directory: str | Path, target: LanguageModel, dtype: torch.dt
         draft = draft.to(dtype)
     else:
         raise ValueError(
-            f"{directory} is a feature-level draft: it reads the target's hidden states, which the lean and llamacpp backends provide"
+            f"{directory} is a feature-level draft: it reads the target's "
+            "hidden states, which the lean and llamacpp backends provide"
         )
     cfg = draft.cfg
     if cfg.target_hidden_size != hidden or max(cfg.feature_layers) >= layers or int(draft.vocab_ids.max()) >= vocab:
         raise ValueError(
-            f"{directory} was trained for another target (hidden size {cfg.target_hidden_size}, layers {cfg.feature_layers})"
+            f"{directory} was trained for another target (hidden size "
+            f"{cfg.target_hidden_size}, layers {cfg.feature_layers})"
         )
     return draft.attach_weights(embed, head)
 
@@ -309,9 +312,10 @@ class LoadedPair:
     tokenizer: TextTokenizer
 
     def proposer(self, lookup_routing: bool = True) -> LanguageModel | Proposer | None:
-        """What a :class:`exactspec.decoding.decoder.SpeculativeDecoder` drafts with: the draft model itself (the decoder wraps
-        it), or a feature-level draft's proposer (:mod:`exactspec.proposers.feature_draft`), with ``lookup_routing``
-        combined with prompt lookup where the context repeats itself (:class:`exactspec.proposers.LookupOrDraft`)."""
+        """What a :class:`exactspec.decoding.decoder.SpeculativeDecoder` drafts with: the draft model itself (the
+        decoder wraps it), or a feature-level draft's proposer (:mod:`exactspec.proposers.feature_draft`), with
+        ``lookup_routing`` combined with prompt lookup where the context repeats itself
+        (:class:`exactspec.proposers.LookupOrDraft`)."""
         from exactspec.models.eagle import FeatureDraft
         from exactspec.proposers import LookupOrDraft
         from exactspec.proposers.feature_draft import FeatureDraftProposer
@@ -443,13 +447,17 @@ class PairSpec:
             from exactspec.models.llamacpp import LlamaCppModel
 
             return f"{LlamaCppModel.precision}, call-size dependent"
-        return f"{self.dtype}, {self.weights} weights, {'call-size invariant' if self.invariant else 'call-size dependent'}"
+        return (
+            f"{self.dtype}, {self.weights} weights, "
+            f"{'call-size invariant' if self.invariant else 'call-size dependent'}"
+        )
 
     def load(self) -> LoadedPair:
         """The pair (no draft for plain decoding or prompt lookup), with torch's threads set as the spec says."""
         if self.backend == "auto":
             raise ValueError(
-                "backend auto is a choice to make first: exactspec.machine.choose(spec) measures this machine and makes it"
+                "backend auto is a choice to make first: "
+                "exactspec.machine.choose(spec) measures this machine and makes it"
             )
         target_dir, draft_dir = self.dirs()
         pair = load_pair(

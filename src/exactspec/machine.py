@@ -331,7 +331,8 @@ def choose(
         missing = [c for c in options if c.label not in cached]
         if missing and progress:
             progress(
-                f"measuring {len(missing)} ways to run {Path(str(target_dir)).name} on this machine (once; cached in {file.parent})"
+                f"measuring {len(missing)} ways to run {Path(str(target_dir)).name} "
+                f"on this machine (once; cached in {file.parent})"
             )
         for candidate in missing:
             m = measure(spec, candidate, max_gamma, params)
@@ -374,7 +375,8 @@ def choose(
 
 
 def _well_formed(entry) -> bool:
-    """A cached measurement: call costs for 1.. tokens as positive numbers, and a draft step that is a number or null."""
+    """A cached measurement: call costs for 1.. tokens as positive numbers, and a draft step that is a number or
+    null."""
     try:
         costs = {int(n): float(ms) for n, ms in entry["target_ms"].items()}
         step = entry["draft_step_ms"]

@@ -9,15 +9,15 @@ What ``generate`` does around the decoder lives here, so a library user gets all
   hub id in the local cache; the target's shipped draft, a draft checkpoint, prompt lookup or none; backend, precision,
   device and torch's threads (one for a small target).
 * **Gamma.** ``gamma="auto"`` runs :class:`exactspec.decoding.policy.AdaptiveGamma` from a cold start
-  (:func:`exactspec.decoding.coldstart.cold_start`: call costs measured once per sampling setting, the acceptance prior from
-  the policy cache or the draft's shipped figures) and adds each finished run's acceptance to the policy cache; the
+  (:func:`exactspec.decoding.coldstart.cold_start`: call costs measured once per sampling setting, the acceptance prior
+  from the policy cache or the draft's shipped figures) and adds each finished run's acceptance to the policy cache; the
   policy keeps learning across the object's calls. An integer fixes gamma (0: plain decoding).
 
 :func:`build_engine` gives serve, batch jobs, certification and benches the same pair as a batch engine of many
 slots on its runtime.
 
-Every generation is the engine's exact round (:mod:`exactspec.decoding.engine`) whatever is chosen here: these choices move
-speed, never the output law.
+Every generation is the engine's exact round (:mod:`exactspec.decoding.engine`) whatever is chosen here: these choices
+move speed, never the output law.
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ class Speculator:
             capacity = model_capacity(model) if model is not None else None
             if capacity is not None and needed > capacity:
                 raise ValueError(
-                    f"prompt ({len(prompt_ids)} tokens) + max_new_tokens {max_new_tokens} exceeds the {name} model's {capacity} positions"
+                    f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+                    f"{max_new_tokens} exceeds the {name} model's {capacity} positions"
                 )
 
     def _decoder(

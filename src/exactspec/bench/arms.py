@@ -338,8 +338,10 @@ COLUMNS = (
 
 def format_table(report: dict) -> str:
     header = [
-        f"target call {report['target_ms']:.2f} ms, draft call {report['draft_ms']:.2f} ms, c = {report['cost_ratio']:.3f}; "
-        "verify cost (gamma: cost of gamma+1 tokens over 1) "
+        (
+            f"target call {report['target_ms']:.2f} ms, draft call {report['draft_ms']:.2f} ms, c "
+            f"= {report['cost_ratio']:.3f}; verify cost (gamma: cost of gamma+1 tokens over 1) "
+        )
         + ", ".join(f"{g}: {v:.2f}" for g, v in enumerate(report["verify_cost"]) if g),
         "one-token call, ms: " + ", ".join(f"{name} {ms:.2f}" for name, ms in report["call_ms"].items()),
     ]

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
         unified, split = statistics.median(rates[False]), statistics.median(rates[True])
         rows.append({"slots": slots, "unified_tokens_per_s": round(unified, 1), "split_tokens_per_s": round(split, 1)})
         print(
-            f"{slots:3d} slots: unified {unified:6.1f} tok/s, split {split:6.1f} tok/s, split/unified {split / unified:.2f}"
+            f"{slots:3d} slots: unified {unified:6.1f} tok/s, split "
+            f"{split:6.1f} tok/s, split/unified {split / unified:.2f}"
         )
     print(json.dumps({"machine": signature, "threads": args.threads, "context": args.context, "rows": rows}))
 

@@ -72,7 +72,8 @@ def profile(
     plain_ms: Mapping[int, float], capture_ms: Mapping[int, float], draft_ms: float, acceptance: Sequence[float]
 ) -> dict:
     """The prediction and the ceilings of the module docstring, from measured costs (ms by call size n = 1..K+1, K =
-    ``len(acceptance)``; ``plain_ms`` without the draft's needs, ``capture_ms`` with them) and acceptance by position."""
+    ``len(acceptance)``; ``plain_ms`` without the draft's needs, ``capture_ms`` with them) and acceptance by
+    position."""
     base = plain_ms[1]
     flat = {n: capture_ms[1] for n in capture_ms}
     return {
@@ -154,8 +155,11 @@ def format_profiles(report: dict) -> str:
         lines += [
             "",
             f"== {runtime['runtime']} ==",
-            f"c(n) plain: {', '.join(f'{ms:.1f}' for ms in c.values())} ms; with capture: "
-            f"{', '.join(f'{ms:.1f}' for ms in cap.values())} ms (n = 1..{len(cap)}); draft step {runtime['draft_step_ms']:.2f} ms",
+            (
+                f"c(n) plain: {', '.join(f'{ms:.1f}' for ms in c.values())} ms; "
+                f"with capture: {', '.join(f'{ms:.1f}' for ms in cap.values())} ms "
+                f"(n = 1..{len(cap)}); draft step {runtime['draft_step_ms']:.2f} ms"
+            ),
         ]
         for mode, p in runtime["modes"].items():
             even = p["break_even_acceptance"]

@@ -11,7 +11,8 @@ median over prompts, for each sampling mode.
     python -m exactspec.bench.cold_start                          # the default: code + heldout, greedy and T=1
     python -m exactspec.bench.cold_start --prompts 2 --repeats 1  # a quick look
     python -m exactspec.bench.cold_start --extra=--no-policy-cache  # first run on a machine: shipped priors only
-    python -m exactspec.bench.cold_start --gammas plain --extra=--target=T --extra=--draft=D  # a useless draft D: auto vs plain
+    # a useless draft D: auto vs plain
+    python -m exactspec.bench.cold_start --gammas plain --extra=--target=T --extra=--draft=D
 
 Run it with nothing else busy on the machine; it states threads and dtype.
 """
@@ -83,7 +84,8 @@ def main() -> None:
                         raw[key].setdefault("auto_gammas", []).append(result["gammas_used"])
                     print(f"{key} {arm:>4} {result['tokens_per_second']:7.1f} tok/s", file=sys.stderr)
     print(
-        f"{args.max_new_tokens} new tokens per run, {args.repeats} repetitions, dtype: the default (bfloat16 where the CPU has it natively, else float32), torch threads: default"
+        f"{args.max_new_tokens} new tokens per run, {args.repeats} repetitions, dtype: the "
+        "default (bfloat16 where the CPU has it natively, else float32), torch threads: default"
     )
     print(f"{'mode/prompt':<18}" + "".join(f"{a:>8}" for a in arms) + f"{'best':>6}{'auto/best':>11}")
     for mode in args.modes.split(","):
@@ -96,7 +98,8 @@ def main() -> None:
             ratios.append(medians["auto"] / medians[best])
             print(f"{key:<18}" + "".join(f"{medians[a]:8.1f}" for a in arms) + f"{best:>6}{ratios[-1]:11.3f}")
         print(
-            f"{mode}: median auto / best fixed in hindsight = {statistics.median(ratios):.3f} over {len(ratios)} prompts"
+            f"{mode}: median auto / best fixed in hindsight = "
+            f"{statistics.median(ratios):.3f} over {len(ratios)} prompts"
         )
     if args.output:
         with open(args.output, "w") as file:

@@ -56,9 +56,9 @@ __all__ = [
 ENVIRONMENT = "EXACTSPEC_LLAMA_SERVER"
 #: llama-server's modes that need no draft model; "plain" is no speculation at all.
 SPEC_TYPES = ("plain", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
-#: The same modes with short n-grams ("MODE:short"): a match of 2 tokens (4 for ngram-mod) drafts up to 6. llama-server's
-#: defaults (a 12-token match drafting 48, or 24 drafting up to 64) suit long contexts that repeat whole blocks; in a
-#: short answer they rarely draft at all.
+#: The same modes with short n-grams ("MODE:short"): a match of 2 tokens (4 for ngram-mod) drafts up to 6.
+#: llama-server's defaults (a 12-token match drafting 48, or 24 drafting up to 64) suit long contexts that repeat whole
+#: blocks; in a short answer they rarely draft at all.
 SHORT_NGRAMS = {
     "ngram-simple": ("--spec-ngram-simple-size-n", "2", "--spec-ngram-simple-size-m", "6"),
     "ngram-map-k": ("--spec-ngram-map-k-size-n", "2", "--spec-ngram-map-k-size-m", "6"),
@@ -128,8 +128,8 @@ def sampling_fields(params: SamplingParams, context_tokens: int) -> dict:
     counts the completion only (OpenAI's convention): a different law, so they are refused here."""
     if params.presence_penalty or params.frequency_penalty:
         raise ValueError(
-            "llama-server counts presence and frequency penalties over the prompt too, exactspec (like OpenAI) over the "
-            "completion only, so their laws differ: audit the repetition penalty alone"
+            "llama-server counts presence and frequency penalties over the prompt too, exactspec (like "
+            "OpenAI) over the completion only, so their laws differ: audit the repetition penalty alone"
         )
     if params.logit_bias or params.allowed_token_ids is not None or params.banned_token_ids:
         raise ValueError("logit bias and allowed or banned token sets are not sent to llama-server")
@@ -180,14 +180,15 @@ class LlamaServerConfig:
     def __post_init__(self) -> None:
         if self.threads < 1 or self.parallel < 1 or self.context < 16 or self.draft_tokens < 1:
             raise ValueError(
-                f"threads, parallel and draft_tokens must be >= 1 and context >= 16, got {self.threads}, {self.parallel}, "
-                f"{self.draft_tokens}, {self.context}"
+                "threads, parallel and draft_tokens must be >= 1 and context >= 16, got "
+                f"{self.threads}, {self.parallel}, {self.draft_tokens}, {self.context}"
             )
         if self.mode not in MODES:
             raise ValueError(f"llama-server mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         if (self.mode in DRAFT_MODES) != (self.draft_model is not None):
             raise ValueError(
-                "llama-server's draft-eagle3 mode, and only it, takes a draft model (an EAGLE-3 GGUF file from export-eagle3 --gguf)"
+                "llama-server's draft-eagle3 mode, and only it, takes a draft "
+                "model (an EAGLE-3 GGUF file from export-eagle3 --gguf)"
             )
 
     def command(self, port: int) -> list[str]:
@@ -207,8 +208,8 @@ class LlamaServerConfig:
                 str(self.draft_tokens),
                 "--spec-draft-p-min",
                 "0",
-                # the draft's top-k on the CPU sampler: llama-server's in-graph one (its default) drafts wrong tokens for
-                # all but one of the slots whose drafts share a batch (docs/llama-server.md); alone they agree
+                # the draft's top-k on the CPU sampler: llama-server's in-graph one (its default) drafts wrong tokens
+                # for all but one of the slots whose drafts share a batch (docs/llama-server.md); alone they agree
                 "--no-spec-draft-backend-sampling",
             ]
         return [
@@ -234,7 +235,8 @@ class LlamaServerConfig:
 
 
 class LlamaServerExited(RuntimeError):
-    """llama-server ended before it was ready; ``returncode`` is its exit status (negative: the signal that killed it)."""
+    """llama-server ended before it was ready; ``returncode`` is its exit status (negative: the signal that killed
+    it)."""
 
     def __init__(self, message: str, returncode: int):
         super().__init__(message)
@@ -290,7 +292,8 @@ class LlamaServer:
                 pass
             time.sleep(0.1)
         raise RuntimeError(
-            f"llama-server ({self.config.mode}) was not ready after {self.config.startup_timeout:g} s: {self.log_tail()}"
+            f"llama-server ({self.config.mode}) was not ready after "
+            f"{self.config.startup_timeout:g} s: {self.log_tail()}"
         )
 
     @property
@@ -438,4 +441,4 @@ if __name__ == "__main__":
         _timed_run()
     except (OSError, ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(1) from None

@@ -1,4 +1,5 @@
-"""llama.cpp's call cost with its extra weight buffers (its AMX kernels, where built for them) and with its plain kernels.
+"""llama.cpp's call cost with its extra weight buffers (its AMX kernels, where built for them) and with its plain
+kernels.
 
 ``python -m exactspec.bench.llamacpp_kernels --target smollm2 --threads 2`` times c(n), one call of n tokens after a
 100-token context, for each n in ``--sizes``: the median of ``--calls`` calls, then the median over ``--repeats``

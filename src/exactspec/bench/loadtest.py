@@ -252,9 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         lat, ttft = report["latency_seconds"], report["ttft_seconds"]
         print(
-            f"{config.clients} clients x {config.seconds:.0f} s, {config.max_tokens} tokens per request: {report['completed']} requests, "
-            f"{len(report['errors'])} errors, {len(report['mismatches'])} mismatches of {report['checked_against_solo']} checked alone\n"
-            f"aggregate {report['aggregate_tokens_per_second']:.1f} tokens/s = {report['speedup_over_one_plain_client']:.2f}x one plain client "
+            f"{config.clients} clients x {config.seconds:.0f} s, {config.max_tokens} tokens per request: "
+            f"{report['completed']} requests, {len(report['errors'])} errors, {len(report['mismatches'])} mismatches "
+            f"of {report['checked_against_solo']} checked alone\n"
+            f"aggregate {report['aggregate_tokens_per_second']:.1f} tokens/s = "
+            f"{report['speedup_over_one_plain_client']:.2f}x one plain client "
             f"({report['baseline_tokens_per_second']:.1f} tokens/s)\n"
             f"latency p50/p95/p99 {lat['p50']:.2f}/{lat['p95']:.2f}/{lat['p99']:.2f} s, "
             f"time to first token {ttft['p50']:.3f}/{ttft['p95']:.3f}/{ttft['p99']:.3f} s, "

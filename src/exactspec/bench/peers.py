@@ -2,13 +2,15 @@
 
 Arms: exactspec plain (``--no-speculation``), exactspec with prompt lookup, exactspec with a trained draft (when
 one is given or shipped), all three on the torch runtime unless ``--backend`` names another; exactspec as a user
-runs it (``--backend auto``: the runtime this machine's measurement chose, the default drafting); the same three again on exactspec's llama.cpp runtime (``--backend llamacpp``, when
-llama-cpp-python is installed: the same kernels as the llama.cpp arms, so the difference is the method), llama.cpp plain and llama.cpp with prompt lookup (llama-cpp-python's
-``LlamaPromptLookupDecoding``); llama-server (llama.cpp's own server, a newer llama.cpp than llama-cpp-python's) plain and in each of
-its draft-free speculative modes (:mod:`exactspec.bench.llama_server`), when it is installed. Same chat prompts, greedy (T=0) and/or sampled (T=1, no truncation: llama.cpp's
-default top-k, top-p and min-p are switched off), the same thread count, and exactly ``max_new_tokens`` new tokens in every arm (end-of-sequence
-tokens are never chosen: ``--ignore-eos`` here, a -inf logit bias in llama.cpp), so that no arm's rate is a
-different mix of prompt processing and decoding.
+runs it (``--backend auto``: the runtime this machine's measurement chose, the default drafting); the same three again
+on exactspec's llama.cpp runtime (``--backend llamacpp``, when llama-cpp-python is installed: the same kernels as the
+llama.cpp arms, so the difference is the method), llama.cpp plain and llama.cpp with prompt lookup (llama-cpp-python's
+``LlamaPromptLookupDecoding``); llama-server (llama.cpp's own server, a newer llama.cpp than llama-cpp-python's) plain
+and in each of its draft-free speculative modes (:mod:`exactspec.bench.llama_server`), when it is installed. Same chat
+prompts, greedy (T=0) and/or sampled (T=1, no truncation: llama.cpp's default top-k, top-p and min-p are switched off),
+the same thread count, and exactly ``max_new_tokens`` new tokens in every arm (end-of-sequence tokens are never chosen:
+``--ignore-eos`` here, a -inf logit bias in llama.cpp), so that no arm's rate is a different mix of prompt processing
+and decoding.
 
 Every run is its own process (exactspec: ``exactspec generate --json``; llama.cpp: ``python -m exactspec.bench.peers``),
 so no arm's threads compete with another's (llama.cpp's workers spin while idle) and each starts as a user's
@@ -62,7 +64,8 @@ MODES = {"greedy": 0.0, "sample": 1.0}  # temperature
 #: (plain and its speculative modes).
 ARM_GROUPS = ("torch", "default", "llamacpp-runtime", "llama.cpp", "llama-server")
 #: With an exported draft (--llama-server-draft) and the same draft as exactspec's (--draft), both tools draft this many
-#: tokens a round from it (llama-server's default length), and the report sets their tokens per target call side by side.
+#: tokens a round from it (llama-server's default length), and the report sets their tokens per target call side by
+#: side.
 CROSS_CHECK_GAMMA = 3
 CROSS_CHECK_ARM = f"exactspec trained draft (llama.cpp runtime, gamma {CROSS_CHECK_GAMMA}, no lookup)"
 
@@ -93,13 +96,15 @@ class PeerBenchConfig:
             raise ValueError(f"modes must be among {', '.join(MODES)}, got {self.modes}")
         if not self.workloads or set(self.workloads) - set(CHAT_WORKLOADS):
             raise ValueError(
-                f"--workloads: against llama.cpp the workloads are {', '.join(CHAT_WORKLOADS)}, got {', '.join(self.workloads)}"
+                "--workloads: against llama.cpp the workloads are "
+                f"{', '.join(CHAT_WORKLOADS)}, got {', '.join(self.workloads)}"
             )
         if not self.arm_groups or set(self.arm_groups) - set(ARM_GROUPS):
             raise ValueError(f"--arms must be among {', '.join(ARM_GROUPS)}, got {', '.join(self.arm_groups)}")
         if not self.llama_server_modes or set(self.llama_server_modes) - set(DRAFT_FREE_MODES):
             raise ValueError(
-                f"llama-server modes must be among {', '.join(DRAFT_FREE_MODES)}, got {', '.join(self.llama_server_modes)}"
+                f"llama-server modes must be among {', '.join(DRAFT_FREE_MODES)}, "
+                f"got {', '.join(self.llama_server_modes)}"
             )
         fewest = min(len(CHAT_WORKLOADS[w]) for w in self.workloads)
         if self.num_prompts > fewest:
@@ -311,7 +316,10 @@ def run_peer_bench(config: PeerBenchConfig, progress: bool = True) -> dict:
                     for arm in arms:
                         if progress:
                             print(
-                                f"\r[{mode}, {workload} {i + 1}/{len(prompts)}, repetition {r + 1}/{config.repeats}] {arm.name:48s}",
+                                (
+                                    f"\r[{mode}, {workload} {i + 1}/{len(prompts)}, "
+                                    f"repetition {r + 1}/{config.repeats}] {arm.name:48s}"
+                                ),
                                 end="",
                                 file=sys.stderr,
                                 flush=True,
@@ -377,9 +385,11 @@ COLUMNS = (
 def format_peer_table(report: dict) -> str:
     c = report["config"]
     header = [
-        f"{Path(c['target']).name}: {c['max_new_tokens']} new tokens, {c['threads']} threads, {c['num_prompts']} prompts per "
-        f"workload x {c['repeats']} repetitions (medians; spread: lowest-highest prompt median), each run its own process; "
-        "greedy: T=0, sample: T=1"
+        (
+            f"{Path(c['target']).name}: {c['max_new_tokens']} new tokens, {c['threads']} threads, "
+            f"{c['num_prompts']} prompts per workload x {c['repeats']} repetitions (medians; spread: "
+            "lowest-highest prompt median), each run its own process; greedy: T=0, sample: T=1"
+        )
     ]
     if report.get("llama_cpp"):
         header.append(f"llama-cpp-python {report['llama_cpp']['version']}: {report['llama_cpp']['system_info']}")
@@ -390,7 +400,10 @@ def format_peer_table(report: dict) -> str:
             )
     if report.get("llama_server"):
         header.append(
-            f"llama-server ({report['config']['llama_server']}): {report['llama_server']}; its own defaults for each mode"
+            (
+                f"llama-server ({report['config']['llama_server']}): "
+                f"{report['llama_server']}; its own defaults for each mode"
+            )
             + (
                 "; --no-repack: with its repacked weights (its AMX kernels) this build crashed (docs/runtimes.md)"
                 if report.get("llama_server_repack") is False

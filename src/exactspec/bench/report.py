@@ -39,7 +39,8 @@ def groups(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
 
 
 def add_ratios(rows: list[dict], key: str, baseline: str | None) -> None:
-    """Set ``row[key]``: the row's rate over the rate of arm ``baseline`` in its group (None where that arm is absent)."""
+    """Set ``row[key]``: the row's rate over the rate of arm ``baseline`` in its group (None where that arm is
+    absent)."""
     for group in groups(rows).values():
         base = next((r["tokens_per_second"] for r in group if r["arm"] == baseline), None)
         for row in group:

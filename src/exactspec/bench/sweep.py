@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in report["rows"]:
         share = "-" if row["speculating_share"] is None else f"{row['speculating_share']:.2f}"
         print(
-            f"c={row['concurrency']:2d} {row['mode']:5s} {row['tokens_per_second']:7.1f} tokens/s, latency {row['mean_latency_seconds']:.2f} s, speculating {share}"
+            f"c={row['concurrency']:2d} {row['mode']:5s} {row['tokens_per_second']:7.1f} "
+            f"tokens/s, latency {row['mean_latency_seconds']:.2f} s, speculating {share}"
         )
     return 0
 

@@ -37,19 +37,33 @@ CHAT_WORKLOADS = {  # user turns for an instruct model, by workload
     ),
     "code": (  # code completion
         'Complete this Python code:\n\ndef fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-        "Complete this Python code:\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-        'Complete this Python code:\n\nimport json\n\ndef load_config(path):\n    """Read a JSON file and return its content as a dict."""\n',
-        'Complete this Python code:\n\ndef is_palindrome(text):\n    """True if text reads the same backwards, ignoring case and spaces."""\n',
+        (
+            "Complete this Python code:\n\nclass Stack:\n    def __init__(self):\n"
+            "        self.items = []\n\n    def push(self, item):\n"
+        ),
+        (
+            "Complete this Python code:\n\nimport json\n\ndef load_config(path):\n"
+            '    """Read a JSON file and return its content as a dict."""\n'
+        ),
+        (
+            "Complete this Python code:\n\ndef is_palindrome(text):\n"
+            '    """True if text reads the same backwards, ignoring case and spaces."""\n'
+        ),
     ),
     "grounded": (  # repeat a given text with a change
         "Repeat this code, renaming the variable total to result:\n\ndef add_all(numbers):\n    total = 0\n"
         "    for number in numbers:\n        total = total + number\n    print(total)\n    return total\n",
-        "Repeat this list, replacing every comma with a semicolon: apples, pears, plums, cherries, grapes, lemons, limes, "
-        "melons, figs, dates, oranges, kiwis, peaches, mangoes.",
+        (
+            "Repeat this list, replacing every comma with a semicolon: apples, pears, plums, "
+            "cherries, grapes, lemons, limes, melons, figs, dates, oranges, kiwis, peaches, mangoes."
+        ),
         "Copy this paragraph, changing the name Anna to Maria: Anna walked to the market in the morning. Anna bought "
         "bread, cheese and tomatoes. On the way home Anna met a friend, and Anna told her about the new library.",
-        "Repeat this code with the function renamed from area to rectangle_area:\n\ndef area(width, height):\n"
-        '    """Return the area of a rectangle."""\n    return width * height\n\nprint(area(3, 4))\nprint(area(5, 6))\n',
+        (
+            "Repeat this code with the function renamed from area to rectangle_area:\n\ndef area(width, height):\n"
+            '    """Return the area of a rectangle."""\n    return width * height\n\n'
+            "print(area(3, 4))\nprint(area(5, 6))\n"
+        ),
     ),
 }
 

@@ -270,7 +270,8 @@ def audit(
     bar.close()
     if not tests:
         raise RuntimeError(
-            f"the servers returned too few tokens to test (a test needs {MIN_TEST_TOKENS} per configuration); raise --requests or --max-tokens"
+            "the servers returned too few tokens to test (a test needs "
+            f"{MIN_TEST_TOKENS} per configuration); raise --requests or --max-tokens"
         )
     tests = holm(tests, config.alpha)
     n = min(c["endpoint"] for c in per_config.values())
@@ -292,13 +293,20 @@ def audit(
 def format_audit_table(report: dict) -> str:
     config = report["config"]
     lines = [
-        f"audit of {config['endpoint']} ({config['model']}), scored in {report['precision']}: "
-        f"{'PASS' if report['passed'] else 'FAIL'} at family-wise rate {config['alpha']:g} (Holm over {len(report['tests'])} tests)",
-        f"tokens per configuration: {json.dumps(report['tokens'])}; detectable per-token TV about {report['detectable_tv']:.4f}",
+        (
+            f"audit of {config['endpoint']} ({config['model']}), scored in "
+            f"{report['precision']}: {'PASS' if report['passed'] else 'FAIL'} at "
+            f"family-wise rate {config['alpha']:g} (Holm over {len(report['tests'])} tests)"
+        ),
+        (
+            f"tokens per configuration: {json.dumps(report['tokens'])}; "
+            f"detectable per-token TV about {report['detectable_tv']:.4f}"
+        ),
     ]
     for name, counts in (report.get("speculation") or {}).items():
         lines.append(
-            f"speculation ({name}): {counts['accepted']} of {counts['tokens']} tokens were accepted drafts ({counts['drafted']} drafted)"
+            f"speculation ({name}): {counts['accepted']} of {counts['tokens']} "
+            f"tokens were accepted drafts ({counts['drafted']} drafted)"
         )
     lines.append("smallest adjusted p-values:")
     lines += [

@@ -6,8 +6,9 @@ Per sampling configuration:
    server's batch engine (:mod:`exactspec.decoding.engine`), each sequence seeded; every token is tagged with its
    position in its round and whether it was an accepted draft token or the round's replacement/bonus token;
 2. score: a plain cache-free target forward of each whole sequence (the prompt's positions computed once for all
-   its sequences, :func:`shared_prompt_logits`) gives the target's processed distribution at every generated position (:func:`exactspec.decoding.sampling.block_probs` on the prefix of that position), and each token's
-   randomized PIT value (:mod:`.pit`);
+   its sequences, :func:`shared_prompt_logits`) gives the target's processed distribution at every generated position
+   (:func:`exactspec.decoding.sampling.block_probs` on the prefix of that position), and each token's randomized PIT
+   value (:mod:`.pit`);
 3. test: uniformity (Kolmogorov-Smirnov) of all PIT values and of those at each position in the round, and a
    chi-square goodness of fit of the next token after every prefix seen often enough, per prefix depth
    (:mod:`.pit` says which subsets are valid); Holm over every test of every configuration, so the family-wise
@@ -135,7 +136,8 @@ class CertifyConfig:
             raise ValueError("sequences, max_tokens, gamma and slots must be >= 1")
         if self.sequences * self.max_tokens < MIN_TEST_TOKENS:
             raise ValueError(
-                f"sequences x max_tokens is {self.sequences * self.max_tokens}; a test needs at least {MIN_TEST_TOKENS} tokens"
+                f"sequences x max_tokens is {self.sequences * self.max_tokens}; "
+                f"a test needs at least {MIN_TEST_TOKENS} tokens"
             )
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
@@ -332,7 +334,8 @@ def _scorer(target, vocab: int, batch: int, max_len: int):
 def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed: int, batch: int = 32) -> dict:
     """PIT values of every generated token in each order (:data:`ORDERS`; NaN where the order does not apply) under
     the target's processed distribution given its own prefix, from a plain cache-free forward of the sequences of
-    each prompt (:func:`shared_prompt_logits`, or :func:`runtime_prompt_logits` on llama.cpp; up to ``batch`` at a time).
+    each prompt (:func:`shared_prompt_logits`, or :func:`runtime_prompt_logits` on llama.cpp; up to ``batch`` at a
+    time).
 
     A run is ``{"prompt": ids, "tokens": ids}``, with ``"positions"``, ``"kinds"`` (round positions and token kinds)
     and ``"q"`` (the recorded draft distributions) where the sampler is white-box."""
@@ -548,7 +551,8 @@ def certify(
         }
     if not tests:
         raise ValueError(
-            f"no configuration produced the {MIN_TEST_TOKENS} tokens a test needs (sequences ended early); raise --sequences"
+            f"no configuration produced the {MIN_TEST_TOKENS} tokens "
+            "a test needs (sequences ended early); raise --sequences"
         )
     tests = holm(tests, config.alpha)
     sampled_tokens = sum(c["tokens"] for c in per_config.values())
@@ -620,7 +624,10 @@ def _self_check(kind: str, sampler, config: CertifyConfig) -> dict:
                 "rejected": True,
                 "smallest_adjusted_p": 0.0,
                 "largest_ks_distance": ks,
-                "by": f"draw replay: {draws['mismatched']} of {draws['replayed']} draft tokens are not the reported q's draw",
+                "by": (
+                    f"draw replay: {draws['mismatched']} of {draws['replayed']} "
+                    "draft tokens are not the reported q's draw"
+                ),
                 "tests_adjusted_p": worst.adjusted_p,
             }
             continue

@@ -145,7 +145,7 @@ def format_llama_server_table(report: dict) -> str:
             f"{f'{accepted}/{tokens} accepted':>20s} {smallest['adjusted_p']:11.3g}  {smallest['name']}{note}"
         )
     lines.append(
-        "TV: the per-token total-variation distance each mode's tests detect at that rate; "
-        "drafted tokens: tokens that were accepted drafts, of all tokens tested; smallest p: of the tests a verdict rests on"
+        "TV: the per-token total-variation distance each mode's tests detect at that rate; drafted tokens: "
+        "tokens that were accepted drafts, of all tokens tested; smallest p: of the tests a verdict rests on"
     )
     return "\n".join(lines)

@@ -84,7 +84,8 @@ def _keyed_masses(probs: torch.Tensor, keys: torch.Tensor, own: torch.Tensor) ->
 # The orders certification uses, each computed in as few passes over the vocabulary as it needs: the order by p
 # needs two, the order by recency reuses them and corrects for the few tokens seen before, and the order by q / p
 # only looks at the draft's recorded tokens (every other token has q = 0, ratio 0). Each equals
-# keyed_pit_values under the key its docstring names, up to the order of floating-point sums (tests/test_certification.py).
+# keyed_pit_values under the key its docstring names, up to the order of floating-point sums
+# (tests/test_certification.py).
 
 
 def p_order_masses(

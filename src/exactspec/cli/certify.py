@@ -104,7 +104,10 @@ def add(add_command) -> None:
     """The ``certify`` command: its flags, run and show."""
     certify = add_command(
         "certify",
-        help="a statistical test that the pair's speculative output follows the target's sampling law, on its real vocabulary",
+        help=(
+            "a statistical test that the pair's speculative output "
+            "follows the target's sampling law, on its real vocabulary"
+        ),
     )
     add_model_arguments(certify)
     from exactspec.certification.certify import CONFIGS, MUTANT_CONFIG, CertifyConfig
@@ -114,7 +117,10 @@ def add(add_command) -> None:
         "--configs",
         type=list_of(one_of(tuple(CONFIGS)), f"names from {', '.join(CONFIGS)}"),
         default=defaults.configs,
-        help=f"comma-separated sampling configurations (default: all: {', '.join(CONFIGS)}); greedy is always checked apart",
+        help=(
+            "comma-separated sampling configurations (default: all: "
+            f"{', '.join(CONFIGS)}); greedy is always checked apart"
+        ),
     )
     certify.add_argument(
         "--sequences",
@@ -148,7 +154,10 @@ def add(add_command) -> None:
     )
     certify.add_argument(
         "--prompts-file",
-        help="prompts, one per line (\\n for a newline inside one); default: chat questions in the model's template, or code openings",
+        help=(
+            "prompts, one per line (\\n for a newline inside one); default: "
+            "chat questions in the model's template, or code openings"
+        ),
     )
     certify.add_argument(
         "--output-dir", default="certify_out", help="where certify.json, certify.txt and certify.png go"

@@ -115,45 +115,72 @@ def json_object(text: str) -> dict:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",
-        help=f"target checkpoint: a directory, a .gguf file, a packaged model ({', '.join(PACKAGED_MODELS)}), or a hub id (org/name) in the local Hugging Face cache (default: the shipped target)",
+        help=(
+            f"target checkpoint: a directory, a .gguf file, a packaged model ({', '.join(PACKAGED_MODELS)}), "
+            "or a hub id (org/name) in the local Hugging Face cache (default: the shipped target)"
+        ),
     )
     parser.add_argument(
         "--draft",
-        help=f"draft checkpoint, as --target, or '{LOOKUP}' for prompt-lookup drafting (default: the shipped draft; with --target alone, {LOOKUP})",
+        help=(
+            f"draft checkpoint, as --target, or '{LOOKUP}' for prompt-lookup "
+            f"drafting (default: the shipped draft; with --target alone, {LOOKUP})"
+        ),
     )
     parser.add_argument(
         "--download",
         action="store_true",
-        help="fetch a hub id (org/name) that is not in the local Hugging Face cache; the only time exactspec uses the network",
+        help=(
+            "fetch a hub id (org/name) that is not in the local Hugging "
+            "Face cache; the only time exactspec uses the network"
+        ),
     )
     parser.add_argument(
         "--threads",
         type=integer(1),
-        help=f"CPU threads for torch (default: 1 for targets under {SMALL_MODEL_PARAMETERS // 10**6}M parameters, whose calls are too short to share, else torch's own choice)",
+        help=(
+            f"CPU threads for torch (default: 1 for targets under {SMALL_MODEL_PARAMETERS // 10**6}M "
+            "parameters, whose calls are too short to share, else torch's own choice)"
+        ),
     )
     parser.add_argument(
         "--backend",
         choices=["auto", "lean", "hf", "llamacpp"],
         default="auto",
-        help="auto: the runtime, precision and threads this machine runs the pair fastest with, measured the first time and cached (see docs/runtimes.md); lean (Llama-family, torch), hf (any causal LM) or llamacpp (a .gguf file on llama.cpp's kernels: pip install 'exactspec[llamacpp]')",
+        help=(
+            "auto: the runtime, precision and threads this machine runs the pair fastest with, measured "
+            "the first time and cached (see docs/runtimes.md); lean (Llama-family, torch), hf (any causal "
+            "LM) or llamacpp (a .gguf file on llama.cpp's kernels: pip install 'exactspec[llamacpp]')"
+        ),
     )
     parser.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:N or mps")
     parser.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16"],
         default="auto",
-        help="bfloat16: faster, flat verify cost, where the CPU (AVX-512 BF16, AMX) or GPU has it natively; float32: closer to the checkpoint's own numbers; auto: bfloat16 where native or for a GGUF file's q4 weights, else float32",
+        help=(
+            "bfloat16: faster, flat verify cost, where the CPU (AVX-512 BF16, AMX) or "
+            "GPU has it natively; float32: closer to the checkpoint's own numbers; "
+            "auto: bfloat16 where native or for a GGUF file's q4 weights, else float32"
+        ),
     )
     parser.add_argument(
         "--weights",
         choices=["auto", "dense", "q4"],
         default="auto",
-        help="dense: dequantize every weight to --dtype; q4: keep a GGUF file's 4-bit projections and run torch's int4 CPU kernel (bfloat16, CPU, lean backend; faster one-token calls); auto: q4 where it can run, else dense",
+        help=(
+            "dense: dequantize every weight to --dtype; q4: keep a GGUF file's 4-bit projections and run torch's int4 "
+            "CPU kernel (bfloat16, CPU, lean backend; faster one-token calls); auto: q4 where it can run, else dense"
+        ),
     )
     parser.add_argument(
         "--invariant",
         action="store_true",
-        help="call-size-invariant numerics (lean backend): a position's logits are the same bits whether computed alone or in a block of up to 17, so speculative output follows exactly the law of plain decoding in this precision; costs time (see docs/precision.md)",
+        help=(
+            "call-size-invariant numerics (lean backend): a position's logits are the same bits "
+            "whether computed alone or in a block of up to 17, so speculative output follows exactly "
+            "the law of plain decoding in this precision; costs time (see docs/precision.md)"
+        ),
     )
 
 

@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def show(r: dict) -> None:
     print(
-        f"gamma {r['gamma']}, alpha {r['alpha']}, cost ratio c {r['cost_ratio']:.4g}, verify cost {r['verify_cost']:.4g}"
+        f"gamma {r['gamma']}, alpha {r['alpha']}, cost ratio c "
+        f"{r['cost_ratio']:.4g}, verify cost {r['verify_cost']:.4g}"
     )
     print(f"tokens per round  {r['tokens_per_round']:.4f}")
     print(f"ms per token      {r['ms_per_token']:.2f}  (plain decoding: {r['baseline_ms_per_token']:.2f})")

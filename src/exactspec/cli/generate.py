@@ -155,7 +155,8 @@ def _prompt_text(args: argparse.Namespace) -> str:
     given = [args.prompt is not None, args.prompt_file is not None, args.user is not None]
     if sum(given) != 1:
         raise CliError(
-            "give the prompt as an argument, as - (standard input), with --prompt-file or with --user, exactly one of them"
+            "give the prompt as an argument, as - (standard input), "
+            "with --prompt-file or with --user, exactly one of them"
         )
     if args.user is not None:
         return args.user
@@ -238,7 +239,10 @@ def add(add_command) -> None:
         "--verify",
         choices=RULES,
         default="block",
-        help="verification of sampled drafts: block (the optimal exact rule, default) or token (token-wise min(1, p/q)); greedy and lookup drafts are unaffected",
+        help=(
+            "verification of sampled drafts: block (the optimal exact rule, default) or "
+            "token (token-wise min(1, p/q)); greedy and lookup drafts are unaffected"
+        ),
     )
     generate.add_argument(
         "--seed",
@@ -255,7 +259,10 @@ def add(add_command) -> None:
     generate.add_argument(
         "--no-policy-cache",
         action="store_true",
-        help="with --gamma auto: neither read nor write the acceptance remembered from the last run of this pair (see `exactspec cache`)",
+        help=(
+            "with --gamma auto: neither read nor write the acceptance "
+            "remembered from the last run of this pair (see `exactspec cache`)"
+        ),
     )
     generate.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     add_sampling_arguments(generate)

@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> dict:
     pair = load(args, with_draft=True)
     if pair.draft is None:
         raise CliError(
-            "generate-batch drafts with a draft model or a trained feature draft: give --draft DIR (or use a target that ships one)"
+            "generate-batch drafts with a draft model or a trained feature "
+            "draft: give --draft DIR (or use a target that ships one)"
         )
     try:
         for line, obj in enumerate(requests):  # every line checked before any work
@@ -76,14 +77,18 @@ def run(args: argparse.Namespace) -> dict:
         args.verify,
     )
     if args.ray is None:
-        produce = lambda remaining, first: batch.generate_batch(pair, remaining, config, first)  # noqa: E731
+
+        def produce(remaining, first):
+            return batch.generate_batch(pair, remaining, config, first)
+
     else:
         from exactspec.jobs.distributed import ray_results
 
         spec = resolved_spec(args)  # resolved here, loaded by each actor (one torch thread unless --threads)
-        produce = lambda remaining, first: ray_results(
-            spec, remaining, config, first, args.ray or None, args.workers, args.shard_size
-        )  # noqa: E731
+
+        def produce(remaining, first):
+            return ray_results(spec, remaining, config, first, args.ray or None, args.workers, args.shard_size)
+
     try:
         return batch.run_job(requests, output, record, produce, progress=not args.json)
     except (ValueError, RuntimeError) as error:
@@ -92,8 +97,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def show(r: dict) -> None:
     print(
-        f"{r['written']} results written to {r['output']} ({r['already_done']} were there already, {r['requests']} requests); "
-        f"{r['tokens']} tokens; run record {r['record_id']}"
+        f"{r['written']} results written to {r['output']} ({r['already_done']} were there "
+        f"already, {r['requests']} requests); {r['tokens']} tokens; run record {r['record_id']}"
     )
 
 

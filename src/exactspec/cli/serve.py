@@ -32,7 +32,10 @@ def run(args: argparse.Namespace) -> dict:
         from exactspec.certification.mutants import MUTANTS
 
         print(
-            f"exactspec: WARNING: lossy mode {args.lossy_for_tests}: this server's output does NOT follow the target's law (for testing audits only)",
+            (
+                f"exactspec: WARNING: lossy mode {args.lossy_for_tests}: this server's "
+                "output does NOT follow the target's law (for testing audits only)"
+            ),
             file=sys.stderr,
         )
         engine_class = MUTANTS[args.lossy_for_tests]

@@ -57,8 +57,9 @@ def run(args: argparse.Namespace) -> dict:
 def show(card: dict) -> None:
     acceptance = card["held_out_acceptance_by_position"]
     print(
-        f"draft written to {card['out']}; held-out acceptance by position: T=1 "
-        f"{', '.join(f'{a:.2f}' for a in acceptance['sampled'])}; greedy {', '.join(f'{a:.2f}' for a in acceptance['greedy'])}"
+        f"draft written to {card['out']}; held-out acceptance by position: "
+        f"T=1 {', '.join(f'{a:.2f}' for a in acceptance['sampled'])}; "
+        f"greedy {', '.join(f'{a:.2f}' for a in acceptance['greedy'])}"
     )
 
 
@@ -66,7 +67,10 @@ def add(add_command) -> None:
     """The ``train-draft`` command: its flags, run and show."""
     train = add_command(
         "train-draft",
-        help="train a feature-level (EAGLE-style) draft for a Llama-family target on the CPU, within a time budget; rerun to resume",
+        help=(
+            "train a feature-level (EAGLE-style) draft for a Llama-family "
+            "target on the CPU, within a time budget; rerun to resume"
+        ),
     )
     train.add_argument(
         "--target", required=True, help="the target: a .gguf file, a Llama directory or a packaged model's name"
@@ -85,7 +89,10 @@ def add(add_command) -> None:
         "--answers-per-prompt",
         type=integer(1),
         default=4,
-        help="the target's answers per training prompt, each sampled with its own seed, as time allows: every prompt once before any twice",
+        help=(
+            "the target's answers per training prompt, each sampled with its "
+            "own seed, as time allows: every prompt once before any twice"
+        ),
     )
     train.add_argument(
         "--ttt-steps",
@@ -100,13 +107,20 @@ def add(add_command) -> None:
         "--backend",
         choices=["auto", "lean", "llamacpp"],
         default="auto",
-        help="the runtime of the answers and teacher phases: auto times one call of each on this machine where both can run the target (a .gguf file with llama-cpp-python installed) and takes the faster, else lean (torch)",
+        help=(
+            "the runtime of the answers and teacher phases: auto times one call of "
+            "each on this machine where both can run the target (a .gguf file with "
+            "llama-cpp-python installed) and takes the faster, else lean (torch)"
+        ),
     )
     train.add_argument(
         "--layout",
         choices=["eagle3", "exactspec"],
         default="eagle3",
-        help="the draft's layer: EAGLE-3's (the default: the layout llama.cpp, vLLM and SGLang load; `exactspec export-eagle3` writes it), or exactspec's first (w_in, then a Llama layer)",
+        help=(
+            "the draft's layer: EAGLE-3's (the default: the layout llama.cpp, vLLM and SGLang load; "
+            "`exactspec export-eagle3` writes it), or exactspec's first (w_in, then a Llama layer)"
+        ),
     )
     train.add_argument(
         "--answers",
@@ -116,47 +130,66 @@ def add(add_command) -> None:
     train.add_argument(
         "--keep-answers",
         metavar="FILE",
-        help="after the answers phase, write every answer the run has (taken and new) "
-        "gzipped to FILE, where the run's machine going away does not take them (data/smollm2/answers.jsonl.gz for the shipped "
-        "draft; it may be the --answers file itself)",
+        help=(
+            "after the answers phase, write every answer the run has (taken and new) gzipped to FILE, "
+            "where the run's machine going away does not take them (data/smollm2/answers.jsonl.gz for "
+            "the shipped draft; it may be the --answers file itself)"
+        ),
     )
     train.add_argument(
         "--init-from",
         metavar="DRAFT",
-        help="start training from this draft's weights and vocabulary subset (one of the same layout for this target, such as the "
-        "shipped one) instead of from scratch; a rerun of the same --out resumes its own checkpoint",
+        help=(
+            "start training from this draft's weights and vocabulary subset (one of the same layout for this target, "
+            "such as the shipped one) instead of from scratch; a rerun of the same --out resumes its own checkpoint"
+        ),
     )
     train.add_argument(
         "--mlp-units",
         type=integer(1),
         default=0,
         metavar="N",
-        help="the draft's MLP width (default: the target's, as EAGLE-3 drafts have it); an --init-from draft with fewer units is widened to N "
-        "computing what it computed (its new units start silent); EAGLE-3's format records the width",
+        help=(
+            "the draft's MLP width (default: the target's, as EAGLE-3 drafts have it); "
+            "an --init-from draft with fewer units is widened to N computing what it "
+            "computed (its new units start silent); EAGLE-3's format records the width"
+        ),
     )
     train.add_argument(
         "--train-dtype",
         choices=["auto", "float32", "bfloat16"],
         default="auto",
-        help="the training steps' arithmetic: bfloat16 autocast (float32 weights and loss), or float32; auto takes bfloat16 where the CPU computes it natively (AVX-512 BF16, AMX), float32 elsewhere",
+        help=(
+            "the training steps' arithmetic: bfloat16 autocast (float32 weights and loss), or float32; "
+            "auto takes bfloat16 where the CPU computes it natively (AVX-512 BF16, AMX), float32 elsewhere"
+        ),
     )
     train.add_argument(
         "--tv-weight",
         type=float,
         default=4.0,
-        help="weight of a total-variation term (the T=1 rejection probability against the teacher's top-k) beside the cross-entropy loss (4, the best measured: docs/smollm2.md); 0 trains on the cross-entropy alone",
+        help=(
+            "weight of a total-variation term (the T=1 rejection probability against the teacher's top-k) beside "
+            "the cross-entropy loss (4, the best measured: docs/smollm2.md); 0 trains on the cross-entropy alone"
+        ),
     )
     train.add_argument(
         "--lr",
         type=float,
         default=1e-3,
-        help="peak learning rate: 50 steps of warm-up, then a cosine to a tenth of it over the run's budget (a lower one, 3e-4 say, for carrying an --init-from draft on)",
+        help=(
+            "peak learning rate: 50 steps of warm-up, then a cosine to a tenth of it over "
+            "the run's budget (a lower one, 3e-4 say, for carrying an --init-from draft on)"
+        ),
     )
     train.add_argument(
         "--answer-temperature",
         type=float,
         default=ANSWER_TEMPERATURE,
-        help="the temperature the target's new answers are sampled at (each answer records its own; with --answers-per-prompt above the run's earlier count, a rerun adds answers at another temperature)",
+        help=(
+            "the temperature the target's new answers are sampled at (each answer records its own; with "
+            "--answers-per-prompt above the run's earlier count, a rerun adds answers at another temperature)"
+        ),
     )
     train.add_argument("--seed", type=integer(0), default=0, help="seed of the prompts, data order and initialisation")
     train.add_argument("--json", action="store_true", help="print the model card as JSON")

@@ -96,7 +96,8 @@ def block_thresholds(
     draft_probs: torch.Tensor | None,  # (B, g, V), None for point masses
     target_probs: torch.Tensor,  # (B, g + 1, V)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w, h)``: the running weights (B1) and thresholds (B3), each ``(B, g + 1)`` float64, index 0 the empty block."""
+    """``(w, h)``: the running weights (B1) and thresholds (B3), each ``(B, g + 1)`` float64, index 0 the empty
+    block."""
     p, q, tokens = checked_block(draft_tokens, draft_probs, target_probs)
     weights = _weights(p, q, tokens)
     return weights, _thresholds(p, q, weights)

@@ -148,8 +148,8 @@ def draft_step_seconds(
 
 
 def calibrate_engine(engine, repeats: int = 2) -> None:
-    """Give a :class:`exactspec.decoding.engine.BatchEngine`'s gamma policy call costs before the first request: target calls
-    of 1 and ``max_gamma + 1`` tokens per row, and draft steps of its proposer, for one sequence and for a full
+    """Give a :class:`exactspec.decoding.engine.BatchEngine`'s gamma policy call costs before the first request: target
+    calls of 1 and ``max_gamma + 1`` tokens per row, and draft steps of its proposer, for one sequence and for a full
     batch (each after an untimed warm-up). Leaves every slot empty."""
     target, history = engine.target, [0] * 8  # a short history, as in a running batch
     drafting = (

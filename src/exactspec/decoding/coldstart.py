@@ -1,10 +1,11 @@
 """The adaptive policy's cold start: call costs measured at load and an acceptance prior, before the first round.
 
-:func:`cold_start` gives a :class:`exactspec.decoding.engine.SpeculativeDecoder` the policy that ``generate --gamma auto``
-runs: :class:`exactspec.decoding.policy.AdaptiveGamma` started from :func:`exactspec.decoding.calibration.calibrate` (the target at
-every call size the policy may use, one draft step) and from :func:`exactspec.decoding.priors.acceptance_prior` (the policy
-cache's entry for the pair and sampling mode, else the draft's shipped prior). A draft combined with prompt lookup
-is one policy with estimates per source: lookup's steps cost next to nothing and its acceptance is learnt.
+:func:`cold_start` gives a :class:`exactspec.decoding.engine.SpeculativeDecoder` the policy that ``generate --gamma
+auto`` runs: :class:`exactspec.decoding.policy.AdaptiveGamma` started from
+:func:`exactspec.decoding.calibration.calibrate` (the target at every call size the policy may use, one draft step) and
+from :func:`exactspec.decoding.priors.acceptance_prior` (the policy cache's entry for the pair and sampling mode, else
+the draft's shipped prior). A draft combined with prompt lookup is one policy with estimates per source: lookup's steps
+cost next to nothing and its acceptance is learnt.
 :meth:`ColdStart.remember` adds a finished run's acceptance to the cache, where the next run of the pair starts.
 """
 

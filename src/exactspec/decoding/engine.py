@@ -15,8 +15,9 @@ Sequences join a running batch as slots free up and leave when they finish or ar
    (:mod:`exactspec.models.runtime`);
 5. per sequence: p from the same pipeline as q (:func:`exactspec.decoding.sampling.block_probs`), the rule that fits its
    proposal and its request (:func:`verify_block`: greedy, token-wise for point masses, the block rule of
-   :mod:`exactspec.decoding.block` or token-wise for sampled drafts), its own accepted length, its own cache rollback (the cache then holds every
-   committed token but the newest, fed at the start of the next round), its tokens handed to its listener.
+   :mod:`exactspec.decoding.block` or token-wise for sampled drafts), its own accepted length, its own cache rollback
+   (the cache then holds every committed token but the newest, fed at the start of the next round), its tokens handed to
+   its listener.
 
 Plain autoregressive decoding is the same round with gamma = 0: the verifier samples the bonus token from p.
 
@@ -230,7 +231,8 @@ class BatchEngine:
                 )
             if getattr(proposer, "vocab_size", target.vocab_size) != target.vocab_size:
                 raise ValueError(
-                    f"the proposer's vocabulary ({proposer.vocab_size} tokens) differs from the target's ({target.vocab_size})"
+                    f"the proposer's vocabulary ({proposer.vocab_size} "
+                    f"tokens) differs from the target's ({target.vocab_size})"
                 )
             if proposer.feature_layers:
                 target.capture_features(proposer.feature_layers)
@@ -251,7 +253,8 @@ class BatchEngine:
         limit = self.target.max_len
         if len(request.prompt) + request.max_tokens > limit:
             raise ValueError(
-                f"prompt ({len(request.prompt)} tokens) + max_tokens {request.max_tokens} exceeds the {limit}-position window"
+                f"prompt ({len(request.prompt)} tokens) + max_tokens "
+                f"{request.max_tokens} exceeds the {limit}-position window"
             )
         check_token_ids(request.prompt, self.target.vocab_size)
         handle = SequenceHandle(request, on_tokens, on_finish)
@@ -352,8 +355,8 @@ class BatchEngine:
         )
 
     def _joined(self, group: list[_Sequence], feed: list[int], row: int, logits: torch.Tensor, seconds: float) -> None:
-        """After the call that fed the rest of the first sequence's prompt (row ``row``, its last position's logits ``(1, V)``):
-        the others of the group copy its cache, and each draws its first token."""
+        """After the call that fed the rest of the first sequence's prompt (row ``row``, its last position's logits
+        ``(1, V)``): the others of the group copy its cache, and each draws its first token."""
         first = group[0]
         for s in group:
             if s is not first:
@@ -383,7 +386,8 @@ class BatchEngine:
         return best
 
     def _share_features(self, s: _Sequence, row: int, positions: int) -> None:
-        """Hand the sequence's proposer the target's features of the first ``positions`` of its row, if it reads them."""
+        """Hand the sequence's proposer the target's features of the first ``positions`` of its row, if it reads
+        them."""
         if s.proposer is not None and s.proposer.feature_layers:
             s.proposer.observe(s.slot, self.target.last_features[row][:positions])
 
@@ -452,7 +456,8 @@ class BatchEngine:
         params: SamplingParams,
         token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(q to draw the draft token from, q reported to the verifier)``: :data:`exactspec.proposers.base.DraftRule`."""
+        """``(q to draw the draft token from, q reported to the verifier)``:
+        :data:`exactspec.proposers.base.DraftRule`."""
         return processed_q(logits, prefix, prompt_length, params, token_ids)
 
     def _target_probs(

@@ -29,9 +29,9 @@ that did not pay (up to ``max_probe_every``). Hysteresis and probing are kept pe
 
 Cold start. Without priors the first steps guess (``initial_gamma``, ``prior_acceptance``) and learn; with
 :class:`PolicyPriors` the very first step takes the optimum: call costs measured at load
-(:mod:`exactspec.decoding.calibration`) and acceptance by draft position from the draft's shipped held-out figures or the last
-run of the same pair (:mod:`exactspec.decoding.priors`). A prior counts as ``weight`` observations, after which rounds take
-over at the usual rate, so a wrong prior costs a few rounds, not a generation.
+(:mod:`exactspec.decoding.calibration`) and acceptance by draft position from the draft's shipped held-out figures or
+the last run of the same pair (:mod:`exactspec.decoding.priors`). A prior counts as ``weight`` observations, after which
+rounds take over at the usual rate, so a wrong prior costs a few rounds, not a generation.
 
 The choice depends only on completed rounds, measured times and priors, never on the current round's random numbers,
 so every round is still an exact speculative step. Because timings differ between runs, a stochastic run with this
@@ -104,7 +104,8 @@ class PolicyPriors:
     draft_step_ms: float | Mapping[int, float] | None = (
         None  # one draft-model step, by sequences drafting together (a number: one)
     )
-    acceptance: Sequence[float] | Mapping[str, Sequence[float]] = ()  # by draft position per source (a sequence: "draft"'s); the last repeats
+    # by draft position per source (a sequence: "draft"'s); the last repeats
+    acceptance: Sequence[float] | Mapping[str, Sequence[float]] = ()
     cost_weight: int = 4  # observations a calibrated cost counts as
     acceptance_weight: int = 4  # observations an acceptance prior counts as (trusted from the first round)
     source: str = "none"  # where the acceptance prior came from, for the run record

@@ -74,7 +74,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if self.temperature and not 1 / MAX_MAGNITUDE <= self.temperature <= MAX_MAGNITUDE:
             raise ValueError(
-                f"temperature must be 0 (greedy) or in [{1 / MAX_MAGNITUDE:g}, {MAX_MAGNITUDE:g}], got {self.temperature}"
+                f"temperature must be 0 (greedy) or in [{1 / MAX_MAGNITUDE:g}, "
+                f"{MAX_MAGNITUDE:g}], got {self.temperature}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             _check_magnitude(name, getattr(self, name))
@@ -86,7 +87,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 1 / MAX_MAGNITUDE <= self.repetition_penalty <= MAX_MAGNITUDE:
             raise ValueError(
-                f"repetition_penalty must be in [{1 / MAX_MAGNITUDE:g}, {MAX_MAGNITUDE:g}] (1 disables it), got {self.repetition_penalty}"
+                f"repetition_penalty must be in [{1 / MAX_MAGNITUDE:g}, "
+                f"{MAX_MAGNITUDE:g}] (1 disables it), got {self.repetition_penalty}"
             )
         for token, bias in dict(self.logit_bias).items():
             _check_token_id(token, "logit_bias")

@@ -9,9 +9,9 @@ compositions in the call-size invariant mode (``--invariant``), where a row's lo
 
 A request line is a JSON object with ``prompt`` (text) or ``messages`` (chat turns), and optionally ``id``,
 ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
-``frequency_penalty``, ``seed``, ``ignore_eos`` and ``verify`` ("block" or "token"). A result line holds ``line`` (the request's 0-based line),
-``id``, ``text``, ``token_ids``, ``stop_reason``, the request's ``speculation`` figures and ``record_id`` (the
-job's run record, written beside the output).
+``frequency_penalty``, ``seed``, ``ignore_eos`` and ``verify`` ("block" or "token"). A result line holds ``line`` (the
+request's 0-based line), ``id``, ``text``, ``token_ids``, ``stop_reason``, the request's ``speculation`` figures and
+``record_id`` (the job's run record, written beside the output).
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def parse_request(obj: object, line: int, tokenizer, config: BatchJobConfig) -> 
             raise ValueError(f"max_tokens must be an integer in [1, {config.max_tokens_limit}]")
         if len(prompt) + max_tokens > config.max_len:
             raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens {max_tokens} exceeds the {config.max_len} positions per sequence"
+                f"prompt ({len(prompt)} tokens) + max_tokens {max_tokens} "
+                f"exceeds the {config.max_len} positions per sequence"
             )
         seed = obj.get("seed", config.seed + line)
         if not isinstance(seed, int) or not 0 <= seed < 2**63:

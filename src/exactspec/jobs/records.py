@@ -37,18 +37,29 @@ __all__ = [
 RECORD_VERSION = 1
 #: Version of the order in which a round consumes its generator: one uniform per drafted token (draft sampling),
 #: then one per verified position, then one for the replacement or bonus token. Version 1: the position uniforms
-#: are token-wise acceptance draws; version 2: the block rule's u_1 .. u_g (exactspec.decoding.block). A change bumps it.
+#: are token-wise acceptance draws; version 2: the block rule's u_1 .. u_g (exactspec.decoding.block). A change bumps
+#: it.
 DRAW_ORDER_VERSIONS = {"token": 1, "block": 2}
 DRAW_ORDER_VERSION = DRAW_ORDER_VERSIONS["block"]
 ACCEPTANCE = {
-    "token": "accept draft token x with probability min(1, p(x) / q(x)); q is a point mass for deterministic drafts (lookup, greedy)",
-    "block": "sampled drafts: the block rule (Sun et al. 2025), the last position i with u_i < h_i, h from capped running weights "
-    "w_i = min(1, w_(i-1) p(x_i) / q(x_i)); point-mass drafts (lookup) token-wise, min(1, p(x))",
+    "token": (
+        "accept draft token x with probability min(1, p(x) / q(x)); "
+        "q is a point mass for deterministic drafts (lookup, greedy)"
+    ),
+    "block": (
+        "sampled drafts: the block rule (Sun et al. 2025), the last position i with u_i < h_i, h from capped "
+        "running weights w_i = min(1, w_(i-1) p(x_i) / q(x_i)); point-mass drafts (lookup) token-wise, min(1, p(x))"
+    ),
 }
 RESIDUAL = {
-    "token": "at the first rejection a token from normalize(max(0, p - q)); when every draft is accepted a bonus token from p",
-    "block": "after the accepted block a token from normalize(max(0, w_tau p - q)) (token-wise for point masses); when every "
-    "draft is accepted a bonus token from p",
+    "token": (
+        "at the first rejection a token from normalize(max(0, p - q)); "
+        "when every draft is accepted a bonus token from p"
+    ),
+    "block": (
+        "after the accepted block a token from normalize(max(0, w_tau p - q)) (token-wise "
+        "for point masses); when every draft is accepted a bonus token from p"
+    ),
 }
 CACHE = "per-sequence KV cache truncated to the accepted prefix after each round (the target's and the draft's)"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")

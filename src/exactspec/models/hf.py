@@ -90,14 +90,16 @@ class HFModel:
         ids = check_token_ids(token_ids, self.vocab_size)
         if self.max_len is not None and self._length + len(ids) > self.max_len:
             raise ValueError(
-                f"sequence too long: {self._length} cached + {len(ids)} new tokens exceeds the model's {self.max_len} positions"
+                f"sequence too long: {self._length} cached + {len(ids)} "
+                f"new tokens exceeds the model's {self.max_len} positions"
             )
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, n)
         with torch.inference_mode():
             out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_argument: self._cache})
         if self._length == 0 and not getattr(self._cache, "is_croppable", True):
             raise ValueError(
-                f"{type(self.model).__name__} uses a cache that cannot be rolled back; speculative decoding needs one that can"
+                f"{type(self.model).__name__} uses a cache that cannot be "
+                "rolled back; speculative decoding needs one that can"
             )
         self._length += len(ids)
         return out.logits[0].float().cpu()

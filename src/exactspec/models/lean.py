@@ -342,7 +342,8 @@ def read_checkpoint_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
         return read_safetensors(single), single
     if not index.is_file():
         raise FileNotFoundError(
-            f"{path} has no model.safetensors or model.safetensors.index.json (the lean backend reads safetensors; try --backend hf)"
+            f"{path} has no model.safetensors or model.safetensors.index.json "
+            "(the lean backend reads safetensors; try --backend hf)"
         )
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:

@@ -149,7 +149,8 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.rope_type not in ("linear", "llama3"):
             raise ValueError(
-                f"rope type {self.rope_type!r} is not implemented by the lean backend (it knows default, linear, llama3)"
+                f"rope type {self.rope_type!r} is not implemented by "
+                "the lean backend (it knows default, linear, llama3)"
             )
         if not self.factor > 0 or (self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0):
             raise ValueError(f"invalid rope scaling {self}")
@@ -262,7 +263,8 @@ class LlamaConfig:
 
 
 def _rope_settings(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """``(rope_theta, scaling)`` from transformers 5's ``rope_parameters`` or 4.x's ``rope_theta`` + ``rope_scaling``."""
+    """``(rope_theta, scaling)`` from transformers 5's ``rope_parameters`` or 4.x's ``rope_theta`` +
+    ``rope_scaling``."""
     parameters = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
     unknown = set(parameters) - _ROPE_KEYS
     if unknown:

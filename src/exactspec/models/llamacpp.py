@@ -18,10 +18,11 @@ rows of consecutive slots share a graph computation and others do not (llama.cpp
 cannot be captured (llama.cpp reorders the rows of such a batch). For many slots that all decode, as in
 ``train-draft``'s answers, it pays: SmolLM2 Q4_1, 2 threads, AMD EPYC Zen 3, 300 cached positions per slot, one
 token per slot per call, 160 tokens/s split at 16, 32 and 64 slots against 114, 86 and 33 unified
-(``python -m exactspec.bench.cache_layout``). Numerics are llama.cpp's: weights as the file stores them (no requantizing), activations in
-float32, keys and values cached in float16 (llama.cpp's default), and a position's logits may differ in the last bits with the call's size and the other rows beside it
-(llama.cpp's matrix kernels pick their tiling by batch size), so this runtime is not call-size invariant
-(``invariant`` is False) and refuses to be asked to be.
+(``python -m exactspec.bench.cache_layout``). Numerics are llama.cpp's: weights as the file stores them (no
+requantizing), activations in float32, keys and values cached in float16 (llama.cpp's default), and a position's logits
+may differ in the last bits with the call's size and the other rows beside it (llama.cpp's matrix kernels pick their
+tiling by batch size), so this runtime is not call-size invariant (``invariant`` is False) and refuses to be asked to
+be.
 
 ``capture_features(layers)`` hands back the raw outputs of target layers (what a feature-level draft reads,
 :mod:`exactspec.models.eagle`) through llama.cpp's eval callback: the graph's tensors named ``l_out-{i}`` (layer
@@ -345,7 +346,8 @@ class LlamaCppRuntime:
         for slot, tokens in zip(slots, ids):
             if self._lengths[slot] + len(tokens) > self.max_len:
                 raise ValueError(
-                    f"slot {slot}: {self._lengths[slot]} cached + {len(tokens)} new tokens exceeds {self.max_len} positions"
+                    f"slot {slot}: {self._lengths[slot]} cached + {len(tokens)} "
+                    f"new tokens exceeds {self.max_len} positions"
                 )
         computed = [len(t) for t in ids] if self._every_row else counts  # logits llama.cpp computes per row
         total = sum(len(t) for t in ids)

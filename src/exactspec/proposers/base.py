@@ -5,8 +5,8 @@ token was drawn from (``probs``) when the proposal is stochastic, or ``None`` wh
 mass: n-gram lookup, a draft model's argmax). The engine picks the matching verification rule, so a deterministic
 proposal is never checked with the ratio meant for sampled ones.
 
-The engine (:mod:`exactspec.decoding.engine`) drives every proposer through :class:`Proposer`, one call per round for all
-the sequences that draft in it; nothing in the loop knows a proposer's type. A proposer that draws from a model's
+The engine (:mod:`exactspec.decoding.engine`) drives every proposer through :class:`Proposer`, one call per round for
+all the sequences that draft in it; nothing in the loop knows a proposer's type. A proposer that draws from a model's
 distribution builds q with the engine's ``draft_rule`` (:data:`DraftRule`, by default :func:`processed_q`: the same
 pipeline as the target's p), so that the certification's known-wrong variants can replace that one rule.
 :class:`OneSequence` adapts a proposer written for a single sequence (``reset`` / ``propose(context, gamma,

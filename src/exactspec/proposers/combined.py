@@ -6,8 +6,8 @@ Each round takes one source, chosen from the committed context alone (never from
 q (verified with min(1, p/q)), so every round is an exact speculative step whichever source it took.
 
 :meth:`LookupOrDraft.route` names the source a context will take, so that the gamma policy
-(:class:`exactspec.decoding.policy.AdaptiveGamma`) keeps estimates per source: the two have very different acceptance and
-step costs. A draft that reads the target's features keeps receiving them during lookup rounds,
+(:class:`exactspec.decoding.policy.AdaptiveGamma`) keeps estimates per source: the two have very different acceptance
+and step costs. A draft that reads the target's features keeps receiving them during lookup rounds,
 and catches up on its next proposal.
 """
 

@@ -281,7 +281,10 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
         if state["sequences"] + len(requests) > settings.max_sequences:
             raise ApiError(
                 429,
-                f"the server is busy ({state['sequences']} sequences in flight, limit {settings.max_sequences}); retry later",
+                (
+                    f"the server is busy ({state['sequences']} sequences in "
+                    f"flight, limit {settings.max_sequences}); retry later"
+                ),
                 "rate_limit_error",
             )
         loop = asyncio.get_running_loop()
@@ -447,7 +450,8 @@ async def _stream(
     try:
         if chat:
             for choice in choices:
-                yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [{'index': choice.index, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None}]})}\n\n"
+                opening = {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [opening]})}\n\n"
         pending = {asyncio.ensure_future(c.queue.get()): c for c in choices}
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -462,12 +466,14 @@ async def _stream(
                     continue
                 if value.finish_reason == "error":
                     state["errors"] += 1
-                    yield f"data: {json.dumps(ApiError(500, f'generation failed: {value.error}', 'server_error').body())}\n\n"
+                    error = ApiError(500, f"generation failed: {value.error}", "server_error").body()
+                    yield f"data: {json.dumps(error)}\n\n"
                     continue
                 choice.finish_reason = choice.finish_reason or _reason(value)
                 yield chunk(choice, choice.rest(stop_ids), choice.finish_reason, {"speculation": value.figures()})
         if include_usage:
-            yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [], 'usage': _usage(choices, prompt_tokens)})}\n\n"
+            usage = {**meta, "object": kind, "choices": [], "usage": _usage(choices, prompt_tokens)}
+            yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
     finally:  # also when the client went away: its sequences leave the batch
         for future in pending:

@@ -2,8 +2,8 @@
 
 Field names and defaults follow OpenAI's completions and chat completions APIs; vLLM's extensions are accepted
 as extra fields (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``), and exactspec adds
-``speculation`` (``off``, ``draft``, ``lookup`` or ``auto``) and ``verify`` (``block``, the default, or ``token``: the rule
-for sampled drafts); ``return_token_ids`` (as in vLLM) adds each choice's
+``speculation`` (``off``, ``draft``, ``lookup`` or ``auto``) and ``verify`` (``block``, the default, or ``token``: the
+rule for sampled drafts); ``return_token_ids`` (as in vLLM) adds each choice's
 ``prompt_token_ids`` and ``token_ids``, which ``exactspec audit`` scores; ``return_record`` adds the request's run
 record. Unknown fields are refused, so a typo is an error
 rather than a silently ignored setting.

@@ -16,7 +16,7 @@ def _shape(s: str) -> ModelShape:
         parts = [int(x) for x in s.split(",")]
         return ModelShape(*parts)
     except (ValueError, TypeError):
-        raise argparse.ArgumentTypeError(f"expected LAYERS,HIDDEN,INTERMEDIATE,HEADS,KV_HEADS, got {s!r}")
+        raise argparse.ArgumentTypeError(f"expected LAYERS,HIDDEN,INTERMEDIATE,HEADS,KV_HEADS, got {s!r}") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,8 +26,9 @@ what it computed (:meth:`FeatureDraft.widened`); the question is then which carr
 
     python -m exactspec.training.ablation runs/smollm2_draft --steps 300 --threads 2
     python -m exactspec.training.ablation runs/smollm2_draft --variants exactspec,eagle3 --steps 50   # a quick look
-    python -m exactspec.training.ablation runs/smollm2_draft --variants "" --compare packaged     # the shipped draft alone
-    python -m exactspec.training.ablation runs/smollm2_draft --variants eagle3,mlp-2x --init-from packaged --lr 3e-4 --steps 1500
+    python -m exactspec.training.ablation runs/smollm2_draft --variants "" --compare packaged  # the shipped draft alone
+    python -m exactspec.training.ablation runs/smollm2_draft --variants eagle3,mlp-2x --init-from packaged \\
+        --lr 3e-4 --steps 1500
 
 Writes OUT/ablation.json and prints a table. States threads, dtype and weights.
 """
@@ -301,22 +302,24 @@ def main() -> None:
     }
     (args.out / "ablation.json").write_text(json.dumps(report, indent=2))
     print(
-        f"\n{args.steps} steps per variant trained here; target {', '.join(f'{n} tok {ms:.1f} ms' for n, ms in target_ms.items())}; "
-        f"{dtype}, {args.threads} threads"
+        f"\n{args.steps} steps per variant trained here; target "
+        f"{', '.join(f'{n} tok {ms:.1f} ms' for n, ms in target_ms.items())}; {dtype}, {args.threads} threads"
     )
     print(
-        "| variant | layout | layers | |S| (coverage) | MLP units | TTT | train dtype | TV weight | train s | T=1 acceptance by position | greedy | draft step ms "
+        "| variant | layout | layers | |S| (coverage) | MLP units | TTT | train dtype "
+        "| TV weight | train s | T=1 acceptance by position | greedy | draft step ms "
         "| predicted T=1 (gamma) | predicted greedy (gamma) | all accepted (gamma) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         acc = {m: " / ".join(f"{a:.2f}" for a in r["acceptance"][m]) for m in ("sampled", "greedy")}
         print(
-            f"| {r['variant']} | {r['layout']} | {r['feature_layers']} | {r['vocab_subset']} ({r['subset_coverage']:.3f}) | {r['mlp_units']} | "
-            f"{r['ttt_steps']} | {r['train_dtype']} | {r['tv_weight']:g} | {r['train_seconds']:.0f} | {acc['sampled']} | {acc['greedy']} | {r['draft_step_ms']:.2f} | "
-            f"{r['predicted_sampled']['speedup']:.2f}x ({r['predicted_sampled']['gamma']}) | "
-            f"{r['predicted_greedy']['speedup']:.2f}x ({r['predicted_greedy']['gamma']}) | "
-            f"{r['ceiling']['speedup']:.2f}x ({r['ceiling']['gamma']}) |"
+            f"| {r['variant']} | {r['layout']} | {r['feature_layers']} | {r['vocab_subset']} "
+            f"({r['subset_coverage']:.3f}) | {r['mlp_units']} | {r['ttt_steps']} | {r['train_dtype']} | "
+            f"{r['tv_weight']:g} | {r['train_seconds']:.0f} | {acc['sampled']} | {acc['greedy']} | "
+            f"{r['draft_step_ms']:.2f} | {r['predicted_sampled']['speedup']:.2f}x "
+            f"({r['predicted_sampled']['gamma']}) | {r['predicted_greedy']['speedup']:.2f}x "
+            f"({r['predicted_greedy']['gamma']}) | {r['ceiling']['speedup']:.2f}x ({r['ceiling']['gamma']}) |"
         )
 
 

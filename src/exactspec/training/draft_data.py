@@ -3,9 +3,9 @@
 
 Answers are sampled from the target (at temperature 0.7 unless asked otherwise; each row records its own) by
 exactspec's continuous-batching engine, on llama.cpp for a GGUF target (a KV stream per slot) or on the dense
-weights in torch (bfloat16 where the CPU computes it natively, else float32), written one JSON line per answer as soon as it finishes, so an interrupted run continues
-where it stopped. The answers' token ids are the costly part of a draft's data and small (a few MB per million
-tokens); everything else is recomputed from them.
+weights in torch (bfloat16 where the CPU computes it natively, else float32), written one JSON line per answer as soon
+as it finishes, so an interrupted run continues where it stopped. The answers' token ids are the costly part of a
+draft's data and small (a few MB per million tokens); everything else is recomputed from them.
 """
 
 from __future__ import annotations
@@ -126,10 +126,10 @@ def generate_answers(
 ) -> int:
     """Sample the target's answers to ``prompts`` (``samples`` each, skipping those already in ``out``) until done or
     ``deadline``; returns how many answers ``out`` holds. The target decodes in the continuous-batching engine
-    (speculation off; ``backend`` lean: dense weights on torch (:func:`_answer_model`); llamacpp: the .gguf file on llama.cpp, its slots
-    llama.cpp sequences): a finished answer frees its slot for the next prompt at once, and is written as one JSON
-    line when it finishes. Answer i of a prompt is seeded from the prompt and i, whichever run draws it
-    (a resumed one included)."""
+    (speculation off; ``backend`` lean: dense weights on torch (:func:`_answer_model`); llamacpp: the .gguf file on
+    llama.cpp, its slots llama.cpp sequences): a finished answer frees its slot for the next prompt at once, and is
+    written as one JSON line when it finishes. Answer i of a prompt is seeded from the prompt and i, whichever run draws
+    it (a resumed one included)."""
     import hashlib
 
     from exactspec.decoding.engine import BatchEngine, SequenceRequest

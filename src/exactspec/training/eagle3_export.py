@@ -53,7 +53,8 @@ def eagle3_state(draft: FeatureDraft, target_vocab_size: int) -> dict[str, torch
         )
     if draft.head is None:
         raise ValueError(
-            "attach the target's embedding and head first (FeatureDraft.attach_weights): lm_head is the head's rows of S"
+            "attach the target's embedding and head first "
+            "(FeatureDraft.attach_weights): lm_head is the head's rows of S"
         )
     block, heads, kv, hd = draft.block, draft.block.n_head, draft.block.n_kv, draft.block.hd
     q, k, v = block.wqkv.weight.split([heads * hd, kv * hd, kv * hd])

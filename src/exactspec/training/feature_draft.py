@@ -367,8 +367,8 @@ def teacher_rate(model: LeanModel, width: int = 128) -> float:
 
 def train_precision(requested: str) -> str:
     """The arithmetic of the training steps: ``bfloat16`` is autocast (matrix products in bfloat16; weights,
-    optimizer and the loss's softmax in float32); ``auto`` takes it where the CPU computes bfloat16 natively (on an Intel
-    AMX CPU 1.7x the steps per second of float32 for the same acceptance: docs/smollm2.md) and float32 elsewhere,
+    optimizer and the loss's softmax in float32); ``auto`` takes it where the CPU computes bfloat16 natively (on an
+    Intel AMX CPU 1.7x the steps per second of float32 for the same acceptance: docs/smollm2.md) and float32 elsewhere,
     where bfloat16 is emulated."""
     from exactspec.loading import native_bfloat16
 
@@ -429,8 +429,8 @@ def train_steps(
         state["seconds"] = seconds0 + time.monotonic() - start
         if state["step"] % 20 == 0:
             _log(
-                f"train: step {state['step']}, {state['tokens']} tokens, losses {[round(float(l.detach()), 3) for l in losses]}, "
-                f"{100 * progress:.0f}% of the time"
+                f"train: step {state['step']}, {state['tokens']} tokens, losses "
+                f"{[round(float(loss.detach()), 3) for loss in losses]}, {100 * progress:.0f}% of the time"
             )
         if time.monotonic() - last_save > 120 or state["seconds"] >= state["budget"] or state["step"] == max_steps:
             torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "state": state}, checkpoint)
@@ -623,8 +623,8 @@ def _answer_phase(
     train_prompts, held_prompts = chat_prompts(args.seed)
     singles = held_prompts + train_prompts
     _log(
-        f"answers: {len(held_prompts)} held-out and {len(train_prompts)} training prompts on {backend}, then follow-ups, "
-        f"then up to {args.answers_per_prompt} answers each"
+        f"answers: {len(held_prompts)} held-out and {len(train_prompts)} training prompts "
+        f"on {backend}, then follow-ups, then up to {args.answers_per_prompt} answers each"
     )
 
     def run(prompts: list[Prompt], samples: int) -> None:
@@ -657,15 +657,13 @@ def _answer_phase(
 
 
 def _run_phases(args: TrainDraftArgs, started: float, budget: float) -> dict:
-    deadline = lambda phase: (
-        started
-        + budget
-        * sum(  # noqa: E731
+    def deadline(phase):
+        return started + budget * sum(
             share
             for name, share in PHASE_SHARES.items()
             if list(PHASE_SHARES).index(name) <= list(PHASE_SHARES).index(phase)
         )
-    )
+
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -491,8 +491,10 @@ Byte-level BPE (`tokenizers`), vocabulary {vocab}, trained on the training files
 ## Models
 | | layers | hidden | MLP | heads (q/kv) | parameters | training tokens | training time | held-out loss (nats/token) |
 |---|---|---|---|---|---|---|---|---|
-| target | {t[layers]} | {t[hidden]} | {t[intermediate]} | {t[heads]}/{t[kv_heads]} | {tp:,} | {ttok:,} | {tmin} min | {tl} (ppl {tppl}) |
-| draft | {d[layers]} | {d[hidden]} | {d[intermediate]} | {d[heads]}/{d[kv_heads]} | {dp:,} | {dtok:,} | {dmin} min | {dl} (ppl {dppl}) |
+| target | {t[layers]} | {t[hidden]} | {t[intermediate]} | {t[heads]}/{t[kv_heads]} | {tp:,} | {ttok:,} \
+| {tmin} min | {tl} (ppl {tppl}) |
+| draft | {d[layers]} | {d[hidden]} | {d[intermediate]} | {d[heads]}/{d[kv_heads]} | {dp:,} | {dtok:,} \
+| {dmin} min | {dl} (ppl {dppl}) |
 
 Both: RMSNorm, rotary embeddings (theta {theta}), SwiGLU, tied embeddings,
 `max_position_embeddings` {maxpos} (trained on {seqlen}-token windows; quality degrades beyond that),

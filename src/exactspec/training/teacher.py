@@ -179,8 +179,10 @@ def teacher_pass(
                     "top_ids": top.indices.int(),
                 }
         path = shards / f"shard_{index:04d}.pt"
-        _save_atomically(path, lambda tmp: torch.save(rows, tmp))
-        _save_atomically(path.with_suffix(".keys.json"), lambda tmp: tmp.write_text(json.dumps([s.key for s in shard])))
+        _save_atomically(path, lambda tmp, rows=rows: torch.save(rows, tmp))
+        _save_atomically(
+            path.with_suffix(".keys.json"), lambda tmp, shard=shard: tmp.write_text(json.dumps([s.key for s in shard]))
+        )
         done.update(s.key for s in shard)
         index += 1
         log(f"teacher: shard {path.name}, {len(done)} sequences stored")
