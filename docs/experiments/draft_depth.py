@@ -1,4 +1,4 @@
-"""A one-off experiment, not part of the package (docs/smollm2.md, "Nor does a second layer"): does a second
+"""A one-off experiment, not part of the package (smollm2-log.md, "Nor does a second layer"): does a second
 decoder layer help the SmolLM2 draft?
 
 Grows the shipped draft by one plain Llama layer whose output projections (wo, w2) start at zero, so the deeper draft

@@ -1,4 +1,4 @@
-"""A one-off experiment, not part of the package (docs/smollm2.md, "Nor do more target layers"): does the SmolLM2
+"""A one-off experiment, not part of the package (smollm2-log.md, "Nor do more target layers"): does the SmolLM2
 draft gain from reading more of the target than EAGLE-3's three layers?
 
 Gives the shipped draft's fusion ``fc`` the features of other stored target layers as well: the shipped columns keep
