@@ -7,8 +7,8 @@ import time
 import pytest
 
 from exactspec import MarkovLM
-from exactspec.decoding.calibration import calibrate
 from exactspec.proposers import DraftModelProposer
+from exactspec.tuning.calibration import calibrate
 
 
 class SleepyModel(MarkovLM):

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from exactspec import GenerationConfig, SpeculativeDecoder
-from exactspec.decoding.coldstart import ColdStart, cold_start
 from exactspec.decoding.policy import AdaptiveGamma
-from exactspec.decoding.priors import PolicyCache, shipped_prior
 from exactspec.decoding.sampling import GREEDY
 from exactspec.loading import default_pair_dirs, load_pair
 from exactspec.proposers import DraftModelProposer, LookupOrDraft
+from exactspec.tuning.coldstart import ColdStart, cold_start
+from exactspec.tuning.priors import PolicyCache, shipped_prior
 
 
 @pytest.fixture(scope="module")

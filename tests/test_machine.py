@@ -1,4 +1,4 @@
-"""--backend auto (exactspec.machine): the candidates, the cost model's choice among measured costs, and the cache.
+"""--backend auto (exactspec.tuning.machine): the candidates, the cost model's choice among measured costs, the cache.
 
 The choice is checked against costs made up here (so it is the rule that is tested, not this machine's speed):
 a runtime with the cheaper one-token call but a steep c(n) wins plain decoding and loses speculation with a good
@@ -13,10 +13,10 @@ import json
 import pytest
 from test_gguf import random_hf_weights, write_llama_gguf
 
-from exactspec import machine
 from exactspec.cli import main
 from exactspec.loading import PairSpec
-from exactspec.machine import Candidate, MachineCache, Measurement, candidates, choose, predicted_ms_per_token
+from exactspec.tuning import machine
+from exactspec.tuning.machine import Candidate, MachineCache, Measurement, candidates, choose, predicted_ms_per_token
 
 MAX_GAMMA = 8
 

@@ -8,9 +8,9 @@ import shutil
 import pytest
 
 from exactspec.cli import main
-from exactspec.decoding.priors import PRIOR_FILE, PolicyCache, acceptance_prior, fingerprint, shipped_prior
 from exactspec.decoding.sampling import GREEDY, SamplingParams
 from exactspec.loading import default_pair_dirs
+from exactspec.tuning.priors import PRIOR_FILE, PolicyCache, acceptance_prior, fingerprint, shipped_prior
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from exactspec import GenerationConfig, SpeculativeDecoder
-from exactspec.decoding.priors import PolicyCache
 from exactspec.decoding.sampling import GREEDY, SamplingParams
 from exactspec.loading import LOOKUP, PairSpec, default_pair_dirs
 from exactspec.speculator import Speculator
+from exactspec.tuning.priors import PolicyCache
 
 PROMPT = "def parse_args(argv):\n"
 

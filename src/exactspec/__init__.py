@@ -11,8 +11,7 @@ from exactspec.decoding.sampling import GREEDY, SamplingParams
 from exactspec.decoding.stats import GenerationStats, RoundRecord
 from exactspec.models.markov import MarkovLM
 from exactspec.speculator import Completion, Speculator
-
-__version__ = "0.1.0"
+from exactspec.version import __version__
 
 __all__ = [
     "GREEDY",

@@ -389,7 +389,7 @@ class PairSpec:
     target: str | Path | None = None  # None: the shipped default pair
     draft: str | Path | None = None  # None: the target's shipped draft; LOOKUP: prompt lookup
     speculate: bool = True  # False: no draft, plain decoding
-    backend: str = "lean"  # or llamacpp, hf; auto: chosen by measuring (exactspec.machine.choose) before loading
+    backend: str = "lean"  # or llamacpp, hf; auto: chosen by measuring (exactspec.tuning.machine.choose) before loading
     dtype: str = "float32"  # auto only with backend auto
     weights: str = "auto"  # the lean backend's target weights: auto, dense or q4
     invariant: bool = False  # the lean backend's call-size invariant numerics
@@ -457,7 +457,7 @@ class PairSpec:
         if self.backend == "auto":
             raise ValueError(
                 "backend auto is a choice to make first: "
-                "exactspec.machine.choose(spec) measures this machine and makes it"
+                "exactspec.tuning.machine.choose(spec) measures this machine and makes it"
             )
         target_dir, draft_dir = self.dirs()
         pair = load_pair(

@@ -9,7 +9,7 @@ What ``generate`` does around the decoder lives here, so a library user gets all
   hub id in the local cache; the target's shipped draft, a draft checkpoint, prompt lookup or none; backend, precision,
   device and torch's threads (one for a small target).
 * **Gamma.** ``gamma="auto"`` runs :class:`exactspec.decoding.policy.AdaptiveGamma` from a cold start
-  (:func:`exactspec.decoding.coldstart.cold_start`: call costs measured once per sampling setting, the acceptance prior
+  (:func:`exactspec.tuning.coldstart.cold_start`: call costs measured once per sampling setting, the acceptance prior
   from the policy cache or the draft's shipped figures) and adds each finished run's acceptance to the policy cache; the
   policy keeps learning across the object's calls. An integer fixes gamma (0: plain decoding).
 
@@ -27,17 +27,17 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exactspec.decoding.calibration import Calibration, calibrate_engine
-from exactspec.decoding.coldstart import ColdStart, cold_start
 from exactspec.decoding.decoder import Generation, GenerationConfig, SpeculativeDecoder
 from exactspec.decoding.engine import BatchEngine, EngineConfig
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
-from exactspec.decoding.priors import PolicyCache
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.loading import LoadedPair, PairSpec, model_capacity, unwrapped
 from exactspec.models.eagle import FeatureDraft
 from exactspec.models.lean import LeanModel, LeanRuntime
 from exactspec.proposers import PromptLookupProposer
+from exactspec.tuning.calibration import Calibration, calibrate_engine
+from exactspec.tuning.coldstart import ColdStart, cold_start
+from exactspec.tuning.priors import PolicyCache
 
 __all__ = ["Completion", "Speculator", "build_engine"]
 
@@ -66,8 +66,8 @@ class Speculator:
         calibration: Calibration | None = None,
     ) -> None:
         """``pair`` as ``spec`` (best :meth:`exactspec.loading.PairSpec.resolved`) loads it. ``calibration``: the
-        pair's call costs measured before on this machine (:class:`exactspec.machine.RuntimeChoice`), which the gamma
-        policy then starts from instead of timing calls at the first generation."""
+        pair's call costs measured before on this machine (:class:`exactspec.tuning.machine.RuntimeChoice`), which the
+        gamma policy then starts from instead of timing calls at the first generation."""
         self.spec, self.pair, self.policy_cache, self.calibration = spec, pair, policy_cache, calibration
         self.dirs = spec.dirs()
         self._decoders: dict[tuple[str, bool, str], tuple[SpeculativeDecoder, ColdStart | None]] = {}
@@ -82,7 +82,7 @@ class Speculator:
         **options,
     ) -> Speculator:
         """Load a pair (``options``: the other fields of :class:`exactspec.loading.PairSpec`). ``policy_cache`` True
-        is the user's cache (:class:`exactspec.decoding.priors.PolicyCache`), False none, or a cache of one's own."""
+        is the user's cache (:class:`exactspec.tuning.priors.PolicyCache`), False none, or a cache of one's own."""
         spec = PairSpec(target, draft, **options).resolved()
         return cls(spec, spec.load(), PolicyCache() if policy_cache is True else policy_cache or None)
 
@@ -219,7 +219,7 @@ def build_engine(
     """A batch engine over the pair's models on their runtimes (torch's lean runtime, or llama.cpp's for the
     llamacpp backend), with ``slots`` sequences of up to ``max_len`` positions. A draft
     model is batched like the target, and so is a feature-level draft (its one layer's slot cache). The gamma policy
-    starts from ``acceptance`` (the draft's by position: :func:`exactspec.decoding.priors.acceptance_prior`) and, with
+    starts from ``acceptance`` (the draft's by position: :func:`exactspec.tuning.priors.acceptance_prior`) and, with
     ``calibrated``, from call costs measured now."""
     from exactspec.models.feature_runtime import FeatureDraftRuntime
     from exactspec.proposers import DraftModelProposer

@@ -34,16 +34,16 @@ import torch
 from exactspec.bench.report import Column, add_ratios, format_rows, groups, rate_row, write_report
 from exactspec.bench.workloads import WORKLOADS, workload_prompts
 from exactspec.decoding import costmodel
-from exactspec.decoding.calibration import calibrate, measure_call_ms
 from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
-from exactspec.decoding.priors import mode_key
 from exactspec.decoding.sampling import GREEDY, SamplingParams
 from exactspec.decoding.stats import GenerationStats, RoundRecord
 from exactspec.loading import model_capacity
 from exactspec.models.base import LanguageModel
 from exactspec.proposers import DraftModelProposer, PromptLookupProposer
 from exactspec.tokenizer import TextTokenizer
+from exactspec.tuning.calibration import calibrate, measure_call_ms
+from exactspec.tuning.priors import mode_key
 
 __all__ = ["BenchConfig", "run_bench", "format_table", "write_outputs"]
 

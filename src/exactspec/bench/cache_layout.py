@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     from exactspec.loading import resolve_checkpoint
-    from exactspec.machine import machine_signature
+    from exactspec.tuning.machine import machine_signature
 
     target = resolve_checkpoint(args.target)
     signature = machine_signature()

@@ -8,12 +8,12 @@ plain decoding's ``c(1)`` (Leviathan et al. 2023, Thm 3.8, with acceptance by dr
 * ``d``: one draft step; ``E_gamma = 1 + sum_{k <= gamma} prod_{i <= k} a_i`` with ``a_k`` the acceptance at draft
   position k (the draft's acceptance prior: its model card's held-out estimate, or the policy cache's).
 
-For each runtime it measures ``c``, ``c'`` and ``d`` (:func:`exactspec.machine.measure`) and sets the predicted speedup
-at the best gamma beside the ceilings with one cost taken away: every draft token accepted (acceptance), a free
-draft step (draft cost), no capture (``c' = c``), a flat verification (``c'(n) = c'(1)``); and with both the draft's
-and the verification's costs taken away (acceptance alone limits it); and the acceptance, the same at every
-position, at which speculation breaks even. The ceiling that rises most names what stops it; where none of the
-one-cost ceilings rises and the last does, two costs stop it at once.
+For each runtime it measures ``c``, ``c'`` and ``d`` (:func:`exactspec.tuning.machine.measure`) and sets the
+predicted speedup at the best gamma beside the ceilings with one cost taken away: every draft token accepted
+(acceptance), a free draft step (draft cost), no capture (``c' = c``), a flat verification (``c'(n) = c'(1)``);
+and with both the draft's and the verification's costs taken away (acceptance alone limits it); and the acceptance,
+the same at every position, at which speculation breaks even. The ceiling that rises most names what stops it;
+where none of the one-cost ceilings rises and the last does, two costs stop it at once.
 
     python -m exactspec.bench.ceiling --target smollm2 --threads 2
 
@@ -99,11 +99,12 @@ def profile(
 
 def measure_profiles(target: str, draft: str | None, backend: str, threads: int | None, repeats: int) -> dict:
     """Measure every runtime candidate of ``backend`` (auto: all) and ``threads`` (None: all) that
-    :func:`exactspec.machine.candidates` lists, with and without the draft, and profile each in both sampling modes."""
-    from exactspec import machine
-    from exactspec.decoding.priors import acceptance_prior
+    :func:`exactspec.tuning.machine.candidates` lists, with and without the draft, and profile each in both sampling
+    modes."""
     from exactspec.loading import PairSpec
     from exactspec.models.base import check_local_checkpoint
+    from exactspec.tuning import machine
+    from exactspec.tuning.priors import acceptance_prior
 
     spec = PairSpec(target, draft, backend="auto", dtype="auto", weights="auto", threads=threads).resolved()
     target_dir, draft_dir = spec.dirs()

@@ -15,7 +15,6 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from exactspec import __version__
 from exactspec.cli import (
     audit,
     bench,
@@ -32,6 +31,7 @@ from exactspec.cli import (
 )
 from exactspec.cli.common import CliError, HelpFormatter, Parser
 from exactspec.loading import default_dtype
+from exactspec.version import __version__
 
 __all__ = ["build_parser", "main"]
 

@@ -23,7 +23,7 @@ from exactspec.cli.common import (
     resolved_spec,
 )
 from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
-from exactspec.decoding.priors import shipped_prior
+from exactspec.tuning.priors import shipped_prior
 
 
 def run(args: argparse.Namespace) -> dict:

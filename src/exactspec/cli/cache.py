@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from exactspec.decoding.priors import PolicyCache
-from exactspec.machine import MachineCache
+from exactspec.tuning.machine import MachineCache
+from exactspec.tuning.priors import PolicyCache
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from exactspec.decoding.priors import PolicyCache
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.loading import LOOKUP, PACKAGED_MODELS, SMALL_MODEL_PARAMETERS, PairSpec
+from exactspec.tuning.priors import PolicyCache
 
 
 class CliError(Exception):
@@ -261,10 +261,10 @@ def _note(line: str) -> None:
 
 def choose_runtime(args: argparse.Namespace, spec: PairSpec) -> None:
     """``--backend auto``: the runtime, precision and threads this machine runs the pair fastest with
-    (:func:`exactspec.machine.choose`: measured once, then cached), written into ``args``; ``args.runtime_choice``
-    keeps the record."""
+    (:func:`exactspec.tuning.machine.choose`: measured once, then cached), written into ``args``;
+    ``args.runtime_choice`` keeps the record."""
     from exactspec.loading import check_device
-    from exactspec.machine import choose
+    from exactspec.tuning.machine import choose
 
     params = sampling(args) if hasattr(args, "temperature") else SamplingParams()
     try:

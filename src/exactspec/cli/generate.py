@@ -25,15 +25,15 @@ from exactspec.cli.common import (
 )
 from exactspec.cli.files import check_record_path, write_record_file
 from exactspec.decoding.block import RULES
-from exactspec.decoding.priors import PolicyCache
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.loading import unwrapped
 from exactspec.speculator import Completion, Speculator
 from exactspec.tokenizer import stream_text
+from exactspec.tuning.priors import PolicyCache
 
 if TYPE_CHECKING:
     from exactspec.decoding.stats import GenerationStats
-    from exactspec.machine import RuntimeChoice
+    from exactspec.tuning.machine import RuntimeChoice
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -7,8 +7,8 @@ import os
 import sys
 
 from exactspec.cli.common import CliError, add_model_arguments, integer, load, pair_dirs, precision
-from exactspec.decoding.priors import PolicyCache, acceptance_prior
 from exactspec.decoding.sampling import SamplingParams
+from exactspec.tuning.priors import PolicyCache, acceptance_prior
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -7,10 +7,9 @@
 * :mod:`~exactspec.decoding.engine`: a round over a batch of slots (one generation is a batch of one);
   :mod:`~exactspec.decoding.decoder` is that loop for one sequence (:class:`SpeculativeDecoder`);
 * :mod:`~exactspec.decoding.policy`: the one gamma policy; :mod:`~exactspec.decoding.costmodel` its expected-tokens
-  and speedup formulas; :mod:`~exactspec.decoding.calibration` the call costs measured at load;
-  :mod:`~exactspec.decoding.priors` acceptance priors; :mod:`~exactspec.decoding.coldstart` the policy a run starts
-  with; :mod:`~exactspec.decoding.stats` per-round records.
+  and speedup formulas; :mod:`~exactspec.decoding.stats` per-round records.
 
-Nothing here knows about HTTP, files of jobs or the command line; models are reached only through the runtime
-interface (:mod:`exactspec.models.runtime`).
+Nothing here knows about HTTP, files, caches, this machine's timings or the command line (those belong to
+:mod:`exactspec.tuning` and the tools above it); models are reached only through the runtime interface
+(:mod:`exactspec.models.runtime`).
 """

@@ -29,8 +29,8 @@ that did not pay (up to ``max_probe_every``). Hysteresis and probing are kept pe
 
 Cold start. Without priors the first steps guess (``initial_gamma``, ``prior_acceptance``) and learn; with
 :class:`PolicyPriors` the very first step takes the optimum: call costs measured at load
-(:mod:`exactspec.decoding.calibration`) and acceptance by draft position from the draft's shipped held-out figures or
-the last run of the same pair (:mod:`exactspec.decoding.priors`). A prior counts as ``weight`` observations, after which
+(:mod:`exactspec.tuning.calibration`) and acceptance by draft position from the draft's shipped held-out figures or
+the last run of the same pair (:mod:`exactspec.tuning.priors`). A prior counts as ``weight`` observations, after which
 rounds take over at the usual rate, so a wrong prior costs a few rounds, not a generation.
 
 The choice depends only on completed rounds, measured times and priors, never on the current round's random numbers,

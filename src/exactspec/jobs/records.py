@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from exactspec import __version__
 from exactspec.decoding.sampling import SamplingParams, processor_order
+from exactspec.version import __version__
 
 __all__ = [
     "RECORD_VERSION",

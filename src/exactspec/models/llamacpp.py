@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from .base import check_rollback_length, check_token_ids
-from .llamacpp_tiles import extra_buffers_work
+from .llamacpp_tiles import PROBE_TOKENS, extra_buffers_work
 from .runtime import OneSlot, outputs_per_row
 
 __all__ = ["LlamaCppRuntime", "LlamaCppModel", "llama_cpp_available", "llama_cpp_version", "requantize"]
@@ -444,3 +444,14 @@ class LlamaCppModel(OneSlot):
         return (
             f"LlamaCppModel({self.runtime.weights.path.name}, {self.runtime.threads} threads, max_len={self.max_len})"
         )
+
+
+def probe_extra_buffers(model: str) -> None:
+    """The child of :func:`exactspec.models.llamacpp_tiles.probe_command`: ``model`` loaded with llama.cpp's extra
+    buffers, a batched decode, a torch bfloat16 product of a size that takes oneDNN's AMX kernel where there is one,
+    and the decode again (a crash is the verdict)."""
+    runtime = LlamaCppRuntime(model, slots=1, max_len=PROBE_TOKENS, threads=1, extra_buffers=True)
+    for _ in range(2):
+        runtime.rollback(0, 0)
+        runtime.forward([(0, [i % runtime.vocab_size for i in range(PROBE_TOKENS)])], [1])
+        torch.ones(256, 576, dtype=torch.bfloat16) @ torch.ones(576, 1536, dtype=torch.bfloat16)

@@ -101,20 +101,6 @@ def probe_command(model: Path) -> list[str]:
     return [
         sys.executable,
         "-c",
-        "import sys; from exactspec.models.llamacpp_tiles import _probe; _probe(sys.argv[1])",
+        "import sys; from exactspec.models.llamacpp import probe_extra_buffers; probe_extra_buffers(sys.argv[1])",
         str(model),
     ]
-
-
-def _probe(model: str) -> None:
-    """Run in the child: ``model`` loaded with llama.cpp's extra buffers, a batched decode, a torch bfloat16 product of
-    a size that takes oneDNN's AMX kernel where there is one, and the decode again."""
-    import torch
-
-    from exactspec.models.llamacpp import LlamaCppRuntime
-
-    runtime = LlamaCppRuntime(model, slots=1, max_len=PROBE_TOKENS, threads=1, extra_buffers=True)
-    for _ in range(2):
-        runtime.rollback(0, 0)
-        runtime.forward([(0, [i % runtime.vocab_size for i in range(PROBE_TOKENS)])], [1])
-        torch.ones(256, 576, dtype=torch.bfloat16) @ torch.ones(576, 1536, dtype=torch.bfloat16)

@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .pipeline import ModelShape, TrainArgs, _load_state, _save_json, export_models, run
+from .pipeline import ModelShape, TrainArgs, export_models, load_state, run, save_json
 
 
 def _shape(s: str) -> ModelShape:
@@ -96,11 +96,11 @@ def main(argv: list[str] | None = None) -> None:
         max_files=a.max_files,
         progress=not a.no_progress,
     )
-    state = _load_state(a.out)
+    state = load_state(a.out)
     if not state.get("command"):  # remembered for the model card; a resume keeps the original
         a.out.mkdir(parents=True, exist_ok=True)
         state["command"] = command
-        _save_json(a.out / "state.json", state)
+        save_json(a.out / "state.json", state)
     metrics = run(args)
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, (dict, list))}, indent=2))
 

@@ -46,7 +46,6 @@ from pathlib import Path
 import torch
 
 from exactspec.decoding import costmodel
-from exactspec.decoding.calibration import calibrate
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.loading import PACKAGED_MODELS, resolve_checkpoint
 from exactspec.models.eagle import CONFIG_FILE, FeatureDraft, FeatureDraftConfig
@@ -63,6 +62,7 @@ from exactspec.training.feature_draft import (
     vocabulary_subset,
 )
 from exactspec.training.teacher import ShardPool, load_shards, shard_paths, stored_layers
+from exactspec.tuning.calibration import calibrate
 
 
 @dataclass(frozen=True)

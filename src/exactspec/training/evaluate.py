@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> None:
         help="the runtime the engine runs (default: the one the draft's data came from, as its card says)",
     )
     args = parser.parse_args(argv)
-    from exactspec.machine import machine_signature
     from exactspec.models.eagle import CONFIG_FILE
     from exactspec.speculator import Speculator
+    from exactspec.tuning.machine import machine_signature
 
     draft = args.draft or args.run / "draft"
     card = json.loads((draft / CONFIG_FILE).read_text()).get("card", {})

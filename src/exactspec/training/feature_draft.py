@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from exactspec.decoding.priors import write_shipped_prior
 from exactspec.models.eagle import CONFIG_FILE, LAYOUTS, FeatureDraft, FeatureDraftConfig, layers_of_every_layout
 from exactspec.models.lean import LeanModel
 from exactspec.tokenizer import TextTokenizer
@@ -61,6 +60,7 @@ from exactspec.training.teacher import (
     stored_keys,
     teacher_pass,
 )
+from exactspec.tuning.priors import write_shipped_prior
 
 __all__ = ["TrainDraftArgs", "train_draft", "held_out_acceptance"]
 
@@ -451,7 +451,7 @@ class _RunLog:
     held when it finished (an entry without ``finished`` is a run that was interrupted)."""
 
     def __init__(self, path: Path, args: TrainDraftArgs) -> None:
-        from exactspec import __version__
+        from exactspec.version import __version__
 
         self.path = path
         self.entries = json.loads(path.read_text()) if path.is_file() else []

@@ -77,12 +77,12 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _load_state(out: Path) -> dict[str, Any]:
+def load_state(out: Path) -> dict[str, Any]:
     p = out / "state.json"
     return json.loads(p.read_text()) if p.is_file() else {"done": []}
 
 
-def _save_json(path: Path, obj: Any) -> None:
+def save_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
@@ -91,7 +91,7 @@ def _save_json(path: Path, obj: Any) -> None:
 def _mark_done(out: Path, state: dict[str, Any], phase: str, **extra: Any) -> None:
     state["done"].append(phase)
     state.update(extra)
-    _save_json(out / "state.json", state)
+    save_json(out / "state.json", state)
 
 
 def _config(args: TrainArgs, shape: ModelShape) -> LlamaConfig:
@@ -274,8 +274,8 @@ def _write_model_dir(model: LlamaDecoder, tok_dir: Path, directory: Path) -> Non
     sd = {k: v.to(torch.bfloat16).cpu().contiguous() for k, v in hf_state_dict(model).items()}
     save_file(sd, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "model.safetensors").chmod(0o644)
-    _save_json(directory / "config.json", model.cfg.to_hf_dict("bfloat16"))
-    _save_json(directory / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 0, "do_sample": False})
+    save_json(directory / "config.json", model.cfg.to_hf_dict("bfloat16"))
+    save_json(directory / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 0, "do_sample": False})
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(tok_dir / f, directory / f)
 
@@ -354,7 +354,7 @@ def run(args: TrainArgs) -> dict[str, Any]:
     out = args.out
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    state = _load_state(out)
+    state = load_state(out)
     if state["done"] and not args.resume:
         raise SystemExit(f"{out} already holds a run ({', '.join(state['done'])} done); pass --resume or a new --out")
     out.mkdir(parents=True, exist_ok=True)
@@ -362,7 +362,7 @@ def run(args: TrainArgs) -> dict[str, Any]:
         args = _restore_args(args, state["args"])
     else:
         state["args"] = json.loads(json.dumps(asdict(args), default=str))
-        _save_json(out / "state.json", state)
+        save_json(out / "state.json", state)
     tok_dir, data_dir = out / "tokenizer", out / "data"
 
     root = data.stdlib_root()
@@ -462,7 +462,7 @@ def run(args: TrainArgs) -> dict[str, Any]:
             metrics["cost_ratio_1tok"] = round(
                 metrics["draft_timing"]["ms_per_call_1tok_bf16"] / metrics["target_timing"]["ms_per_call_1tok_bf16"], 4
             )
-        _save_json(out / "metrics.json", metrics)
+        save_json(out / "metrics.json", metrics)
         _mark_done(out, state, "eval")
         _log("metrics: " + json.dumps({k: v for k, v in metrics.items() if not isinstance(v, (dict, list))}))
     return json.loads((out / "metrics.json").read_text())
@@ -525,7 +525,7 @@ def export_models(out: Path, dest: Path, command: str | None = None) -> None:
     import sys
 
     metrics = json.loads((out / "metrics.json").read_text())
-    state = _load_state(out)
+    state = load_state(out)
     a = state["args"]
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("target", "draft"):

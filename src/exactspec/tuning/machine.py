@@ -12,7 +12,7 @@ guessing:
    1, 2, 4, ... threads up to the cores this process may use (one thread for a target under
    :data:`exactspec.loading.SMALL_MODEL_PARAMETERS`, whose calls are too short to share).
 2. :func:`measure`: per candidate, the target's call costs c(1..max_gamma+1) and one draft step
-   (:func:`exactspec.decoding.calibration.calibrate`, on a fixed context).
+   (:func:`exactspec.tuning.calibration.calibrate`, on a fixed context).
 3. :func:`predicted_ms_per_token`: the cost model with the draft's acceptance prior a_1..a_K (the policy cache's,
    else the shipped one): ``min over gamma of (gamma d + c(gamma + 1)) / E_gamma`` with ``E_gamma = 1 + sum_{k <=
    gamma} prod_{i <= k} a_i`` (:func:`exactspec.decoding.costmodel.expected_tokens_by_gamma`); plain decoding (or
@@ -43,17 +43,17 @@ from pathlib import Path
 import torch
 
 from exactspec.cache_files import CacheDirectory, default_cache_dir, read_json_object, write_json_atomically
-from exactspec.decoding.calibration import Calibration, calibrate
 from exactspec.decoding.costmodel import expected_tokens_by_gamma
 from exactspec.decoding.decoder import SpeculativeDecoder
 from exactspec.decoding.policy import AdaptiveConfig
-from exactspec.decoding.priors import PolicyCache, acceptance_prior, fingerprint
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.loading import LOOKUP, SMALL_MODEL_PARAMETERS, PairSpec, native_bfloat16
 from exactspec.models.base import check_local_checkpoint, is_gguf
 from exactspec.models.gguf import read_gguf
 from exactspec.models.llamacpp import llama_cpp_available
 from exactspec.proposers import LookupOrDraft
+from exactspec.tuning.calibration import Calibration, calibrate
+from exactspec.tuning.priors import PolicyCache, acceptance_prior, fingerprint
 
 __all__ = [
     "AUTO",
@@ -223,7 +223,7 @@ def _weight_bytes(checkpoint: str | Path) -> int:
 def machine_signature(device: str = "cpu") -> dict:
     """What the measured costs depend on besides the pair: the CPU and its vector flags, usable cores, device and
     the versions of the libraries that run the models."""
-    from exactspec import __version__
+    from exactspec.version import __version__
 
     flags: set[str] = set()
     model = platform.processor() or platform.machine()

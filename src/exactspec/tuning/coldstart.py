@@ -2,8 +2,8 @@
 
 :func:`cold_start` gives a :class:`exactspec.decoding.engine.SpeculativeDecoder` the policy that ``generate --gamma
 auto`` runs: :class:`exactspec.decoding.policy.AdaptiveGamma` started from
-:func:`exactspec.decoding.calibration.calibrate` (the target at every call size the policy may use, one draft step) and
-from :func:`exactspec.decoding.priors.acceptance_prior` (the policy cache's entry for the pair and sampling mode, else
+:func:`exactspec.tuning.calibration.calibrate` (the target at every call size the policy may use, one draft step) and
+from :func:`exactspec.tuning.priors.acceptance_prior` (the policy cache's entry for the pair and sampling mode, else
 the draft's shipped prior). A draft combined with prompt lookup is one policy with estimates per source: lookup's steps
 cost next to nothing and its acceptance is learnt.
 :meth:`ColdStart.remember` adds a finished run's acceptance to the cache, where the next run of the pair starts.
@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from exactspec.decoding.calibration import Calibration, calibrate
 from exactspec.decoding.decoder import SpeculativeDecoder
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
-from exactspec.decoding.priors import PolicyCache, acceptance_prior, fingerprint, mode_key
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.decoding.stats import GenerationStats
 from exactspec.proposers import LookupOrDraft
+from exactspec.tuning.calibration import Calibration, calibrate
+from exactspec.tuning.priors import PolicyCache, acceptance_prior, fingerprint, mode_key
 
 __all__ = ["CALIBRATION_TOKENS", "ColdStart", "cold_start"]
 
