@@ -47,7 +47,6 @@ from exactspec.decoding.sampling import SamplingParams, block_probs
 from exactspec.decoding.stats import GenerationStats, RoundRecord
 from exactspec.decoding.verify import VerifyResult, verify_greedy, verify_point_mass, verify_stochastic
 from exactspec.models.base import LanguageModel, check_token_ids
-from exactspec.models.kv_cache import MAX_BLOCK
 from exactspec.models.runtime import Runtime, as_runtime
 from exactspec.proposers.base import Draft, DraftRequest, Proposer, common_prefix, processed_q
 from exactspec.proposers.prompt_lookup import PromptLookupProposer
@@ -321,8 +320,9 @@ class BatchEngine:
         donors = [s for s in self._active if s not in admitted]
         groups = [(group, group[0].context[self._reuse_prefix(group[0], donors) :]) for group in by_prompt.values()]
         self._joining = [(group, feed) for group, feed in groups if len(feed) <= 1 + self.config.gamma]  # see _verify
-        short = [(group, feed) for group, feed in groups if 1 + self.config.gamma < len(feed) <= MAX_BLOCK]
-        for call in [short] * bool(short) + [[(group, feed)] for group, feed in groups if len(feed) > MAX_BLOCK]:
+        longest = self.target.max_batched_row
+        short = [(group, feed) for group, feed in groups if 1 + self.config.gamma < len(feed) <= longest]
+        for call in [short] * bool(short) + [[(group, feed)] for group, feed in groups if len(feed) > longest]:
             began = time.perf_counter()
             logits = self._guarded(
                 [s for group, _ in call for s in group],

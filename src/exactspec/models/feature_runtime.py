@@ -43,7 +43,7 @@ class FeatureDraftRuntime:
     ) -> None:
         self.draft = draft.to(device=device, dtype=dtype).eval()
         self.device, self.dtype, self.invariant = torch.device(device), dtype, invariant
-        self.slots, self.max_len = slots, max_len
+        self.slots, self.max_len, self.max_batched_row = slots, max_len, MAX_BLOCK
         cfg = draft.cfg.layer_config()
         self.cache = KVCache(
             1, slots, cfg.num_key_value_heads, cfg.head_size, max_len, cache_dtype(dtype, self.device), self.device

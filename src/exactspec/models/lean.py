@@ -75,7 +75,7 @@ class LeanRuntime:
             cache_dtype(self.dtype, self.device),
             self.device,
         )
-        self.slots, self.max_len = slots, max_len
+        self.slots, self.max_len, self.max_batched_row = slots, max_len, MAX_BLOCK
         cos, sin = rope_tables(cfg, max_len + MAX_BLOCK)
         self._cos = cos.to(self.device, self.dtype)  # (max_len + MAX_BLOCK, hd)
         self._sin = sin.to(self.device, self.dtype)

@@ -53,6 +53,9 @@ from .runtime import OneSlot, outputs_per_row
 
 __all__ = ["LlamaCppRuntime", "LlamaCppModel", "llama_cpp_available", "llama_cpp_version", "requantize"]
 
+#: A row longer than this (a prompt) is decoded alone, so that one long prefill does not hold up a batch's rounds.
+MAX_BATCHED_ROW = 64
+
 _BACKEND: dict = {}  # the imported module and the no-op log callback (kept alive while llama.cpp may call it)
 
 
@@ -230,6 +233,7 @@ class LlamaCppRuntime:
         self.slots = slots
         self.split_cache = split_cache  # a KV stream per slot (the module docstring)
         self.max_len = min(max_len or self.weights.context_length, self.weights.context_length)
+        self.max_batched_row = MAX_BATCHED_ROW
         self.threads = threads or torch.get_num_threads()
         self._capture: _FeatureCapture | None = None
         self._every_row = False  # the last layer is captured: llama.cpp must compute it (and logits) at every position

@@ -10,6 +10,7 @@ only through:
 * ``rollback(slot, n)``  keep only the first ``n`` positions of a slot;
 * ``copy_prefix(source, slot, n)``  give a slot another slot's first ``n`` positions (a shared prompt);
 * ``lengths``            positions held per slot; ``slots``, ``max_len``, ``vocab_size``;
+* ``max_batched_row``    the longest row it takes in a call beside other rows (a longer one, a prompt, is fed alone);
 * ``capture_features(layers)`` / ``last_features``  the outputs of target layers for each row of the last call,
   for a proposer that reads them (:mod:`exactspec.models.eagle`); a runtime without hidden states refuses
   ``capture_features`` with a ValueError;
@@ -57,6 +58,7 @@ def outputs_per_row(rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence
 class Runtime(Protocol):
     slots: int
     max_len: int
+    max_batched_row: int
     lengths: list[int]
     last_features: list[torch.Tensor]
     invariant: bool
@@ -122,6 +124,7 @@ class SequenceSlots:
         self.models = list(models)
         self.slots = len(models)
         self.max_len = min(getattr(m, "max_len", 2**31) for m in models)
+        self.max_batched_row = self.max_len  # rows run one after another, each as long as it is
         self.invariant = all(getattr(m, "invariant", False) for m in models)
         self.device = torch.device(getattr(models[0], "device", "cpu"))
         self.feature_layers: tuple[int, ...] = ()

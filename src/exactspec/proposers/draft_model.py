@@ -22,7 +22,6 @@ import torch
 
 from exactspec.decoding.sampling import full_width
 from exactspec.decoding.verify import greedy_token, sample_from
-from exactspec.models.kv_cache import MAX_BLOCK
 from exactspec.models.runtime import as_runtime
 from exactspec.proposers.base import Draft, DraftRequest, DraftRule, ReadsNothing, common_prefix
 
@@ -108,10 +107,11 @@ class DraftModelProposer(ModelDraft):
                 self._fed[r.slot].append(tokens[r.slot][-1])
         is_setup = max(len(feed) for _, feed in feeds) > 2
         if len(feeds) > 1:  # a row longer than a batched call allows (a prompt) is fed alone first
+            longest = self.model.max_batched_row
             for slot, feed in feeds:
-                if len(feed) > MAX_BLOCK:
+                if len(feed) > longest:
                     self.model.forward([(slot, feed[:-1])], [0])
-            feeds = [(slot, feed[-1:] if len(feed) > MAX_BLOCK else feed) for slot, feed in feeds]
+            feeds = [(slot, feed[-1:] if len(feed) > longest else feed) for slot, feed in feeds]
         return self.model.forward(feeds, [1] * len(feeds)), is_setup
 
     def _catch_up(self, slot: int, context: list[int]) -> list[int]:
