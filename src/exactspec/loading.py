@@ -251,7 +251,7 @@ def default_dtype(
     """bfloat16 where the device has it natively (faster, a flat verify cost), else float32; but bfloat16 for a GGUF
     target whose 4-bit weights the lean backend keeps on the CPU (``--weights auto|q4``): torch's int4 kernel takes
     bfloat16 activations, and that path is the fastest torch has for such a file even where bfloat16 is emulated
-    (SmolLM2, 2 threads, AMD EPYC Zen 3 without AVX-512: q4 23.6 ms a token, dense float32 60.8 ms)."""
+    (docs/smollm2.md has the figures)."""
     from exactspec.models.base import is_gguf
 
     if native_bfloat16(device):
@@ -465,8 +465,8 @@ class PairSpec:
         )
         if self.backend == "llamacpp":
             # llama.cpp's own threads do the model's work; torch's, only the verifier's small tensors. Two pools
-            # on two cores collide (llama.cpp's workers spin after each call): 59.7 against 70.8 tokens/s, SmolLM2,
-            # greedy, AMD EPYC Zen 3, 2 llama.cpp threads, torch at 2 threads against 1.
+            # on two cores collide (llama.cpp's workers spin after each call),
+            # which cost SmolLM2 about 15% (docs/runtimes.md).
             for model in (pair.target, pair.draft):
                 if hasattr(unwrapped(model), "set_threads"):
                     unwrapped(model).set_threads(self.threads or os.cpu_count() or 1)

@@ -16,9 +16,8 @@ each slot. ``split_cache=True`` gives each slot a stream of its own (``kv_unifie
 own sequence only, a copied prefix is the source's whole stream cut to ``n`` positions (a stream is copied whole),
 rows of consecutive slots share a graph computation and others do not (llama.cpp's ``split_equal``), and features
 cannot be captured (llama.cpp reorders the rows of such a batch). For many slots that all decode, as in
-``train-draft``'s answers, it pays: SmolLM2 Q4_1, 2 threads, AMD EPYC Zen 3, 300 cached positions per slot, one
-token per slot per call, 160 tokens/s split at 16, 32 and 64 slots against 114, 86 and 33 unified
-(``python -m exactspec.bench.cache_layout``). Numerics are llama.cpp's: weights as the file stores them (no
+``train-draft``'s answers, it pays, more so the more slots (``python -m exactspec.bench.cache_layout`` measures it;
+figures in docs/experiments/smollm2-log.md). Numerics are llama.cpp's: weights as the file stores them (no
 requantizing), activations in float32, keys and values cached in float16 (llama.cpp's default), and a position's logits
 may differ in the last bits with the call's size and the other rows beside it (llama.cpp's matrix kernels pick their
 tiling by batch size), so this runtime is not call-size invariant (``invariant`` is False) and refuses to be asked to
@@ -28,9 +27,8 @@ be.
 :mod:`exactspec.models.eagle`) through llama.cpp's eval callback: the graph's tensors named ``l_out-{i}`` (layer
 ``i``'s output, before the final norm, as the torch decoder's) are copied out as llama.cpp computes them, one
 chunk per micro-batch, in the batch's order. The callback is asked about every node of the graph (about 940 for
-SmolLM2), so the context is made with it only once features are asked for: measured on SmolLM2 Q4_1, 2 threads,
-AMD EPYC Zen 3, one-token calls 9.1 ms without it and 10.2 ms with layers 6, 14 and 29 captured (4-token calls
-24.4 and 25.5 ms).
+SmolLM2), so the context is made with it only once features are asked for (its cost, about a tenth of a one-token
+call on SmolLM2: docs/runtimes.md).
 
 :class:`LlamaCppModel` is one slot of a runtime: the single-sequence model protocol
 (:class:`exactspec.models.base.LanguageModel`) that ``generate`` and the library's decoder take, as
@@ -242,7 +240,7 @@ class LlamaCppRuntime:
         self._lengths = [0] * slots
         self._ctx = None
         self._vocab_size = min(vocab_size or self.weights.vocab_size, self.weights.vocab_size)  # padding rows cut
-        self._make_context()  # here, not in the first call, which a user times (150 ms for SmolLM2's 8192 positions)
+        self._make_context()  # here, not in the first call, which a user times
 
     def _make_context(self) -> None:
         """llama.cpp's context for the slots, with the feature capture's callback where features are asked for. A

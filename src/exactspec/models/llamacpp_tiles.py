@@ -2,7 +2,7 @@
 
 ggml's CPU backend multiplies quantized weights with AMX tiles where the CPU has them and llama.cpp was compiled for
 them (``-march=native`` on such a CPU; llama.cpp's system info then reports ``AMX_INT8 = 1``). Two things kill a
-process that uses them, both seen on 2026-12-06 with llama-cpp-python 0.3.36 on an Intel Xeon with AMX:
+process that uses them, both seen with llama-cpp-python 0.3.36 on an Intel Xeon with AMX:
 
 * **A GCC 12 build** (Debian 12's): that compiler's ``_tile_loadconfig`` declares a read of 8 bytes of the 64-byte
   tile configuration, so the stores that fill in the rest are dropped as dead, and ``ldtilecfg`` faults on the
@@ -15,8 +15,8 @@ process that uses them, both seen on 2026-12-06 with llama-cpp-python 0.3.36 on 
 The AMX kernels come with llama.cpp's extra weight buffers (``use_extra_bufts``, which also hold the repacked
 layouts of other CPUs). Where the CPU has AMX and the build uses it, a child process loads the model that way,
 decodes a batch, runs a torch bfloat16 product and decodes again; if a signal kills it, the weights are loaded
-without extra buffers (llama.cpp's plain kernels: correct, and on that Xeon 2.4x slower than the AMX kernels run
-alone, as llama-server runs them: docs/runtimes.md) and a warning says why. The verdict is cached per llama.cpp
+without extra buffers (llama.cpp's plain kernels: correct, and slower than the AMX kernels run alone, as llama-server
+runs them: docs/runtimes.md) and a warning says why. The verdict is cached per llama.cpp
 library and model file in ``$EXACTSPEC_CACHE_DIR/llamacpp/tiles.json``.
 """
 

@@ -333,8 +333,8 @@ def fastest_teacher(
     target is a GGUF file whose 4-bit projections the lean runtime keeps, both forms run and the faster at the
     teacher's own work, a batch of whole sequences (``rate``: tokens/s, :func:`teacher_rate` by default), is kept:
     a decoding call reads every weight for a few tokens, a teacher batch does arithmetic on thousands, so the two
-    rank the forms differently (Intel AMX, 2 threads: dense 3,018 tokens/s, q4 665). Both are the file's weights up
-    to bfloat16 rounding (docs/smollm2.md). Elsewhere the target as it decodes by default (:func:`teacher_model`;
+    rank the forms differently (dense wins on AMX: docs/experiments/smollm2-log.md). Both are the file's weights up
+    to bfloat16 rounding. Elsewhere the target as it decodes by default (:func:`teacher_model`;
     ``loaded``: that model, when the caller has it already)."""
     from exactspec.loading import native_bfloat16
     from exactspec.models.quantized import Int4Linear
