@@ -34,7 +34,7 @@ from exactspec.decoding.sampling import SamplingParams
 from exactspec.serving.protocol import ChatRequest, CompletionRequest
 from exactspec.tokenizer import TextTokenizer
 
-__all__ = ["ServerSettings", "create_app"]
+__all__ = ["ServerCounters", "ServerSettings", "ServingApp", "create_app"]
 
 
 @dataclass(frozen=True)
@@ -137,29 +137,40 @@ class _Choice:
         }
 
 
-def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSettings) -> FastAPI:
-    stop_engine = threading.Event()
-    state = {"sequences": 0, "requests": 0, "errors": 0}
+@dataclass
+class ServerCounters:
+    """What the server counts beside the engine's metrics: sequences in flight, requests taken, requests failed."""
+
+    sequences: int = 0
+    requests: int = 0
+    errors: int = 0
+
+
+class ServingApp:
+    """The server's handlers as named methods over one engine, tokenizer and settings; :func:`create_app` routes
+    them. Each handler can be called (and tested) without HTTP routing; the engine runs in :meth:`lifespan`."""
+
+    def __init__(self, engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSettings) -> None:
+        self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+        self.counters = ServerCounters()
+        self.stop_engine = threading.Event()
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        thread = threading.Thread(target=engine.run, args=(stop_engine,), name="exactspec-engine", daemon=True)
+    async def lifespan(self, app: FastAPI):
+        thread = threading.Thread(
+            target=self.engine.run, args=(self.stop_engine,), name="exactspec-engine", daemon=True
+        )
         thread.start()
         yield
-        stop_engine.set()  # in-flight sequences are cancelled and their streams closed
+        self.stop_engine.set()  # in-flight sequences are cancelled and their streams closed
         thread.join(timeout=10)
 
-    app = FastAPI(title="exactspec", lifespan=lifespan)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, error: ApiError):
-        return _error_response(error)
-
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if settings.api_key and request.url.path != "/health":
+    async def guard(self, request: Request, call_next):
+        """The API key (every path but /health) and the declared body size, before any handler runs."""
+        key = self.settings.api_key
+        if key and request.url.path != "/health":
             given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 return _error_response(
                     ApiError(
                         401,
@@ -168,40 +179,38 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
                         code="invalid_api_key",
                     )
                 )
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_request_bytes:
-            return _error_response(
-                ApiError(413, f"request body of {length} bytes exceeds {settings.max_request_bytes}")
-            )
+        length, limit = request.headers.get("content-length"), self.settings.max_request_bytes
+        if length is not None and length.isdigit() and int(length) > limit:
+            return _error_response(ApiError(413, f"request body of {length} bytes exceeds {limit}"))
         return await call_next(request)
 
-    @app.get("/health")
-    async def health():
+    async def health(self) -> dict:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": settings.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "exactspec",
-                    "max_model_len": engine.target.max_len,
-                }
-            ],
+    async def models(self) -> dict:
+        model = {
+            "id": self.settings.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "exactspec",
+            "max_model_len": self.engine.target.max_len,
         }
+        return {"object": "list", "data": [model]}
 
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(_prometheus(engine, state), media_type="text/plain; version=0.0.4")
+    async def metrics(self) -> PlainTextResponse:
+        return PlainTextResponse(_prometheus(self.engine, self.counters), media_type="text/plain; version=0.0.4")
 
-    async def parse(request: Request, model_class):
-        body = await request.body()
-        if len(body) > settings.max_request_bytes:
-            raise ApiError(413, f"request body of {len(body)} bytes exceeds {settings.max_request_bytes}")
+    async def completions(self, request: Request):
+        return await self.handle(await self.parse(request, CompletionRequest), chat=False)
+
+    async def chat_completions(self, request: Request):
+        return await self.handle(await self.parse(request, ChatRequest), chat=True)
+
+    async def parse(self, request: Request, model_class):
+        """The body as ``model_class``: size, JSON, fields and the model's name checked (ApiError otherwise)."""
+        body, limit, name = await request.body(), self.settings.max_request_bytes, self.settings.model_name
+        if len(body) > limit:
+            raise ApiError(413, f"request body of {len(body)} bytes exceeds {limit}")
         try:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as error:
@@ -214,17 +223,35 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
             first = error.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or None
             raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
-        if parsed.model != settings.model_name:
+        if parsed.model != name:
             raise ApiError(
                 404,
-                f"the model `{parsed.model}` does not exist; this server has `{settings.model_name}`",
+                f"the model `{parsed.model}` does not exist; this server has `{name}`",
                 param="model",
                 code="model_not_found",
             )
         return parsed
 
-    def sequences(body, prompt: list[int], default_max: int) -> list[SequenceRequest]:
-        window = engine.target.max_len
+    def prompt_ids(self, body, chat: bool) -> list[int]:
+        """The request's prompt as token ids: the chat template over its messages, its text, or its ids checked."""
+        if chat:
+            try:
+                prompt = self.tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in body.messages])
+            except ValueError as error:
+                raise ApiError(400, str(error), param="messages") from None
+        elif isinstance(body.prompt, str):
+            prompt = self.tokenizer.encode_prompt(body.prompt)
+        else:
+            prompt, vocab = list(body.prompt), self.engine.target.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return prompt
+
+    def sequences(self, body, prompt: list[int], default_max: int) -> list[SequenceRequest]:
+        """The engine's requests for ``body``'s n choices, every limit and sampling field checked."""
+        window, settings = self.engine.target.max_len, self.settings
         if len(prompt) >= window:
             raise ApiError(
                 400, f"the prompt has {len(prompt)} tokens; this model's context window is {window}", param="prompt"
@@ -244,7 +271,7 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
             )
         if body.n > settings.max_n:
             raise ApiError(400, f"n {body.n} exceeds this server's limit of {settings.max_n}", param="n")
-        vocab = engine.target.vocab_size
+        vocab = self.engine.target.vocab_size
         try:
             bias = {int(t): b for t, b in (body.logit_bias or {}).items()}
             bad = [t for t in [*bias, *(body.stop_token_ids or [])] if t >= vocab]
@@ -262,7 +289,7 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
             )
         except ValueError as error:
             raise ApiError(400, str(error)) from None
-        stops = frozenset(body.stop_token_ids or []) | tokenizer.eos_token_ids
+        stops = frozenset(body.stop_token_ids or []) | self.tokenizer.eos_token_ids
         return [
             SequenceRequest(
                 tuple(prompt),
@@ -277,78 +304,74 @@ def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSe
             for i in range(body.n)
         ]
 
-    def start(requests: list[SequenceRequest], stops: list[str]) -> list[_Choice]:
-        if state["sequences"] + len(requests) > settings.max_sequences:
+    def start(self, requests: list[SequenceRequest], stops: list[str]) -> list[_Choice]:
+        """Submit the requests to the engine, unless that would pass the sequences in flight (429)."""
+        counters, limit = self.counters, self.settings.max_sequences
+        if counters.sequences + len(requests) > limit:
             raise ApiError(
                 429,
-                (
-                    f"the server is busy ({state['sequences']} sequences in "
-                    f"flight, limit {settings.max_sequences}); retry later"
-                ),
+                f"the server is busy ({counters.sequences} sequences in flight, limit {limit}); retry later",
                 "rate_limit_error",
             )
         loop = asyncio.get_running_loop()
-        choices = [_Choice(i, tokenizer, stops, loop) for i in range(len(requests))]
+        choices = [_Choice(i, self.tokenizer, stops, loop) for i in range(len(requests))]
         for choice, sequence in zip(choices, requests):
-            choice.handle = engine.submit(sequence, choice.on_tokens, choice.on_finish)
-        state["sequences"] += len(requests)
-        state["requests"] += 1
+            choice.handle = self.engine.submit(sequence, choice.on_tokens, choice.on_finish)
+        counters.sequences += len(requests)
+        counters.requests += 1
         return choices
 
-    async def handle(request: Request, chat: bool):
-        body = await parse(request, ChatRequest if chat else CompletionRequest)
-        if chat:
-            try:
-                prompt = tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in body.messages])
-            except ValueError as error:
-                raise ApiError(400, str(error), param="messages") from None
-        elif isinstance(body.prompt, str):
-            prompt = tokenizer.encode_prompt(body.prompt)
-        else:
-            prompt = list(body.prompt)
-            if any(not 0 <= t < engine.target.vocab_size for t in prompt):
-                raise ApiError(400, f"prompt token ids must be in [0, {engine.target.vocab_size})", param="prompt")
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt")
+    async def handle(self, body, chat: bool):
+        """A parsed completion or chat request: streamed, or answered whole."""
+        prompt = self.prompt_ids(body, chat)
         for flag in ("return_token_ids", "return_record"):
             if body.stream and getattr(body, flag):
                 raise ApiError(400, f"{flag} is given with whole responses, not with stream", param=flag)
-        if body.return_record and settings.record_base is None:
+        if body.return_record and self.settings.record_base is None:
             raise ApiError(400, "this server keeps no run records", param="return_record")
-        requests = sequences(body, prompt, 16 if not chat else settings.max_tokens)
-        choices = start(requests, body.stops())
+        requests = self.sequences(body, prompt, 16 if not chat else self.settings.max_tokens)
+        choices = self.start(requests, body.stops())
         meta = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
             "created": int(time.time()),
-            "model": settings.model_name,
+            "model": self.settings.model_name,
         }
         stop_ids = requests[0].stop_token_ids
         if body.stream:
             return StreamingResponse(
-                _stream(choices, meta, chat, len(prompt), stop_ids, body.include_usage(), state),
+                _stream(choices, meta, chat, len(prompt), stop_ids, body.include_usage(), self.counters),
                 media_type="text/event-stream",
             )
         try:
             texts = await asyncio.gather(*(_collect(c, stop_ids) for c in choices))
         finally:
-            _release(choices, state)
+            _release(choices, self.counters)
         failed = [c for c in choices if c.finish_reason == "error"]
         if failed:
-            state["errors"] += 1
+            self.counters.errors += 1
             raise ApiError(500, f"generation failed: {failed[0].handle.error}", "server_error")
         response = _response(choices, texts, meta, chat, prompt if body.return_token_ids else None, len(prompt))
         if body.return_record:
-            response["record"] = _record(settings.record_base, requests, choices, prompt)
+            response["record"] = _record(self.settings.record_base, requests, choices, prompt)
         return response
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, chat=True)
+async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+    return _error_response(error)
 
+
+def create_app(engine: BatchEngine, tokenizer: TextTokenizer, settings: ServerSettings) -> FastAPI:
+    """The HTTP routes over a :class:`ServingApp` (kept as ``app.state.serving``)."""
+    serving = ServingApp(engine, tokenizer, settings)
+    app = FastAPI(title="exactspec", lifespan=serving.lifespan)
+    app.state.serving = serving
+    app.add_exception_handler(ApiError, _api_error)
+    app.middleware("http")(serving.guard)
+    app.get("/health")(serving.health)
+    app.get("/v1/models")(serving.models)
+    app.get("/metrics")(serving.metrics)
+    app.post("/v1/completions")(serving.completions)
+    app.post("/v1/chat/completions")(serving.chat_completions)
     return app
 
 
@@ -378,11 +401,11 @@ def _record(base: dict, requests: list[SequenceRequest], choices: list[_Choice],
     }
 
 
-def _release(choices: list[_Choice], state: dict) -> None:
+def _release(choices: list[_Choice], counters: ServerCounters) -> None:
     """Cancel what still runs (a disconnected client) and give the sequences back to the in-flight count."""
     for choice in choices:
         choice.handle.cancel()
-    state["sequences"] -= len(choices)
+    counters.sequences -= len(choices)
 
 
 async def _collect(choice: _Choice, stop_ids: frozenset[int]) -> str:
@@ -437,7 +460,7 @@ async def _stream(
     prompt_tokens: int,
     stop_ids: frozenset[int],
     include_usage: bool,
-    state: dict,
+    counters: ServerCounters,
 ) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -465,7 +488,7 @@ async def _stream(
                     pending[asyncio.ensure_future(choice.queue.get())] = choice
                     continue
                 if value.finish_reason == "error":
-                    state["errors"] += 1
+                    counters.errors += 1
                     error = ApiError(500, f"generation failed: {value.error}", "server_error").body()
                     yield f"data: {json.dumps(error)}\n\n"
                     continue
@@ -478,10 +501,10 @@ async def _stream(
     finally:  # also when the client went away: its sequences leave the batch
         for future in pending:
             future.cancel()
-        _release(choices, state)
+        _release(choices, counters)
 
 
-def _prometheus(engine: BatchEngine, state: dict) -> str:
+def _prometheus(engine: BatchEngine, counters: ServerCounters) -> str:
     m = engine.metrics
     elapsed = max(1e-9, time.monotonic() - m.started)
     lines = []
@@ -529,8 +552,8 @@ def _prometheus(engine: BatchEngine, state: dict) -> str:
     memory = _resident_bytes()
     if memory is not None:
         metric("exactspec_resident_memory_bytes", "gauge", "resident memory of the server process", memory)
-    metric("exactspec_requests_total", "counter", "requests accepted", state["requests"])
-    metric("exactspec_request_errors_total", "counter", "requests that failed inside the model", state["errors"])
+    metric("exactspec_requests_total", "counter", "requests accepted", counters.requests)
+    metric("exactspec_request_errors_total", "counter", "requests that failed inside the model", counters.errors)
     return "\n".join(lines) + "\n"
 
 
