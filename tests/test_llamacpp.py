@@ -277,7 +277,6 @@ def feature_draft_pair(files, tmp_path_factory):
     draft.save(directory)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loading.TextTokenizer, "from_path", lambda path: SimpleNamespace(vocabulary=dict))
-        patch.setattr(loading, "restrict_to_vocabulary", lambda model, vocab: model)
         return loading.load_pair(files[0], directory, backend="llamacpp")
 
 

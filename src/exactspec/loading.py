@@ -13,7 +13,7 @@ import torch
 
 from exactspec.models.base import LanguageModel, check_local_checkpoint
 from exactspec.tokenizer import TextTokenizer
-from exactspec.vocab import RestrictedVocabulary, align_pair, restrict_to_vocabulary
+from exactspec.vocab import real_vocabulary_size
 
 if TYPE_CHECKING:  # annotations only: both import this module's neighbours
     from exactspec.models.eagle import FeatureDraft
@@ -140,18 +140,21 @@ def load_model(
     weights: str = "auto",
     invariant: bool = False,
     device: str | torch.device = "cpu",
+    vocab_size: int | None = None,
 ) -> LanguageModel:
-    """One model from a local checkpoint directory or ``.gguf`` file (never a download), on ``device``.
-    ``weights`` and ``invariant`` are the lean backend's (:meth:`exactspec.models.lean.LeanModel.from_pretrained`);
-    the llamacpp backend runs a ``.gguf`` file as it is stored (``dtype`` does not apply: llama.cpp computes in
-    float32)."""
+    """One model from a local checkpoint directory or ``.gguf`` file (never a download), on ``device``, its logits
+    cut to ``vocab_size`` rows (the tokenizer's real vocabulary; None: every row). ``weights`` and ``invariant`` are
+    the lean backend's (:meth:`exactspec.models.lean.LeanModel.from_pretrained`); the llamacpp backend runs a
+    ``.gguf`` file as it is stored (``dtype`` does not apply: llama.cpp computes in float32)."""
     device = check_device(device)
     if backend == "llamacpp":
-        return _llama_cpp_model(path, weights, invariant, device)
+        return _llama_cpp_model(path, weights, invariant, device, vocab_size)
     if backend == "lean":
         from exactspec.models.lean import LeanModel
 
-        return LeanModel.from_pretrained(path, dtype=dtype, weights=weights, invariant=invariant, device=device)
+        return LeanModel.from_pretrained(
+            path, dtype=dtype, weights=weights, invariant=invariant, device=device, vocab_size=vocab_size
+        )
     if backend == "hf" and (weights == "q4" or invariant):
         raise ValueError("--weights q4 and --invariant are options of the lean backend, not of --backend hf")
     if backend == "hf":
@@ -165,11 +168,13 @@ def load_model(
         hf_logging.disable_progress_bar()  # loading bars would mix with the streamed text
         hf_logging.set_verbosity_error()
 
-        return HFModel.from_pretrained(path, dtype=dtype, device=device)
+        return HFModel.from_pretrained(path, dtype=dtype, device=device, vocab_size=vocab_size)
     raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-def _llama_cpp_model(path: str | Path, weights: str, invariant: bool, device: torch.device) -> LanguageModel:
+def _llama_cpp_model(
+    path: str | Path, weights: str, invariant: bool, device: torch.device, vocab_size: int | None
+) -> LanguageModel:
     from exactspec.models.base import is_gguf
     from exactspec.models.llamacpp import LlamaCppModel
 
@@ -182,7 +187,7 @@ def _llama_cpp_model(path: str | Path, weights: str, invariant: bool, device: to
             "--weights and --invariant are options of the lean backend: llamacpp runs the file's weights as "
             "stored and is not call-size invariant"
         )
-    return LlamaCppModel.from_file(path, device=device)
+    return LlamaCppModel.from_file(path, device=device, vocab_size=vocab_size)
 
 
 def _feature_draft(directory: str | Path, target: LanguageModel, dtype: torch.dtype):
@@ -282,23 +287,15 @@ def check_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def unwrapped(model: LanguageModel) -> LanguageModel:
-    """The backend model inside vocabulary restrictions."""
-    while isinstance(model, RestrictedVocabulary):
-        model = model.model
-    return model
-
-
 def model_capacity(model: LanguageModel) -> int | None:
     """How many positions the model's cache holds, where it has a fixed limit."""
-    return getattr(unwrapped(model), "max_len", None)
+    return getattr(model, "max_len", None)
 
 
 def model_parameters(model: LanguageModel) -> int | None:
     """How many weights the model holds (4-bit ones counted once), where a torch module is inside (lean: its
     decoder; hf: the transformers model)."""
-    inner = unwrapped(model)
-    module = getattr(inner, "decoder", getattr(inner, "model", None))
+    module = getattr(model, "decoder", getattr(model, "model", None))
     if not isinstance(module, torch.nn.Module):
         return None
     quantized = sum(m.packed_weights for m in module.modules() if hasattr(m, "packed_weights"))
@@ -322,7 +319,7 @@ class LoadedPair:
 
         if not isinstance(self.draft, FeatureDraft):
             return self.draft
-        target = unwrapped(self.target)
+        target = self.target
         draft = FeatureDraftProposer.solo(
             self.draft, self.target.vocab_size, target.max_len, target.device, self.draft_dtype, target.invariant
         )
@@ -331,7 +328,7 @@ class LoadedPair:
     @property
     def draft_dtype(self) -> torch.dtype:
         """What a feature-level draft computes in: the lean target's dtype, else the draft's own (set at loading)."""
-        return getattr(unwrapped(self.target), "dtype", None) or next(self.draft.parameters()).dtype
+        return getattr(self.target, "dtype", None) or next(self.draft.parameters()).dtype
 
 
 def load_pair(
@@ -343,7 +340,8 @@ def load_pair(
     invariant: bool = False,
     device: str | torch.device = "cpu",
 ) -> LoadedPair:
-    """Target (and draft) with the target's tokenizer, both restricted to its real vocabulary (padding rows cut).
+    """Target (and draft) with the target's tokenizer, both cut to its real vocabulary (padding rows cut), the
+    tokenizers checked to agree before any weight is read.
     Each is a local directory, a ``.gguf`` file, a packaged model's name or a hub id found in the local Hugging Face
     cache (:func:`resolve_checkpoint`). ``weights`` applies to the target (a draft stays dense); ``invariant`` to
     both."""
@@ -353,18 +351,12 @@ def load_pair(
     feature_draft = Path(draft_dir) if draft_dir is not None and FeatureDraft.is_feature_draft(draft_dir) else None
     draft_dir = None if draft_dir is None or feature_draft else check_local_checkpoint(resolve_checkpoint(draft_dir))
     tokenizer = TextTokenizer.from_path(target_dir)
-    target = load_model(target_dir, backend, dtype, weights, invariant, device)
+    draft_tokenizer = TextTokenizer.from_path(draft_dir) if draft_dir is not None else None
+    size = real_vocabulary_size(tokenizer.vocabulary(), draft_tokenizer and draft_tokenizer.vocabulary())
+    target = load_model(target_dir, backend, dtype, weights, invariant, device, size)
     if feature_draft:
-        return LoadedPair(
-            restrict_to_vocabulary(target, tokenizer.vocabulary()),
-            _feature_draft(feature_draft, target, dtype),
-            tokenizer,
-        )
-    if draft_dir is None:
-        return LoadedPair(restrict_to_vocabulary(target, tokenizer.vocabulary()), None, tokenizer)
-    draft = load_model(draft_dir, backend, dtype, "dense", invariant, device)
-    draft_tokenizer = TextTokenizer.from_path(draft_dir)
-    target, draft = align_pair(target, draft, tokenizer.vocabulary(), draft_tokenizer.vocabulary())
+        return LoadedPair(target, _feature_draft(feature_draft, target, dtype), tokenizer)
+    draft = load_model(draft_dir, backend, dtype, "dense", invariant, device, size) if draft_dir is not None else None
     return LoadedPair(target, draft, tokenizer)
 
 
@@ -468,8 +460,8 @@ class PairSpec:
             # on two cores collide (llama.cpp's workers spin after each call),
             # which cost SmolLM2 about 15% (docs/runtimes.md).
             for model in (pair.target, pair.draft):
-                if hasattr(unwrapped(model), "set_threads"):
-                    unwrapped(model).set_threads(self.threads or os.cpu_count() or 1)
+                if hasattr(model, "set_threads"):
+                    model.set_threads(self.threads or os.cpu_count() or 1)
             torch.set_num_threads(1)
             return pair
         small = (model_parameters(pair.target) or SMALL_MODEL_PARAMETERS) < SMALL_MODEL_PARAMETERS

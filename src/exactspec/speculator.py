@@ -31,7 +31,7 @@ from exactspec.decoding.decoder import Generation, GenerationConfig, Speculative
 from exactspec.decoding.engine import BatchEngine, EngineConfig
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
 from exactspec.decoding.sampling import SamplingParams
-from exactspec.loading import LoadedPair, PairSpec, model_capacity, unwrapped
+from exactspec.loading import LoadedPair, PairSpec, model_capacity
 from exactspec.models.eagle import FeatureDraft
 from exactspec.models.lean import LeanModel, LeanRuntime
 from exactspec.proposers import PromptLookupProposer
@@ -225,8 +225,8 @@ def build_engine(
     from exactspec.proposers import DraftModelProposer
     from exactspec.proposers.feature_draft import FeatureDraftProposer
 
-    target = unwrapped(pair.target)
-    batched = _batched(target, slots, max_len, pair.target.vocab_size)
+    target = pair.target
+    batched = _batched(target, slots, max_len)
     proposer = None
     if isinstance(pair.draft, FeatureDraft):
         proposer = FeatureDraftProposer(
@@ -234,7 +234,7 @@ def build_engine(
             pair.target.vocab_size,
         )
     elif pair.draft is not None:
-        proposer = DraftModelProposer(_batched(unwrapped(pair.draft), slots, max_len, pair.draft.vocab_size))
+        proposer = DraftModelProposer(_batched(pair.draft, slots, max_len))
     engine = engine_class(
         batched,
         proposer,
@@ -246,14 +246,14 @@ def build_engine(
     return engine
 
 
-def _batched(model, slots: int, max_len: int, vocab_size: int):
+def _batched(model, slots: int, max_len: int):
     """A runtime of ``slots`` slots over the weights ``model`` (one sequence) runs on: torch's or llama.cpp's."""
     from exactspec.models.llamacpp import LlamaCppModel, LlamaCppRuntime
 
     if isinstance(model, LlamaCppModel):
-        return LlamaCppRuntime.like(model, slots, max_len, vocab_size)
+        return LlamaCppRuntime.like(model, slots, max_len)
     if not isinstance(model, LeanModel):
         raise ValueError(
             "serving and batch jobs run the lean or llamacpp backend; --backend hf is for generate and bench"
         )
-    return LeanRuntime.like(model, slots, max_len, vocab_size)
+    return LeanRuntime.like(model, slots, max_len)

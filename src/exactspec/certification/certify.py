@@ -59,7 +59,7 @@ from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
 from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.decoding.sampling import GREEDY, SamplingParams, block_probs
 from exactspec.decoding.verify import sample_from
-from exactspec.loading import LoadedPair, unwrapped
+from exactspec.loading import LoadedPair
 from exactspec.speculator import build_engine
 from exactspec.tokenizer import TextTokenizer
 
@@ -320,14 +320,14 @@ def runtime_prompt_logits(runtime, prompt: list[int], continuations: list[list[i
     return out
 
 
-def _scorer(target, vocab: int, batch: int, max_len: int):
+def _scorer(target, batch: int, max_len: int):
     """The function giving (B, 1 + W, V) logits of a prompt's continuations: a cache-free torch forward for a lean
     target, else the target's own runtime (llama.cpp) with ``batch`` slots."""
     if hasattr(target, "decoder"):
         return lambda prompt, continuations: shared_prompt_logits(target.decoder, prompt, continuations)
     from exactspec.models.llamacpp import LlamaCppRuntime
 
-    runtime = LlamaCppRuntime.like(target, batch, max_len, vocab)
+    runtime = LlamaCppRuntime.like(target, batch, max_len)
     return lambda prompt, continuations: runtime_prompt_logits(runtime, prompt, continuations)
 
 
@@ -341,9 +341,7 @@ def score_runs(pair: LoadedPair, runs: list[dict], params: SamplingParams, seed:
     and ``"q"`` (the recorded draft distributions) where the sampler is white-box."""
     generator = torch.Generator().manual_seed(seed)
     vocab = pair.target.vocab_size
-    logits_of = _scorer(
-        unwrapped(pair.target), vocab, batch, max((len(r["prompt"]) + len(r["tokens"]) for r in runs), default=1)
-    )
+    logits_of = _scorer(pair.target, batch, max((len(r["prompt"]) + len(r["tokens"]) for r in runs), default=1))
     values, positions, kinds, heads, seen = {order: [] for order in ORDERS}, [], [], [], set()
     # Only a prefix that enough runs share is tested (run_tests), so only its distribution is kept: at 10^5 tokens
     # keeping every new prefix's (V,) row held gigabytes.
@@ -472,7 +470,7 @@ def default_prompts(tokenizer: TextTokenizer, count: int = 8) -> list[list[int]]
 
 def precision_mode(pair: LoadedPair) -> str:
     """The target's numerics, as the certificate names them: dtype, and whether call-size invariant."""
-    target = unwrapped(pair.target)
+    target = pair.target
     if not hasattr(target, "dtype"):  # llama.cpp: the file's own precision
         return f"{getattr(target, 'precision', 'unknown')}, call-size dependent"
     dtype = str(target.dtype).removeprefix("torch.")

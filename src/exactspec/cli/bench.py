@@ -137,10 +137,8 @@ def _bench_rules(args: argparse.Namespace, chat: bool) -> dict:
     pair = load(args, True, spec)
     speculators = {name: Speculator(spec, pair, None) for name in ("block", "token", "plain")}
     report = run_rules(speculators, config, progress=not args.json)
-    from exactspec.loading import unwrapped
-
     report.update(
-        threads=getattr(unwrapped(pair.target), "threads", torch.get_num_threads()),  # llama.cpp's own, or torch's
+        threads=getattr(pair.target, "threads", torch.get_num_threads()),  # llama.cpp's own, or torch's
         precision=spec.precision,
         backend=spec.backend,
     )

@@ -26,7 +26,6 @@ from exactspec.cli.common import (
 from exactspec.cli.files import check_record_path, write_record_file
 from exactspec.decoding.block import RULES
 from exactspec.decoding.sampling import SamplingParams
-from exactspec.loading import unwrapped
 from exactspec.speculator import Completion, Speculator
 from exactspec.tokenizer import stream_text
 from exactspec.tuning.priors import PolicyCache
@@ -77,9 +76,7 @@ def run(args: argparse.Namespace) -> dict:
     generation, stats = completion.generation, completion.generation.stats
     result = {
         "prompt": text,
-        "threads": getattr(
-            unwrapped(speculator.pair.target), "threads", torch.get_num_threads()
-        ),  # llama.cpp's own, or torch's
+        "threads": getattr(speculator.pair.target, "threads", torch.get_num_threads()),  # llama.cpp's own, or torch's
         "runtime": args.backend,
         "precision": precision(args),
         "runtime_choice": choice.as_dict() if choice else None,

@@ -250,7 +250,7 @@ class BatchEngine:
     # -- the caller's side (any thread) ---------------------------------------------------
     def submit(self, request: SequenceRequest, on_tokens, on_finish) -> SequenceHandle:
         limit = self.target.max_len
-        if len(request.prompt) + request.max_tokens > limit:
+        if len(request.prompt) + request.max_tokens - 1 > limit:  # the last token drawn is never fed
             raise ValueError(
                 f"prompt ({len(request.prompt)} tokens) + max_tokens "
                 f"{request.max_tokens} exceeds the {limit}-position window"

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from exactspec.models.base import check_local_checkpoint, check_rollback_length, check_token_ids, is_gguf, read_json
+from exactspec.vocab import check_output_rows
 
 __all__ = ["HFModel"]
 
@@ -32,10 +33,12 @@ def _one_line(error: Exception, limit: int = 200) -> str:
 class HFModel:
     """A ``transformers`` causal LM with a rollback-able ``DynamicCache``, for one sequence."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
         from transformers import DynamicCache
 
         self.model = model.eval()
+        rows = int(model.get_output_embeddings().weight.shape[0])
+        self._vocab_size = check_output_rows(rows, vocab_size)  # the tokenizer's real vocabulary: padding rows cut
         # transformers 5.x names the argument `cache`; 4.x `past_key_values`. The cache is updated in place.
         self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._cache_class = DynamicCache
@@ -48,7 +51,9 @@ class HFModel:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> HFModel:
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", vocab_size: int | None = None
+    ) -> HFModel:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = check_local_checkpoint(path)
@@ -71,11 +76,11 @@ class HFModel:
             model = AutoModelForCausalLM.from_pretrained(**location, dtype=dtype)
         except Exception as error:  # truncated weights, missing shards, shape mismatches...
             raise ValueError(f"transformers cannot load the weights in {path}: {_one_line(error)}") from None
-        return cls(model.to(device))
+        return cls(model.to(device), vocab_size)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return self._vocab_size
 
     @property
     def length(self) -> int:
@@ -102,7 +107,7 @@ class HFModel:
                 "rolled back; speculative decoding needs one that can"
             )
         self._length += len(ids)
-        return out.logits[0].float().cpu()
+        return out.logits[0, :, : self._vocab_size].float().cpu()
 
     def rollback(self, length: int) -> None:
         check_rollback_length(length, self._length)

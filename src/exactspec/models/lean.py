@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..vocab import check_output_rows
 from .attention import causal_mask, grouped_attention, ragged_causal_mask
 from .base import check_token_ids, is_gguf, read_json
 from .gguf import hf_state_dict as gguf_state_dict
@@ -64,7 +65,7 @@ class LeanRuntime:
     ) -> None:
         cfg = decoder.cfg
         self.decoder, self.cfg, self.invariant = decoder, cfg, invariant
-        self.vocab_size = vocab_size or cfg.vocab_size
+        self.vocab_size = check_output_rows(cfg.vocab_size, vocab_size)
         self.device, self.dtype = torch.device(device), decoder.norm.dtype
         self.cache = KVCache(
             cfg.num_hidden_layers,
@@ -85,16 +86,15 @@ class LeanRuntime:
         self.last_features: list[torch.Tensor] = []  # per row of the last call, (t_i, F), when capture_features asked
 
     @classmethod
-    def like(
-        cls, model: LeanModel, slots: int, max_len: int | None = None, vocab_size: int | None = None
-    ) -> LeanRuntime:
-        """A runtime over ``model``'s decoder (weights shared, not copied), in ``model``'s numerics mode."""
+    def like(cls, model: LeanModel, slots: int, max_len: int | None = None) -> LeanRuntime:
+        """A runtime over ``model``'s decoder (weights shared, not copied), in ``model``'s numerics mode and
+        vocabulary."""
         return cls(
             model.decoder,
             slots,
             min(max_len or model.max_len, model.max_len),
             model.device,
-            vocab_size,
+            model.vocab_size,
             model.invariant,
         )
 
@@ -218,7 +218,8 @@ class LeanModel(OneSlot):
     :class:`LeanRuntime` of one slot.
 
     ``max_len`` (default: ``max_position_embeddings``) bounds prompt + generated tokens; exceeding it raises
-    ``ValueError``. Logits are float32 CPU tensors ``(n, V)`` whatever the compute dtype and device.
+    ``ValueError``. Logits are float32 CPU tensors ``(n, V)`` whatever the compute dtype and device, cut to
+    ``vocab_size`` rows (the tokenizer's real vocabulary; None: every row of the head).
     """
 
     def __init__(
@@ -228,6 +229,7 @@ class LeanModel(OneSlot):
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         invariant: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
         if dtype is not None:
             decoder = decoder.to(dtype=dtype)
@@ -236,7 +238,8 @@ class LeanModel(OneSlot):
             1,
             int(max_len or decoder.cfg.max_position_embeddings),
             device,
-            invariant=invariant,
+            vocab_size,
+            invariant,
         )
         self.decoder, self.cfg, self.dtype, self.device = decoder, decoder.cfg, self.runtime.dtype, self.runtime.device
         self.max_len, self.invariant = self.runtime.max_len, invariant
@@ -250,6 +253,7 @@ class LeanModel(OneSlot):
         device: str | torch.device = "cpu",
         weights: str = "auto",
         invariant: bool = False,
+        vocab_size: int | None = None,
     ) -> LeanModel:
         """Load a local Hugging Face Llama directory (``config.json`` + ``model.safetensors``, or shards listed
         in ``model.safetensors.index.json``) or a Llama ``.gguf`` file (:mod:`exactspec.models.gguf`).
@@ -257,7 +261,8 @@ class LeanModel(OneSlot):
         ``weights``: ``dense`` (every weight dequantized to ``dtype``), ``q4`` (a GGUF file's 4-bit projections
         kept as stored and run by torch's int4 CPU kernel, :mod:`exactspec.models.quantized`; bfloat16 on CPU), or
         ``auto``: ``q4`` where it can run (a GGUF file with 4-bit projections, bfloat16, CPU), else ``dense``.
-        ``invariant``: call-size-invariant numerics (:meth:`Block.forward_invariant`).
+        ``invariant``: call-size-invariant numerics (:meth:`Block.forward_invariant`). ``vocab_size``: the rows
+        the logits keep (the tokenizer's real vocabulary).
         """
         path = Path(path)
         gguf_file = read_gguf(path) if is_gguf(path) else None
@@ -286,12 +291,12 @@ class LeanModel(OneSlot):
             raise ValueError(f"{source}: {error}") from None
         if weights == "q4" and not use_q4_weights(decoder, gguf_file):
             raise ValueError(f"{path} stores no projection in Q4_0 or Q4_1; use --weights dense")
-        return cls(decoder, max_len=max_len, device=device, dtype=dtype, invariant=invariant)
+        return cls(decoder, max_len=max_len, device=device, dtype=dtype, invariant=invariant, vocab_size=vocab_size)
 
     # -- protocol ---------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
-        return self.cfg.vocab_size
+        return self.runtime.vocab_size
 
     def copy_prefix(self, source: LeanModel, length: int) -> None:
         """Hold the first ``length`` cached positions of ``source`` (a model over the same decoder), copied: a prompt

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..vocab import check_output_rows
 from .base import check_rollback_length, check_token_ids
 from .llamacpp_tiles import PROBE_TOKENS, extra_buffers_work
 from .runtime import OneSlot, outputs_per_row
@@ -239,7 +240,7 @@ class LlamaCppRuntime:
         self.last_features: list[torch.Tensor] = []  # per row of the last call, (t_i, F), when capture_features asked
         self._lengths = [0] * slots
         self._ctx = None
-        self._vocab_size = min(vocab_size or self.weights.vocab_size, self.weights.vocab_size)  # padding rows cut
+        self._vocab_size = check_output_rows(self.weights.vocab_size, vocab_size)  # padding rows cut
         self._make_context()  # here, not in the first call, which a user times
 
     def _make_context(self) -> None:
@@ -285,18 +286,17 @@ class LlamaCppRuntime:
         model: LlamaCppModel,
         slots: int,
         max_len: int | None = None,
-        vocab_size: int | None = None,
         split_cache: bool = False,
     ) -> LlamaCppRuntime:
-        """A runtime of ``slots`` slots over the same loaded file and threads as ``model`` (weights loaded once), its
-        logits cut to ``vocab_size`` rows where the file's output has padding rows beyond the tokenizer's ids."""
+        """A runtime of ``slots`` slots over the same loaded file, threads and vocabulary cut as ``model`` (weights
+        loaded once)."""
         return cls(
             model.runtime.weights,
             slots,
             max_len or model.max_len,
             model.runtime.threads,
             model.runtime.device,
-            vocab_size,
+            model.vocab_size,
             split_cache,
         )
 
@@ -424,8 +424,10 @@ class LlamaCppModel(OneSlot):
         max_len: int | None = None,
         threads: int | None = None,
         device: str | torch.device = "cpu",
+        vocab_size: int | None = None,
     ) -> LlamaCppModel:
-        return cls(LlamaCppRuntime(path, 1, max_len, threads, device))
+        """``path`` on llama.cpp, its logits cut to ``vocab_size`` rows (the tokenizer's real vocabulary)."""
+        return cls(LlamaCppRuntime(path, 1, max_len, threads, device, vocab_size))
 
     @property
     def vocab_size(self) -> int:
