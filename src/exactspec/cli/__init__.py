@@ -30,7 +30,6 @@ from exactspec.cli import (
     train_draft,
 )
 from exactspec.cli.common import CliError, HelpFormatter, Parser
-from exactspec.loading import default_dtype
 from exactspec.version import __version__
 
 __all__ = ["build_parser", "main"]
@@ -80,14 +79,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)
-        args.runtime_choice = None  # --backend auto: chosen when the command first asks for its pair (common.pair_spec)
-        if getattr(args, "dtype", None) == "auto" and getattr(args, "backend", None) != "auto":
-            args.dtype = default_dtype(
-                args.device,
-                getattr(args, "target", None),
-                getattr(args, "backend", "lean"),
-                getattr(args, "weights", "auto"),
-            )
         result = args.run(args)
         _show(args, result)
     except CliError as error:

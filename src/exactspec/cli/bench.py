@@ -13,14 +13,13 @@ from exactspec.bench.peers import ARM_GROUPS
 from exactspec.bench.workloads import CHAT_WORKLOADS, WORKLOADS
 from exactspec.cli.common import (
     CliError,
+    RunPlan,
     add_model_arguments,
+    flag_dtype,
     integer,
     list_of,
-    load,
     one_of,
-    pair_dirs,
-    precision,
-    resolved_spec,
+    run_plan,
 )
 from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
 from exactspec.tuning.priors import shipped_prior
@@ -31,12 +30,15 @@ def run(args: argparse.Namespace) -> dict:
 
     check_record_path(args.record)
     prepare_output_dir(Path(args.output_dir), "--output-dir")
-    draft_dir = pair_dirs(args)[1]
+    paths = run_plan(args, choose=False)  # which bench runs, before anything is measured
+    draft_dir = paths.dirs[1]
     peers_only = draft_dir is None or FeatureDraft.is_feature_draft(draft_dir)
     if args.rules:
-        report = _bench_rules(args, chat=draft_dir is not None and FeatureDraft.is_feature_draft(draft_dir))
+        report, plan = _bench_rules(args, chat=draft_dir is not None and FeatureDraft.is_feature_draft(draft_dir))
+    elif peers_only:
+        report, plan = _bench_against_peers(args, paths), paths
     else:
-        report = _bench_against_peers(args, draft_dir) if peers_only else _bench_arms(args)
+        report, plan = _bench_arms(args)
     if args.record:
         from exactspec.jobs.records import run_record
 
@@ -51,12 +53,12 @@ def run(args: argparse.Namespace) -> dict:
             run_record(
                 "bench",
                 args.argv,
-                *pair_dirs(args),
+                *plan.dirs,
                 None,
                 arms,
                 f"fixed {', '.join(map(str, args.gammas))} and auto",
                 args.seed,
-                precision(args),
+                plan.precision,
                 {"results": report.get("results")},
             ),
             args.record,
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def _bench_arms(args: argparse.Namespace) -> dict:
+def _bench_arms(args: argparse.Namespace) -> tuple[dict, RunPlan]:
     """A target with a draft model: every exactspec arm and Hugging Face's assisted generation."""
     from exactspec.bench import arms as bench
 
@@ -84,23 +86,24 @@ def _bench_arms(args: argparse.Namespace) -> dict:
         )
     except ValueError as error:
         raise CliError(str(error)) from None
-    pair = load(args, with_draft=True)
+    plan = run_plan(args)
+    pair = plan.load()
+    target_dir, draft_dir = plan.dirs
     hf_models = None
     if config.hf:
         from exactspec.loading import DTYPES, load_model
 
         try:
             hf_models = tuple(
-                load_model(d, "hf", DTYPES[args.dtype], device=args.device).model for d in pair_dirs(args)
+                load_model(d, "hf", DTYPES[plan.spec.dtype], device=args.device).model for d in (target_dir, draft_dir)
             )
         except (OSError, ValueError) as error:
             raise CliError(f"{error} (or pass --no-hf)") from None
-    target_dir, draft_dir = pair_dirs(args)
     shipped = {mode: shipped_prior(draft_dir, target_dir, mode) or () for mode in ("greedy", "sampled")}
     report = bench.run_bench(
         pair.target, pair.draft, pair.tokenizer, config, hf_models, progress=not args.json, acceptance_priors=shipped
     )
-    report.update(backend=args.backend, dtype=args.dtype)
+    report.update(backend=plan.spec.backend, dtype=plan.spec.dtype)
     if report["results"]:
         report["outputs"] = [
             str(p)
@@ -108,10 +111,10 @@ def _bench_arms(args: argparse.Namespace) -> dict:
                 "--output-dir", args.output_dir, lambda: bench.write_outputs(report, args.output_dir), report
             )
         ]
-    return report
+    return report, plan
 
 
-def _bench_rules(args: argparse.Namespace, chat: bool) -> dict:
+def _bench_rules(args: argparse.Namespace, chat: bool) -> tuple[dict, RunPlan]:
     """Block against token-wise verification on the pair's own draft (exactspec.bench.rules)."""
     from exactspec.bench.rules import RulesConfig, run_rules
     from exactspec.speculator import Speculator
@@ -128,13 +131,14 @@ def _bench_rules(args: argparse.Namespace, chat: bool) -> dict:
         )
     except ValueError as error:
         raise CliError(str(error)) from None
-    spec = resolved_spec(args)
+    plan = run_plan(args)
+    spec = plan.spec
     if not spec.speculate or spec.lookup:
         raise CliError(
             "--rules compares the rules on a draft's sampled drafts: give a pair with a draft model or a trained draft "
             "(name it with --draft: --backend auto drafts by prompt lookup where a shipped draft does not pay)"
         )
-    pair = load(args, True, spec)
+    pair = plan.load()
     speculators = {name: Speculator(spec, pair, None) for name in ("block", "token", "plain")}
     report = run_rules(speculators, config, progress=not args.json)
     report.update(
@@ -142,16 +146,16 @@ def _bench_rules(args: argparse.Namespace, chat: bool) -> dict:
         precision=spec.precision,
         backend=spec.backend,
     )
-    return report
+    return report, plan
 
 
-def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
+def _bench_against_peers(args: argparse.Namespace, paths: RunPlan) -> dict:
     """A target alone or with a trained feature-level draft: exactspec plain, prompt lookup (and the draft) against
     llama.cpp plain and prompt lookup on the same GGUF file."""
     from exactspec.bench import peers
     from exactspec.models.base import is_gguf
 
-    target = pair_dirs(args)[0]
+    target, draft = paths.dirs
     skipped = None if is_gguf(target) else "the target is not a .gguf file"
     if skipped is None and not peers.llama_cpp_available():
         skipped = "llama_cpp is not installed (pip install llama-cpp-python; see docs/smollm2.md for build flags)"
@@ -170,7 +174,7 @@ def _bench_against_peers(args: argparse.Namespace, draft: Path | None) -> dict:
         "--device",
         args.device,
         "--dtype",
-        args.dtype,
+        flag_dtype(args),
         "--weights",
         args.weights,
         *(["--invariant"] if args.invariant else []),

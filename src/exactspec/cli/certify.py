@@ -10,12 +10,10 @@ from exactspec.cli.common import (
     add_model_arguments,
     integer,
     list_of,
-    load,
     one_of,
-    pair_dirs,
     read_prompts,
     require_ray,
-    resolved_spec,
+    run_plan,
 )
 from exactspec.cli.files import check_record_path, prepare_output_dir, write_after, write_record_file
 from exactspec.decoding.block import RULES
@@ -44,13 +42,14 @@ def run(args: argparse.Namespace) -> dict:
         )
     except ValueError as error:
         raise CliError(str(error)) from None
-    pair = load(args, with_draft=True)
+    plan = run_plan(args)
+    pair = plan.load()
     prompts = read_prompts(args.prompts_file, pair.tokenizer)
     sampler = None
     if args.ray is not None:
         from exactspec.jobs.distributed import RaySampler
 
-        sampler = RaySampler(resolved_spec(args), prompts, config, args.ray or None, args.workers)
+        sampler = RaySampler(plan.spec, prompts, config, args.ray or None, args.workers)
     try:
         report = certify(pair, prompts, config, progress=not args.json, sampler=sampler)
     except ValueError as error:
@@ -78,7 +77,7 @@ def run(args: argparse.Namespace) -> dict:
             run_record(
                 "certify",
                 args.argv,
-                *pair_dirs(args),
+                *plan.dirs,
                 None,
                 "the pair's draft through the batch engine",
                 f"fixed {args.gamma}",

@@ -1,4 +1,5 @@
-"""What every command shares: the one-line error, flag types, the model and sampling flags, and the pair they name."""
+"""What every command shares: the one-line error, flag types, the model and sampling flags, and the run plan they
+name (:class:`RunPlan`)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,17 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from exactspec.decoding.sampling import SamplingParams
-from exactspec.loading import LOOKUP, PACKAGED_MODELS, SMALL_MODEL_PARAMETERS, PairSpec
+from exactspec.loading import LOOKUP, PACKAGED_MODELS, SMALL_MODEL_PARAMETERS, PairSpec, check_device, default_dtype
 from exactspec.tuning.priors import PolicyCache
+
+if TYPE_CHECKING:
+    from exactspec.loading import LoadedPair
+    from exactspec.tuning.machine import RuntimeChoice
 
 
 class CliError(Exception):
@@ -226,10 +233,36 @@ def sampling(args: argparse.Namespace) -> SamplingParams:
         ) from None
 
 
-def pair_spec(args: argparse.Namespace, with_draft: bool = True, choose: bool = True) -> PairSpec:
-    """The pair the model flags name (see :class:`exactspec.loading.PairSpec`), with ``--backend auto`` made
-    concrete the first time a command asks for the pair to load (:func:`choose_runtime`; not with ``choose``
-    False, for its paths only): after the command has checked its own flags."""
+@dataclass(frozen=True)
+class RunPlan:
+    """What a command runs, resolved once at the command line's edge and passed down unchanged: the pair as local
+    paths on a concrete runtime (``spec``), and how ``--backend auto`` chose that runtime (``choice``; None where the
+    flags named it, or where only the paths were asked for). Nothing is written back into the parsed flags."""
+
+    spec: PairSpec
+    choice: RuntimeChoice | None = None
+
+    @property
+    def dirs(self) -> tuple[Path, Path | None]:
+        """The target checkpoint and the draft model's (None for plain decoding or prompt lookup)."""
+        return self.spec.dirs()
+
+    @property
+    def precision(self) -> str:
+        return self.spec.precision
+
+    def load(self) -> LoadedPair:
+        try:
+            return self.spec.load()
+        except (OSError, ValueError) as error:
+            raise CliError(str(error)) from None
+
+
+def run_plan(args: argparse.Namespace, with_draft: bool = True, choose: bool = True) -> RunPlan:
+    """The plan the model flags name (:class:`exactspec.loading.PairSpec`), resolved to local paths (a hub id is
+    fetched, with --download, here and only here), with ``--backend auto`` made concrete by measuring this machine
+    (:func:`exactspec.tuning.machine.choose`: once, then cached). ``choose`` False: the paths only, for a command
+    that must look at them before it measures anything. Call it after the command has checked its own flags."""
     if args.target is None and args.draft not in (None, LOOKUP):
         raise CliError("--draft needs --target (give neither for the shipped default pair)")
     try:
@@ -238,7 +271,7 @@ def pair_spec(args: argparse.Namespace, with_draft: bool = True, choose: bool = 
             args.draft,
             with_draft,
             args.backend,
-            args.dtype,
+            flag_dtype(args),
             args.weights,
             args.invariant,
             args.device,
@@ -246,12 +279,23 @@ def pair_spec(args: argparse.Namespace, with_draft: bool = True, choose: bool = 
             args.threads,
             lookup_routing=not getattr(args, "no_lookup_routing", False),
         )
+        if spec.backend == "auto" and choose:
+            return _chosen(args, spec)
+        return RunPlan(spec.resolved())
+    except FileNotFoundError as error:
+        raise CliError(str(error)) from None
     except ValueError as error:
         raise CliError(str(error)) from None
-    if spec.backend == "auto" and choose:
-        choose_runtime(args, spec)
-        return pair_spec(args, with_draft)
-    return spec
+
+
+def flag_dtype(args: argparse.Namespace) -> str:
+    """``--dtype`` as the flags give it, with ``auto`` made concrete where the runtime is named (with ``--backend
+    auto`` the machine's measurement chooses it): :func:`exactspec.loading.default_dtype`."""
+    if args.dtype != "auto" or getattr(args, "backend", "auto") == "auto":
+        return args.dtype
+    return default_dtype(
+        args.device, getattr(args, "target", None), getattr(args, "backend", "lean"), getattr(args, "weights", "auto")
+    )
 
 
 def _note(line: str) -> None:
@@ -259,19 +303,15 @@ def _note(line: str) -> None:
     print(f"exactspec: {line}", file=sys.stderr, flush=True)
 
 
-def choose_runtime(args: argparse.Namespace, spec: PairSpec) -> None:
-    """``--backend auto``: the runtime, precision and threads this machine runs the pair fastest with
-    (:func:`exactspec.tuning.machine.choose`: measured once, then cached), written into ``args``;
-    ``args.runtime_choice`` keeps the record."""
-    from exactspec.loading import check_device
+def _chosen(args: argparse.Namespace, spec: PairSpec) -> RunPlan:
+    """``--backend auto``: the runtime, precision and threads this machine runs the pair fastest with."""
     from exactspec.tuning.machine import choose
 
     params = sampling(args) if hasattr(args, "temperature") else SamplingParams()
     try:
         check_device(spec.device)
-        resolved = spec.resolved()  # a hub id fetched (with --download) here, once
         chosen, choice = choose(
-            resolved,
+            spec.resolved(),
             params,
             getattr(args, "verify", "block"),
             policy_cache=None if getattr(args, "no_policy_cache", False) else PolicyCache(),
@@ -280,36 +320,7 @@ def choose_runtime(args: argparse.Namespace, spec: PairSpec) -> None:
         )
     except (OSError, ValueError) as error:
         raise CliError(str(error)) from None
-    args.backend, args.dtype, args.weights, args.threads = chosen.backend, chosen.dtype, chosen.weights, chosen.threads
-    if choice.draft_dropped:
-        args.draft = LOOKUP
-    if args.download:  # fetched now: the local copy from here on, never fetched twice
-        args.target, args.draft, args.download = str(resolved.target), resolved.draft and str(resolved.draft), False
-    args.runtime_choice = choice
-
-
-def resolved_spec(args: argparse.Namespace, with_draft: bool = True, choose: bool = True) -> PairSpec:
-    """The pair resolved to local paths (a hub id is fetched, with --download, here and only here)."""
-    try:
-        return pair_spec(args, with_draft, choose).resolved()
-    except FileNotFoundError as error:
-        raise CliError(str(error)) from None
-
-
-def pair_dirs(args: argparse.Namespace, with_draft: bool = True) -> tuple[Path, Path | None]:
-    """The target checkpoint and the draft model's (None for plain decoding or prompt lookup)."""
-    return resolved_spec(args, with_draft, choose=False).dirs()
-
-
-def load(args: argparse.Namespace, with_draft: bool, spec: PairSpec | None = None):
-    try:
-        return (spec or pair_spec(args, with_draft)).load()
-    except (OSError, ValueError) as error:
-        raise CliError(str(error)) from None
-
-
-def precision(args: argparse.Namespace) -> str:
-    return pair_spec(args).precision
+    return RunPlan(chosen, choice)
 
 
 def read_prompts(path: str | None, tokenizer) -> list[list[int]]:

@@ -13,13 +13,12 @@ import torch
 from exactspec.chat import chat_messages
 from exactspec.cli.common import (
     CliError,
+    RunPlan,
     add_model_arguments,
     add_sampling_arguments,
     gamma_argument,
     integer,
-    load,
-    precision,
-    resolved_spec,
+    run_plan,
     sampling,
     seed_argument,
 )
@@ -39,11 +38,11 @@ def run(args: argparse.Namespace) -> dict:
     params = sampling(args)
     check_record_path(args.record)
     text = _prompt_text(args)
-    spec = resolved_spec(args, not args.no_speculation)
-    choice = args.runtime_choice
+    plan = run_plan(args, not args.no_speculation)
+    choice = plan.choice
     speculator = Speculator(
-        spec,
-        load(args, not args.no_speculation, spec),
+        plan.spec,
+        plan.load(),
         None if args.no_policy_cache else PolicyCache(),
         choice.calibration if choice else None,
     )
@@ -77,8 +76,8 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "prompt": text,
         "threads": getattr(speculator.pair.target, "threads", torch.get_num_threads()),  # llama.cpp's own, or torch's
-        "runtime": args.backend,
-        "precision": precision(args),
+        "runtime": plan.spec.backend,
+        "precision": plan.precision,
         "runtime_choice": choice.as_dict() if choice else None,
         "text": "".join(pieces),
         "token_ids": list(generation.tokens),
@@ -94,7 +93,7 @@ def run(args: argparse.Namespace) -> dict:
         **stats.summary(),
     }
     if args.record:
-        _write_generate_record(args, speculator, params, completion, result)
+        _write_generate_record(args, plan, speculator, params, completion, result)
     return result
 
 
@@ -118,7 +117,12 @@ def _cost_model(stats: GenerationStats, policy: dict | None, choice: RuntimeChoi
 
 
 def _write_generate_record(
-    args: argparse.Namespace, speculator: Speculator, params: SamplingParams, completion: Completion, result: dict
+    args: argparse.Namespace,
+    plan: RunPlan,
+    speculator: Speculator,
+    params: SamplingParams,
+    completion: Completion,
+    result: dict,
 ) -> None:
     from exactspec.jobs.records import run_record
 
@@ -139,7 +143,7 @@ def _write_generate_record(
         speculator.proposal,
         f"{args.gamma}" if args.gamma == "auto" else f"fixed {args.gamma}",
         completion.seed,
-        precision(args),
+        plan.precision,
         figures,
         args.verify,
     )

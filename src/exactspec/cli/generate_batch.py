@@ -9,11 +9,8 @@ from exactspec.cli.common import (
     CliError,
     add_model_arguments,
     integer,
-    load,
-    pair_dirs,
-    precision,
     require_ray,
-    resolved_spec,
+    run_plan,
 )
 from exactspec.cli.files import check_record_path
 from exactspec.decoding.block import RULES
@@ -48,7 +45,8 @@ def run(args: argparse.Namespace) -> dict:
         raise CliError(
             f"{output} holds {done} results but {args.input} has {len(requests)} requests; give a new --output"
         )
-    pair = load(args, with_draft=True)
+    plan = run_plan(args)
+    pair = plan.load()
     if pair.draft is None:
         raise CliError(
             "generate-batch drafts with a draft model or a trained feature "
@@ -61,7 +59,7 @@ def run(args: argparse.Namespace) -> dict:
         raise CliError(f"{args.input} {error}") from None
     from exactspec.models.eagle import FeatureDraft
 
-    target_dir, draft_dir = pair_dirs(args)
+    target_dir, draft_dir = plan.dirs
     proposal = "trained feature draft" if FeatureDraft.is_feature_draft(draft_dir) else "draft model"
     record = run_record(
         "generate-batch",
@@ -72,7 +70,7 @@ def run(args: argparse.Namespace) -> dict:
         proposal,
         f"fixed {args.gamma}",
         args.seed,
-        precision(args),
+        plan.precision,
         {"input": str(Path(args.input).resolve())},
         args.verify,
     )
@@ -84,10 +82,8 @@ def run(args: argparse.Namespace) -> dict:
     else:
         from exactspec.jobs.distributed import ray_results
 
-        spec = resolved_spec(args)  # resolved here, loaded by each actor (one torch thread unless --threads)
-
-        def produce(remaining, first):
-            return ray_results(spec, remaining, config, first, args.ray or None, args.workers, args.shard_size)
+        def produce(remaining, first):  # the plan's pair, loaded by each actor (one torch thread unless --threads)
+            return ray_results(plan.spec, remaining, config, first, args.ray or None, args.workers, args.shard_size)
 
     try:
         return batch.run_job(requests, output, record, produce, progress=not args.json)

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from exactspec.cli.common import CliError, add_model_arguments, integer, load, pair_dirs, precision
+from exactspec.cli.common import CliError, add_model_arguments, integer, run_plan
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.tuning.priors import PolicyCache, acceptance_prior
 
@@ -26,7 +26,8 @@ def run(args: argparse.Namespace) -> dict:
     api_key = args.api_key or os.environ.get("EXACTSPEC_API_KEY")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         raise CliError(f"--host {args.host} exposes the server beyond this machine: give it an --api-key")
-    pair = load(args, with_draft=True)
+    plan = run_plan(args)
+    pair = plan.load()
     engine_class = BatchEngine
     if args.lossy_for_tests:
         from exactspec.certification.mutants import MUTANTS
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> dict:
             file=sys.stderr,
         )
         engine_class = MUTANTS[args.lossy_for_tests]
-    target_dir, draft_dir = pair_dirs(args)
+    target_dir, draft_dir = plan.dirs
     # The policy starts from the acceptance of sampled requests (OpenAI's default temperature is 1) and learns the mix.
     acceptance, prior_source = acceptance_prior(
         target_dir, draft_dir, SamplingParams(temperature=1.0), PolicyCache(), "block"
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> dict:
         proposal,
         f"fixed {args.gamma} for draft, lookup and seeded auto requests",
         None,
-        precision(args),
+        plan.precision,
         {"acceptance_prior": list(acceptance), "prior_source": prior_source},
     )
     settings = ServerSettings(
