@@ -34,16 +34,18 @@ def test_candidates_are_every_runtime_of_the_stored_weights_narrowed_by_the_flag
     monkeypatch.setattr(machine, "SMALL_MODEL_PARAMETERS", 0)  # the tiny file counts as large: threads are tried
     monkeypatch.setattr(machine, "native_bfloat16", lambda device: False)
     auto = PairSpec(gguf, backend="auto", dtype="auto")
-    found = candidates(auto, cores=4, llama_cpp=True)
+    found = candidates(auto, cores=4, llama_cpp=True, onnx=False)
     assert {(c.backend, c.weights, c.dtype) for c in found} == {
         ("llamacpp", "auto", "float32"),
         ("lean", "dense", "float32"),
     }
+    with_onnx = {(c.backend, c.weights, c.dtype) for c in candidates(auto, cores=4, llama_cpp=True, onnx=True)}
+    assert with_onnx == {(c.backend, c.weights, c.dtype) for c in found} | {("onnx", "auto", "float32")}
     # (no emulated bfloat16 dense; no q4: the file stores no 4-bit blocks, see the next test)
     assert sorted({c.threads for c in found}) == [1, 2, 4]
-    assert {c.backend for c in candidates(auto, cores=4, llama_cpp=False)} == {"lean"}
+    assert {c.backend for c in candidates(auto, cores=4, llama_cpp=False, onnx=False)} == {"lean"}
     named = PairSpec(gguf, backend="auto", dtype="float32", threads=2)  # a dtype named: torch's runtime, that dtype
-    assert candidates(named, cores=4, llama_cpp=True) == [Candidate("lean", "dense", "float32", 2)]
+    assert candidates(named, cores=4, llama_cpp=True, onnx=True) == [Candidate("lean", "dense", "float32", 2)]
     monkeypatch.setattr(machine, "native_bfloat16", lambda device: True)
     assert ("lean", "dense", "bfloat16") in {
         (c.backend, c.weights, c.dtype) for c in candidates(auto, cores=1, llama_cpp=True)

@@ -10,6 +10,7 @@ Arms (interleaved: every repetition times each arm once, in turn, so a slow spel
 
     python docs/experiments/onnx_calls.py [GGUF] --threads 2 --reps 15 [--extra] [--no-spin]
 """
+
 import argparse
 import statistics
 import time

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from exactspec.models.base import LanguageModel, check_local_checkpoint
+from exactspec.models.base import LanguageModel, check_local_checkpoint, is_gguf
 from exactspec.tokenizer import TextTokenizer
 from exactspec.vocab import real_vocabulary_size
 
@@ -36,7 +36,7 @@ __all__ = [
     "resolve_checkpoint",
 ]
 
-BACKENDS = ("lean", "hf", "llamacpp")
+BACKENDS = ("lean", "hf", "llamacpp", "onnx")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -141,14 +141,18 @@ def load_model(
     invariant: bool = False,
     device: str | torch.device = "cpu",
     vocab_size: int | None = None,
+    threads: int | None = None,
 ) -> LanguageModel:
     """One model from a local checkpoint directory or ``.gguf`` file (never a download), on ``device``, its logits
     cut to ``vocab_size`` rows (the tokenizer's real vocabulary; None: every row). ``weights`` and ``invariant`` are
-    the lean backend's (:meth:`exactspec.models.lean.LeanModel.from_pretrained`); the llamacpp backend runs a
-    ``.gguf`` file as it is stored (``dtype`` does not apply: llama.cpp computes in float32)."""
+    the lean backend's (:meth:`exactspec.models.lean.LeanModel.from_pretrained`); the llamacpp and onnx backends run
+    the checkpoint's weights as stored in float32 activations (``dtype`` does not apply), onnx with ``threads``
+    (None: every core)."""
     device = check_device(device)
     if backend == "llamacpp":
         return _llama_cpp_model(path, weights, invariant, device, vocab_size)
+    if backend == "onnx":
+        return _onnx_model(path, weights, invariant, device, vocab_size, threads)
     if backend == "lean":
         from exactspec.models.lean import LeanModel
 
@@ -190,6 +194,23 @@ def _llama_cpp_model(
     return LlamaCppModel.from_file(path, device=device, vocab_size=vocab_size)
 
 
+def _onnx_model(
+    path: str | Path, weights: str, invariant: bool, device: torch.device, vocab_size: int | None, threads: int | None
+) -> LanguageModel:
+    try:
+        from exactspec.models.onnx_runtime import OnnxModel
+    except ImportError as error:
+        raise ValueError(f"--backend onnx needs onnxruntime and onnx ({error.name} is missing)") from None
+    if weights not in ("auto", "dense") or invariant or device.type != "cpu":
+        raise ValueError(
+            "--backend onnx runs the checkpoint's weights as stored (--weights auto) or dequantized (--weights dense) "
+            "on the CPU, and is not call-size invariant"
+        )
+    return OnnxModel.from_checkpoint(
+        path, threads=threads or os.cpu_count() or 1, weights=weights, vocab_size=vocab_size
+    )
+
+
 def _feature_draft(directory: str | Path, target: LanguageModel, dtype: torch.dtype):
     """A feature-level draft attached to ``target``, whose hidden size and layers it must match: the lean backend's
     decoder, or a GGUF file llama.cpp runs (the embedding and head read from the file; the draft in ``dtype``)."""
@@ -198,21 +219,22 @@ def _feature_draft(directory: str | Path, target: LanguageModel, dtype: torch.dt
     from exactspec.models.llamacpp import LlamaCppModel
 
     draft = FeatureDraft.load(directory)
+    checkpoint = getattr(target, "checkpoint", None)  # a runtime of the file's own (llama.cpp, ONNX Runtime)
     if isinstance(target, LeanModel):
         hidden, layers, vocab = target.cfg.hidden_size, target.cfg.num_hidden_layers, target.cfg.vocab_size
         embed, head = target.decoder.embed.weight.detach(), target.decoder.lm_head.weight.detach()  # (V, C) x 2
-    elif isinstance(target, LlamaCppModel):
+    elif isinstance(target, LlamaCppModel) or checkpoint is not None and is_gguf(checkpoint):
         from exactspec.models.gguf import embedding_and_head, llama_config, read_gguf
 
-        gguf = read_gguf(target.runtime.weights.path)
+        gguf = read_gguf(checkpoint or target.runtime.weights.path)
         config = llama_config(gguf)
         hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
         embed, head = (t.to(dtype) for t in embedding_and_head(gguf))  # (V, C) x 2
         draft = draft.to(dtype)
     else:
         raise ValueError(
-            f"{directory} is a feature-level draft: it reads the target's "
-            "hidden states, which the lean and llamacpp backends provide"
+            f"{directory} is a feature-level draft: it reads the target's hidden states, which the lean runtime "
+            "provides, and llama.cpp's and ONNX Runtime's for a .gguf file"
         )
     cfg = draft.cfg
     if cfg.target_hidden_size != hidden or max(cfg.feature_layers) >= layers or int(draft.vocab_ids.max()) >= vocab:
@@ -339,12 +361,13 @@ def load_pair(
     weights: str = "auto",
     invariant: bool = False,
     device: str | torch.device = "cpu",
+    threads: int | None = None,
 ) -> LoadedPair:
     """Target (and draft) with the target's tokenizer, both cut to its real vocabulary (padding rows cut), the
     tokenizers checked to agree before any weight is read.
     Each is a local directory, a ``.gguf`` file, a packaged model's name or a hub id found in the local Hugging Face
     cache (:func:`resolve_checkpoint`). ``weights`` applies to the target (a draft stays dense); ``invariant`` to
-    both."""
+    both; ``threads`` to a runtime that takes them at load (ONNX Runtime)."""
     from exactspec.models.eagle import FeatureDraft
 
     target_dir = check_local_checkpoint(resolve_checkpoint(target_dir))
@@ -353,10 +376,14 @@ def load_pair(
     tokenizer = TextTokenizer.from_path(target_dir)
     draft_tokenizer = TextTokenizer.from_path(draft_dir) if draft_dir is not None else None
     size = real_vocabulary_size(tokenizer.vocabulary(), draft_tokenizer and draft_tokenizer.vocabulary())
-    target = load_model(target_dir, backend, dtype, weights, invariant, device, size)
+    target = load_model(target_dir, backend, dtype, weights, invariant, device, size, threads)
     if feature_draft:
         return LoadedPair(target, _feature_draft(feature_draft, target, dtype), tokenizer)
-    draft = load_model(draft_dir, backend, dtype, "dense", invariant, device, size) if draft_dir is not None else None
+    draft = (
+        load_model(draft_dir, backend, dtype, "dense", invariant, device, size, threads)
+        if draft_dir is not None
+        else None
+    )
     return LoadedPair(target, draft, tokenizer)
 
 
@@ -439,6 +466,11 @@ class PairSpec:
             from exactspec.models.llamacpp import LlamaCppModel
 
             return f"{LlamaCppModel.precision}, call-size dependent"
+        if self.backend == "onnx":
+            return (
+                f"onnxruntime: the checkpoint's weights {'as stored' if self.weights == 'auto' else 'dequantized'}, "
+                "float32 activations, float32 KV cache, call-size dependent"
+            )
         return (
             f"{self.dtype}, {self.weights} weights, "
             f"{'call-size invariant' if self.invariant else 'call-size dependent'}"
@@ -453,8 +485,18 @@ class PairSpec:
             )
         target_dir, draft_dir = self.dirs()
         pair = load_pair(
-            target_dir, draft_dir, self.backend, DTYPES[self.dtype], self.weights, self.invariant, self.device
+            target_dir,
+            draft_dir,
+            self.backend,
+            DTYPES[self.dtype],
+            self.weights,
+            self.invariant,
+            self.device,
+            self.threads,
         )
+        if self.backend == "onnx":  # ONNX Runtime's threads do the model's work (set at load); torch's, the verifier's
+            torch.set_num_threads(1)
+            return pair
         if self.backend == "llamacpp":
             # llama.cpp's own threads do the model's work; torch's, only the verifier's small tensors. Two pools
             # on two cores collide (llama.cpp's workers spin after each call),

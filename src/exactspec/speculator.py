@@ -33,7 +33,7 @@ from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPrior
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.loading import LoadedPair, PairSpec, model_capacity
 from exactspec.models.eagle import FeatureDraft
-from exactspec.models.lean import LeanModel, LeanRuntime
+from exactspec.models.runtime import OneSlot
 from exactspec.proposers import PromptLookupProposer
 from exactspec.tuning.calibration import Calibration, calibrate_engine
 from exactspec.tuning.coldstart import ColdStart, cold_start
@@ -247,13 +247,9 @@ def build_engine(
 
 
 def _batched(model, slots: int, max_len: int):
-    """A runtime of ``slots`` slots over the weights ``model`` (one sequence) runs on: torch's or llama.cpp's."""
-    from exactspec.models.llamacpp import LlamaCppModel, LlamaCppRuntime
-
-    if isinstance(model, LlamaCppModel):
-        return LlamaCppRuntime.like(model, slots, max_len)
-    if not isinstance(model, LeanModel):
+    """A runtime of ``slots`` slots over the weights ``model`` (one sequence) runs on."""
+    if not isinstance(model, OneSlot):
         raise ValueError(
-            "serving and batch jobs run the lean or llamacpp backend; --backend hf is for generate and bench"
+            "serving and batch jobs run the lean, llamacpp or onnx backend; --backend hf is for generate and bench"
         )
-    return LeanRuntime.like(model, slots, max_len)
+    return model.batched(slots, max_len)

@@ -322,12 +322,10 @@ def runtime_prompt_logits(runtime, prompt: list[int], continuations: list[list[i
 
 def _scorer(target, batch: int, max_len: int):
     """The function giving (B, 1 + W, V) logits of a prompt's continuations: a cache-free torch forward for a lean
-    target, else the target's own runtime (llama.cpp) with ``batch`` slots."""
+    target, else the target's own runtime (llama.cpp, ONNX Runtime) with ``batch`` slots."""
     if hasattr(target, "decoder"):
         return lambda prompt, continuations: shared_prompt_logits(target.decoder, prompt, continuations)
-    from exactspec.models.llamacpp import LlamaCppRuntime
-
-    runtime = LlamaCppRuntime.like(target, batch, max_len)
+    runtime = target.batched(batch, max_len)  # the target's own runtime: llama.cpp's or ONNX Runtime's
     return lambda prompt, continuations: runtime_prompt_logits(runtime, prompt, continuations)
 
 

@@ -152,12 +152,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--backend",
-        choices=["auto", "lean", "hf", "llamacpp"],
+        choices=["auto", "lean", "hf", "llamacpp", "onnx"],
         default="auto",
         help=(
             "auto: the runtime, precision and threads this machine runs the pair fastest with, measured "
             "the first time and cached (see docs/runtimes.md); lean (Llama-family, torch), hf (any causal "
-            "LM) or llamacpp (a .gguf file on llama.cpp's kernels: pip install 'exactspec[llamacpp]')"
+            "LM), llamacpp (a .gguf file on llama.cpp's kernels: pip install 'exactspec[llamacpp]') or onnx "
+            "(a Llama .gguf file or directory on ONNX Runtime's kernels, the file's weights as stored)"
         ),
     )
     parser.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:N or mps")

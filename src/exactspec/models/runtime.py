@@ -107,6 +107,10 @@ class OneSlot:
     def rollback(self, length: int) -> None:
         self.runtime.rollback(0, length)
 
+    def batched(self, slots: int, max_len: int | None = None) -> Runtime:
+        """A runtime of ``slots`` slots over this model's weights (shared), numerics and vocabulary cut."""
+        return type(self.runtime).like(self, slots, max_len)
+
 
 class SequenceSlots:
     """Slots over single-sequence models, one model (and its cache) per slot.

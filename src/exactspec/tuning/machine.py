@@ -7,7 +7,9 @@ guessing:
 
 1. :func:`candidates`: every way exactspec can run the target's weights *as stored* (a requantized file changes the
    model's numbers, so it is only ever run when the user names it): llama.cpp's runtime on a GGUF file (when
-   llama-cpp-python is installed); the lean runtime with a GGUF file's 4-bit weights kept (bfloat16 activations,
+   llama-cpp-python is installed); ONNX Runtime's on a Llama GGUF file or directory (the file's own 4- and 8-bit
+   blocks, float32 activations: :mod:`exactspec.models.onnx_runtime`); the lean runtime with a GGUF file's 4-bit
+   weights kept (bfloat16 activations,
    CPU); the lean runtime dense in float32, and in bfloat16 where the device computes it natively; each at
    1, 2, 4, ... threads up to the cores this process may use (one thread for a target under
    :data:`exactspec.loading.SMALL_MODEL_PARAMETERS`, whose calls are too short to share).
@@ -81,15 +83,15 @@ _FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_b
 class Candidate:
     """One way to run the pair: a backend, the target's weights, the precision and the threads."""
 
-    backend: str  # lean or llamacpp
-    weights: str  # lean: q4 (a GGUF file's 4-bit blocks kept) or dense; llamacpp: auto (the file as stored)
-    dtype: str  # lean: the target's activations; llamacpp: the feature draft's
+    backend: str  # lean, llamacpp or onnx
+    weights: str  # lean: q4 (a GGUF file's 4-bit blocks kept) or dense; llamacpp, onnx: auto (the file as stored)
+    dtype: str  # lean: the target's activations; llamacpp, onnx: the feature draft's
     threads: int
 
     @property
     def label(self) -> str:
-        if self.backend == "llamacpp":
-            return f"llamacpp (file as stored), {self.threads} threads"
+        if self.backend in ("llamacpp", "onnx"):
+            return f"{self.backend} (file as stored), {self.threads} threads"
         return f"lean {self.weights} {self.dtype}, {self.threads} threads"
 
 
@@ -163,7 +165,9 @@ def thread_counts(cores: int) -> list[int]:
     return counts + [cores]
 
 
-def candidates(spec: PairSpec, cores: int | None = None, llama_cpp: bool | None = None) -> list[Candidate]:
+def candidates(
+    spec: PairSpec, cores: int | None = None, llama_cpp: bool | None = None, onnx: bool | None = None
+) -> list[Candidate]:
     """The candidates for ``spec`` (see the module docstring); ``spec``'s explicit backend, dtype, weights and threads
     narrow them (``auto`` and None leave a choice open; a dtype or weights named rules out llama.cpp, whose
     precision is the file's)."""
@@ -172,6 +176,7 @@ def candidates(spec: PairSpec, cores: int | None = None, llama_cpp: bool | None 
     native = native_bfloat16(spec.device)
     gguf = spec.target is not None and is_gguf(spec.target)
     llama_cpp = llama_cpp_available() if llama_cpp is None else llama_cpp
+    onnx = onnx_available() if onnx is None else onnx
     small = _weight_bytes(spec.target) < SMALL_MODEL_PARAMETERS * 2 if spec.target is not None else True
     threads = [spec.threads] if spec.threads else thread_counts(cores) if cpu and not small else [1]
     dense_dtypes = ["float32"] + (["bfloat16"] if native else [])
@@ -182,6 +187,9 @@ def candidates(spec: PairSpec, cores: int | None = None, llama_cpp: bool | None 
         options.append(
             Candidate("llamacpp", "auto", spec.dtype if spec.dtype != AUTO else "bfloat16" if native else "float32", 0)
         )
+    if cpu and onnx and not spec.invariant and spec.dtype == spec.weights == AUTO and _llama(spec.target):
+        # ONNX Runtime's int4 kernels on the file's own blocks, float32 activations; named dtypes ask for torch's
+        options.append(Candidate("onnx", "auto", "bfloat16" if native else "float32", 0))
     if gguf and cpu and any(t.type_name in ("Q4_0", "Q4_1") for t in read_gguf(spec.target).tensors.values()):
         options.append(Candidate("lean", "q4", "bfloat16", 0))  # torch's int4 kernel on the file's own 4-bit blocks
     options += [Candidate("lean", "dense", dtype, 0) for dtype in dense_dtypes]
@@ -204,6 +212,27 @@ def candidates(spec: PairSpec, cores: int | None = None, llama_cpp: bool | None 
             f"no runtime runs {spec.target} with --dtype {spec.dtype} and --weights {spec.weights} on {spec.device}"
         )
     return chosen
+
+
+def onnx_available() -> bool:
+    """Whether ONNX Runtime and onnx import here (without importing them)."""
+    from importlib.util import find_spec
+
+    return find_spec("onnxruntime") is not None and find_spec("onnx") is not None
+
+
+def _llama(checkpoint: str | Path | None) -> bool:
+    """Whether ``checkpoint`` is a Llama-architecture model the ONNX graph builder reads (a GGUF file, or a directory
+    whose config names LlamaForCausalLM)."""
+    if checkpoint is None:
+        return False
+    path = Path(checkpoint)
+    if is_gguf(path):
+        return read_gguf(path).metadata.get("general.architecture") == "llama"
+    try:
+        return "LlamaForCausalLM" in json.loads((path / "config.json").read_text()).get("architectures", [])
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _weight_bytes(checkpoint: str | Path) -> int:
@@ -238,10 +267,12 @@ def machine_signature(device: str = "cpu") -> dict:
         pass
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        llama_version = version("llama_cpp_python") if llama_cpp_available() else None
-    except PackageNotFoundError:  # importable without package metadata (a source build on the path)
-        llama_version = "unknown"
+    def installed(package: str, available: bool) -> str | None:
+        try:
+            return version(package) if available else None
+        except PackageNotFoundError:  # importable without package metadata (a source build on the path)
+            return "unknown"
+
     return {
         "cpu": model,
         "flags": sorted(flags & set(_FLAGS)),
@@ -249,7 +280,8 @@ def machine_signature(device: str = "cpu") -> dict:
         "device": str(device),
         "exactspec": __version__,
         "torch": torch.__version__,
-        "llama_cpp_python": llama_version,
+        "llama_cpp_python": installed("llama_cpp_python", llama_cpp_available()),
+        "onnxruntime": installed("onnxruntime", onnx_available()),
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
     }
 
