@@ -338,3 +338,16 @@ def test_a_seeded_sequence_draws_the_same_tokens_alone_and_in_a_batch_on_onnx_ru
     alone = run(BatchEngine(tiny_onnx(1), PromptLookupProposer(), EngineConfig(gamma=2)), [7])
     together = run(BatchEngine(tiny_onnx(4), PromptLookupProposer(), EngineConfig(gamma=2)), [3, 7, 11, 19])
     assert len(alone[7]) == 12 and together[7] == alone[7]
+
+
+def test_a_session_made_mid_sequence_warms_up_without_touching_what_slot_0_holds(target):
+    """capture_features after tokens were fed makes a second session, whose throwaway warm-up call writes past slot
+    0's length: the next call's logits are those of a runtime that captured from the start."""
+    ids = tokens(12, seed=5)
+    late, early = onnx_runtime(target, slots=1), onnx_runtime(target, slots=1)
+    early.capture_features([1])
+    late.forward([(0, ids[:8])])
+    early.forward([(0, ids[:8])])
+    late.capture_features([1])
+    assert late.lengths == [8]
+    assert torch.equal(late.forward([(0, ids[8:])])[0], early.forward([(0, ids[8:])])[0])

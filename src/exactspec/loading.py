@@ -142,17 +142,18 @@ def load_model(
     device: str | torch.device = "cpu",
     vocab_size: int | None = None,
     threads: int | None = None,
+    int8_activations: bool = False,
 ) -> LanguageModel:
     """One model from a local checkpoint directory or ``.gguf`` file (never a download), on ``device``, its logits
     cut to ``vocab_size`` rows (the tokenizer's real vocabulary; None: every row). ``weights`` and ``invariant`` are
     the lean backend's (:meth:`exactspec.models.lean.LeanModel.from_pretrained`); the llamacpp and onnx backends run
-    the checkpoint's weights as stored in float32 activations (``dtype`` does not apply), onnx with ``threads``
-    (None: every core)."""
+    the checkpoint's weights as stored (``dtype`` does not apply), onnx with ``threads`` (None: every core) and
+    float32 activations, or with ``int8_activations`` its 4-bit products on int8 blocks of them (as llama.cpp's)."""
     device = check_device(device)
     if backend == "llamacpp":
         return _llama_cpp_model(path, weights, invariant, device, vocab_size)
     if backend == "onnx":
-        return _onnx_model(path, weights, invariant, device, vocab_size, threads)
+        return _onnx_model(path, weights, invariant, device, vocab_size, threads, int8_activations)
     if backend == "lean":
         from exactspec.models.lean import LeanModel
 
@@ -195,7 +196,13 @@ def _llama_cpp_model(
 
 
 def _onnx_model(
-    path: str | Path, weights: str, invariant: bool, device: torch.device, vocab_size: int | None, threads: int | None
+    path: str | Path,
+    weights: str,
+    invariant: bool,
+    device: torch.device,
+    vocab_size: int | None,
+    threads: int | None,
+    int8_activations: bool,
 ) -> LanguageModel:
     try:
         from exactspec.models.onnx_runtime import OnnxModel
@@ -207,7 +214,11 @@ def _onnx_model(
             "on the CPU, and is not call-size invariant"
         )
     return OnnxModel.from_checkpoint(
-        path, threads=threads or os.cpu_count() or 1, weights=weights, vocab_size=vocab_size
+        path,
+        threads=threads or os.cpu_count() or 1,
+        weights=weights,
+        vocab_size=vocab_size,
+        accuracy_level=4 if int8_activations else 0,  # MatMulNBits' int8 compute; 0: float32 activations
     )
 
 
@@ -362,12 +373,13 @@ def load_pair(
     invariant: bool = False,
     device: str | torch.device = "cpu",
     threads: int | None = None,
+    int8_activations: bool = False,
 ) -> LoadedPair:
     """Target (and draft) with the target's tokenizer, both cut to its real vocabulary (padding rows cut), the
     tokenizers checked to agree before any weight is read.
     Each is a local directory, a ``.gguf`` file, a packaged model's name or a hub id found in the local Hugging Face
     cache (:func:`resolve_checkpoint`). ``weights`` applies to the target (a draft stays dense); ``invariant`` to
-    both; ``threads`` to a runtime that takes them at load (ONNX Runtime)."""
+    both; ``threads`` and ``int8_activations`` to the onnx backend (taken at load)."""
     from exactspec.models.eagle import FeatureDraft
 
     target_dir = check_local_checkpoint(resolve_checkpoint(target_dir))
@@ -376,11 +388,11 @@ def load_pair(
     tokenizer = TextTokenizer.from_path(target_dir)
     draft_tokenizer = TextTokenizer.from_path(draft_dir) if draft_dir is not None else None
     size = real_vocabulary_size(tokenizer.vocabulary(), draft_tokenizer and draft_tokenizer.vocabulary())
-    target = load_model(target_dir, backend, dtype, weights, invariant, device, size, threads)
+    target = load_model(target_dir, backend, dtype, weights, invariant, device, size, threads, int8_activations)
     if feature_draft:
         return LoadedPair(target, _feature_draft(feature_draft, target, dtype), tokenizer)
     draft = (
-        load_model(draft_dir, backend, dtype, "dense", invariant, device, size, threads)
+        load_model(draft_dir, backend, dtype, "dense", invariant, device, size, threads, int8_activations)
         if draft_dir is not None
         else None
     )
@@ -416,10 +428,13 @@ class PairSpec:
     download: bool = False  # a hub id not in the local cache may be fetched
     threads: int | None = None  # torch's CPU threads
     lookup_routing: bool = True  # a trained draft hands the rounds where the context repeats to prompt lookup
+    int8_activations: bool = False  # the onnx backend's 4-bit products on int8 blocks of activations (as llama.cpp's)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS + ("auto",):
             raise ValueError(f"unknown backend {self.backend!r}; choose one of auto, {', '.join(BACKENDS)}")
+        if self.int8_activations and self.backend not in ("onnx", "auto"):
+            raise ValueError("int8 activations are the onnx backend's (--backend onnx)")
         if self.dtype not in DTYPES and not (self.dtype == "auto" and self.backend == "auto"):
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.target is None and self.draft not in (None, LOOKUP):
@@ -467,9 +482,10 @@ class PairSpec:
 
             return f"{LlamaCppModel.precision}, call-size dependent"
         if self.backend == "onnx":
+            activations = "int8 activations in the 4-bit products" if self.int8_activations else "float32 activations"
             return (
                 f"onnxruntime: the checkpoint's weights {'as stored' if self.weights == 'auto' else 'dequantized'}, "
-                "float32 activations, float32 KV cache, call-size dependent"
+                f"{activations}, float32 KV cache, call-size dependent"
             )
         return (
             f"{self.dtype}, {self.weights} weights, "
@@ -493,6 +509,7 @@ class PairSpec:
             self.invariant,
             self.device,
             self.threads,
+            self.int8_activations,
         )
         if self.backend == "onnx":  # ONNX Runtime's threads do the model's work (set at load); torch's, the verifier's
             torch.set_num_threads(1)

@@ -182,6 +182,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help=(
+            "onnx backend: multiply the file's 4-bit weights with int8 blocks of the activations, as llama.cpp does "
+            "(faster verification blocks; the run record names this precision); default: float32 activations"
+        ),
+    )
+    parser.add_argument(
         "--invariant",
         action="store_true",
         help=(
@@ -279,6 +287,7 @@ def run_plan(args: argparse.Namespace, with_draft: bool = True, choose: bool = T
             args.download,
             args.threads,
             lookup_routing=not getattr(args, "no_lookup_routing", False),
+            int8_activations=args.int8_activations,
         )
         if spec.backend == "auto" and choose:
             return _chosen(args, spec)

@@ -46,6 +46,7 @@ from .runtime import OneSlot, outputs_per_row
 
 __all__ = ["OnnxModel", "OnnxRuntime", "SessionSettings", "onnx_cache_dir"]
 
+WARM_UP_TOKENS = 4  # the throwaway call a new session makes at load (OnnxRuntime._warmed)
 GRAPH_VERSION = "exactspec-onnx-1"  # part of every cache key: bump when build_model changes its output
 
 
@@ -204,8 +205,20 @@ class OnnxRuntime:
     def _session_for(self, layers: tuple[int, ...]) -> _Session:
         if layers not in self._sessions:
             options = GraphOptions(self.graph_options.accuracy_level, layers)
-            self._sessions[layers] = _Session(self.graph_source(options), self.settings, self)
+            self._sessions[layers] = self._warmed(_Session(self.graph_source(options), self.settings, self))
         return self._sessions[layers]
+
+    def _warmed(self, session: _Session) -> _Session:
+        """``session`` after one throwaway call of a few tokens in slot 0, so that ONNX Runtime's first-run work (its
+        kernels' one-time preparation, up to a second on SmolLM2) is paid at load, not in the first call a user
+        times. The slot's length is kept: the positions written are past it, where no call reads before a real token
+        overwrites them."""
+        length, previous = self.lengths[0], getattr(self, "_session", None)
+        if length + WARM_UP_TOKENS <= self.max_len:
+            self._session = session
+            self._run(0, [0] * WARM_UP_TOKENS, 1)
+            self.lengths[0], self._session = length, previous
+        return session
 
     # -- protocol -----------------------------------------------------------------------------------------
     @property

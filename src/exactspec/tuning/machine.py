@@ -87,11 +87,13 @@ class Candidate:
     weights: str  # lean: q4 (a GGUF file's 4-bit blocks kept) or dense; llamacpp, onnx: auto (the file as stored)
     dtype: str  # lean: the target's activations; llamacpp, onnx: the feature draft's
     threads: int
+    int8_activations: bool = False  # onnx: the 4-bit products on int8 blocks of activations (as llama.cpp's)
 
     @property
     def label(self) -> str:
         if self.backend in ("llamacpp", "onnx"):
-            return f"{self.backend} (file as stored), {self.threads} threads"
+            int8 = ", int8 activations" if self.int8_activations else ""
+            return f"{self.backend} (file as stored{int8}), {self.threads} threads"
         return f"lean {self.weights} {self.dtype}, {self.threads} threads"
 
 
@@ -189,7 +191,8 @@ def candidates(
         )
     if cpu and onnx and not spec.invariant and spec.dtype == spec.weights == AUTO and _llama(spec.target):
         # ONNX Runtime's int4 kernels on the file's own blocks, float32 activations; named dtypes ask for torch's
-        options.append(Candidate("onnx", "auto", "bfloat16" if native else "float32", 0))
+        draft_dtype = "bfloat16" if native else "float32"
+        options += [Candidate("onnx", "auto", draft_dtype, 0, int8) for int8 in (False, True)]
     if gguf and cpu and any(t.type_name in ("Q4_0", "Q4_1") for t in read_gguf(spec.target).tensors.values()):
         options.append(Candidate("lean", "q4", "bfloat16", 0))  # torch's int4 kernel on the file's own 4-bit blocks
     options += [Candidate("lean", "dense", dtype, 0) for dtype in dense_dtypes]
@@ -197,7 +200,10 @@ def candidates(
         replace(c, threads=t)
         for c in options
         for t in threads
-        if spec.backend in (AUTO, c.backend) and spec.dtype in (AUTO, c.dtype) and spec.weights in (AUTO, c.weights)
+        if spec.backend in (AUTO, c.backend)
+        and spec.dtype in (AUTO, c.dtype)
+        and spec.weights in (AUTO, c.weights)
+        and c.int8_activations >= spec.int8_activations  # asked for: the onnx candidates that have them
     ]
     if not chosen:
         if spec.weights == "q4" and not gguf:
@@ -303,7 +309,12 @@ def measure(
     """The target's call costs and one draft step of ``spec``'s pair run as ``candidate`` (its own load), each the
     median of ``repeats`` timed calls."""
     pair = replace(
-        spec, backend=candidate.backend, dtype=candidate.dtype, weights=candidate.weights, threads=candidate.threads
+        spec,
+        backend=candidate.backend,
+        dtype=candidate.dtype,
+        weights=candidate.weights,
+        threads=candidate.threads,
+        int8_activations=candidate.int8_activations,
     ).load()
     drafting = None
     if spec.speculate and not spec.lookup:  # the proposer a generation's cold start times, built the same way
@@ -402,6 +413,7 @@ def choose(
         dtype=chosen.dtype,
         weights=chosen.weights,
         threads=chosen.threads or None,
+        int8_activations=chosen.int8_activations,
         draft=LOOKUP if dropped else spec.draft,
     ), choice
 
