@@ -351,3 +351,13 @@ def test_a_session_made_mid_sequence_warms_up_without_touching_what_slot_0_holds
     late.capture_features([1])
     assert late.lengths == [8]
     assert torch.equal(late.forward([(0, ids[8:])])[0], early.forward([(0, ids[8:])])[0])
+
+
+def test_a_head_size_onnx_runtime_cannot_run_is_refused_by_name():
+    from test_feature_draft import tiny_target  # 16 wide, 2 heads: a head size of 8
+
+    from exactspec.models.llama import hf_state_dict
+
+    decoder = tiny_target()
+    with pytest.raises(ValueError, match="head size of 8"):
+        OnnxRuntime.from_weights(decoder.cfg, state_dict_weights(decoder.cfg, hf_state_dict(decoder)))

@@ -37,6 +37,7 @@ from .gguf import GGUFFile, _q4_fields, unpermute_rotary
 from .llama_config import LlamaConfig
 
 __all__ = [
+    "unsupported",
     "GraphOptions",
     "LlamaWeights",
     "Projection",
@@ -55,6 +56,14 @@ BLOCK = 32
 OPSET = 21
 MS = "com.microsoft"
 WEIGHT_MODES = ("auto", "dense", "int4-requantized")
+
+
+def unsupported(cfg: LlamaConfig) -> str | None:
+    """Why ONNX Runtime cannot run a decoder of this shape, or None: its GroupQueryAttention takes head sizes that
+    are multiples of 16."""
+    if cfg.head_size % 16:
+        return f"a head size of {cfg.head_size} (ONNX Runtime's GroupQueryAttention takes multiples of 16)"
+    return None
 
 
 @dataclass(frozen=True)

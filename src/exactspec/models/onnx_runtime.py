@@ -41,7 +41,15 @@ from ..vocab import check_output_rows
 from .base import check_rollback_length, check_token_ids, is_gguf
 from .gguf import llama_config, read_gguf
 from .llama_config import LlamaConfig, rope_tables
-from .onnx_graph import WEIGHT_MODES, GraphOptions, LlamaWeights, build_model, gguf_weights, state_dict_weights
+from .onnx_graph import (
+    WEIGHT_MODES,
+    GraphOptions,
+    LlamaWeights,
+    build_model,
+    gguf_weights,
+    state_dict_weights,
+    unsupported,
+)
 from .runtime import OneSlot, outputs_per_row
 
 __all__ = ["OnnxModel", "OnnxRuntime", "SessionSettings", "onnx_cache_dir"]
@@ -115,6 +123,8 @@ class OnnxRuntime:
         options: GraphOptions = GraphOptions(),
     ) -> None:
         max_len = int(max_len or cfg.max_position_embeddings)
+        if unsupported(cfg):
+            raise ValueError(f"ONNX Runtime cannot run this model: {unsupported(cfg)}")
         if slots < 1 or max_len < 1:
             raise ValueError(f"need slots >= 1 and max_len >= 1, got {slots} and {max_len}")
         self.cfg, self.slots, self.max_len, self.settings = cfg, slots, max_len, settings

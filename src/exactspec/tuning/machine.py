@@ -189,7 +189,7 @@ def candidates(
         options.append(
             Candidate("llamacpp", "auto", spec.dtype if spec.dtype != AUTO else "bfloat16" if native else "float32", 0)
         )
-    if cpu and onnx and not spec.invariant and spec.dtype == spec.weights == AUTO and _llama(spec.target):
+    if cpu and onnx and not spec.invariant and spec.dtype == spec.weights == AUTO and _onnx_runs(spec.target):
         # ONNX Runtime's int4 kernels on the file's own blocks, float32 activations; named dtypes ask for torch's
         draft_dtype = "bfloat16" if native else "float32"
         options += [Candidate("onnx", "auto", draft_dtype, 0, int8) for int8 in (False, True)]
@@ -227,16 +227,22 @@ def onnx_available() -> bool:
     return find_spec("onnxruntime") is not None and find_spec("onnx") is not None
 
 
-def _llama(checkpoint: str | Path | None) -> bool:
-    """Whether ``checkpoint`` is a Llama-architecture model the ONNX graph builder reads (a GGUF file, or a directory
-    whose config names LlamaForCausalLM)."""
+def _onnx_runs(checkpoint: str | Path | None) -> bool:
+    """Whether ``checkpoint`` is a Llama model that the ONNX graph builder reads and ONNX Runtime runs (a GGUF file,
+    or a directory whose config names LlamaForCausalLM; a head size its attention takes)."""
+    from exactspec.models.gguf import llama_config
+    from exactspec.models.lean import read_config
+    from exactspec.models.onnx_graph import unsupported
+
     if checkpoint is None:
         return False
     path = Path(checkpoint)
-    if is_gguf(path):
-        return read_gguf(path).metadata.get("general.architecture") == "llama"
     try:
-        return "LlamaForCausalLM" in json.loads((path / "config.json").read_text()).get("architectures", [])
+        if is_gguf(path):
+            gguf = read_gguf(path)
+            return gguf.metadata.get("general.architecture") == "llama" and not unsupported(llama_config(gguf))
+        architectures = json.loads((path / "config.json").read_text()).get("architectures", [])
+        return "LlamaForCausalLM" in architectures and not unsupported(read_config(path))
     except (OSError, ValueError, AttributeError):
         return False
 
