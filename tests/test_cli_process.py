@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -42,6 +43,22 @@ def test_ctrl_c_keeps_the_partial_output_prints_the_summary_and_exits_130():
     assert "stop: interrupted" in summary and "tokens/s" in summary
     tokens = int(summary.split()[0].lstrip("["))
     assert 0 < tokens < 900
+
+
+def test_ctrl_c_while_the_library_loads_is_one_line_and_130():
+    """Ctrl-C before the command runs (torch still importing: exactspec.launch imports the library inside its try)."""
+    process = subprocess.Popen(
+        [*EXACTSPEC, "generate", "def parse_args(", "--max-new-tokens", "900"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    time.sleep(0.3)  # after Python's own start, inside the library's imports on any machine seen so far
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    err = err.decode()
+    assert process.returncode == 130 and out == b"", err
+    assert "Traceback" not in err and err.strip() == "exactspec: interrupted", err
 
 
 def test_a_closed_pipe_ends_quietly():

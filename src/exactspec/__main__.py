@@ -1,5 +1,5 @@
 import sys
 
-from exactspec.cli import main
+from exactspec.launch import main
 
 sys.exit(main())
