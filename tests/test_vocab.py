@@ -75,7 +75,10 @@ def _padded(seed: int, rows: int, padding_logit: float = 3.0) -> MarkovLM:
 def test_padding_ids_are_never_sampled_whatever_the_padding_and_in_plain_decoding():
     target, equal_draft = _padded(0, 8), _padded(1, 8)
     other_draft = MarkovLM(equal_draft.table[:6, :6], 1)  # the same draft padded to 6 rows instead of 8
-    runs = lambda decoder: [decoder.generate([1], GenerationConfig(10, 3, seed=s)).tokens for s in range(200)]  # noqa: E731
+
+    def runs(decoder):
+        return [decoder.generate([1], GenerationConfig(10, 3, seed=s)).tokens for s in range(200)]
+
     unrestricted = runs(SpeculativeDecoder(target, equal_draft))
     assert sum(max(tokens) >= 4 for tokens in unrestricted) > 150  # without the restriction padding ids come out
     size = real_vocabulary_size(VOCAB, VOCAB)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .base import check_rollback_length
+from .runtime import check_rows
 
 __all__ = ["ATTENTION_CHUNK", "KVCache", "MAX_BLOCK"]
 
@@ -48,13 +49,7 @@ class KVCache:
 
     def check_rows(self, slots: list[int], added: list[int]) -> None:
         """Distinct slots that exist, each with room for the positions a call adds to it."""
-        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
-            raise ValueError(f"rows need distinct slots in [0, {self.slots}), got {slots}")
-        for slot, n in zip(slots, added):
-            if self.lengths[slot] + n > self.max_len:
-                raise ValueError(
-                    f"sequence too long: {self.lengths[slot]} cached + {n} new tokens exceeds {self.max_len} positions"
-                )
+        check_rows(slots, added, self.lengths, self.max_len)
 
     def rollback(self, slot: int, length: int) -> None:
         check_rollback_length(length, self.lengths[slot])

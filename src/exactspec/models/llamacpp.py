@@ -48,7 +48,7 @@ import torch
 from ..vocab import check_output_rows
 from .base import check_rollback_length, check_token_ids
 from .llamacpp_tiles import PROBE_TOKENS, extra_buffers_work
-from .runtime import OneSlot, outputs_per_row
+from .runtime import OneSlot, check_rows, outputs_per_row
 
 __all__ = ["LlamaCppRuntime", "LlamaCppModel", "llama_cpp_available", "llama_cpp_version", "requantize"]
 
@@ -341,16 +341,9 @@ class LlamaCppRuntime:
         ``outputs`` afterwards (EAGLE-3's layers end before the last, so its drafts do not pay for this)."""
         llama = _llama()
         slots = [slot for slot, _ in rows]
-        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
-            raise ValueError(f"rows need distinct slots in [0, {self.slots}), got {slots}")
         ids = [check_token_ids(tokens, self.vocab_size) for _, tokens in rows]
         counts = outputs_per_row(rows, outputs)
-        for slot, tokens in zip(slots, ids):
-            if self._lengths[slot] + len(tokens) > self.max_len:
-                raise ValueError(
-                    f"slot {slot}: {self._lengths[slot]} cached + {len(tokens)} "
-                    f"new tokens exceeds {self.max_len} positions"
-                )
+        check_rows(slots, [len(t) for t in ids], self._lengths, self.max_len)
         computed = [len(t) for t in ids] if self._every_row else counts  # logits llama.cpp computes per row
         total = sum(len(t) for t in ids)
         # a split cache computes consecutive slots together only when the batch holds them in slot order

@@ -50,7 +50,7 @@ from .onnx_graph import (
     state_dict_weights,
     unsupported,
 )
-from .runtime import OneSlot, outputs_per_row
+from .runtime import OneSlot, check_rows, outputs_per_row
 
 __all__ = ["OnnxModel", "OnnxRuntime", "SessionSettings", "onnx_cache_dir"]
 
@@ -263,16 +263,9 @@ class OnnxRuntime:
         """``rows``: (slot, tokens to append), slots distinct. The logits of each row's last ``outputs[i]``
         positions ``(outputs_i, V)`` float32 (every position without ``outputs``); each slot advances by ``t_i``."""
         slots = [slot for slot, _ in rows]
-        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
-            raise ValueError(f"rows need distinct slots in [0, {self.slots}), got {slots}")
         ids = [check_token_ids(tokens, self.vocab_size) for _, tokens in rows]
         counts = outputs_per_row(rows, outputs)
-        for slot, tokens in zip(slots, ids):
-            if self.lengths[slot] + len(tokens) > self.max_len:
-                raise ValueError(
-                    f"sequence too long: {self.lengths[slot]} cached + {len(tokens)} new tokens exceeds "
-                    f"{self.max_len} positions"
-                )
+        check_rows(slots, [len(t) for t in ids], self.lengths, self.max_len)
         results, features = [], []
         for slot, tokens, count in zip(slots, ids, counts):
             logits, feature = self._run(slot, tokens, count)

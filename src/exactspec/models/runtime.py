@@ -38,7 +38,17 @@ import torch
 
 from .base import LanguageModel, check_rollback_length
 
-__all__ = ["OneSlot", "Runtime", "SequenceSlots", "as_runtime", "outputs_per_row"]
+__all__ = ["OneSlot", "Runtime", "SequenceSlots", "as_runtime", "check_rows", "outputs_per_row"]
+
+
+def check_rows(slots: Sequence[int], added: Sequence[int], lengths: Sequence[int], max_len: int) -> None:
+    """A call's rows: distinct slots that exist (``len(lengths)`` of them), each with room for the positions it adds
+    (ValueError naming the problem otherwise)."""
+    if len(set(slots)) != len(slots) or not all(0 <= s < len(lengths) for s in slots):
+        raise ValueError(f"rows need distinct slots in [0, {len(lengths)}), got {list(slots)}")
+    for slot, n in zip(slots, added):
+        if lengths[slot] + n > max_len:
+            raise ValueError(f"sequence too long: {lengths[slot]} cached + {n} new tokens exceeds {max_len} positions")
 
 
 def outputs_per_row(rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None) -> list[int]:
@@ -154,8 +164,7 @@ class SequenceSlots:
         self, rows: Sequence[tuple[int, Sequence[int]]], outputs: Sequence[int] | None = None
     ) -> list[torch.Tensor]:
         slots = [slot for slot, _ in rows]
-        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
-            raise ValueError(f"rows need distinct slots in [0, {self.slots}), got {slots}")
+        check_rows(slots, [len(tokens) for _, tokens in rows], self.lengths, self.max_len)
         counts = outputs_per_row(rows, outputs)
         out, features = [], []
         for (slot, tokens), count in zip(rows, counts):
