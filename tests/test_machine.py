@@ -9,6 +9,7 @@ fills every call size the policy uses.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from test_gguf import random_hf_weights, write_llama_gguf
@@ -41,6 +42,9 @@ def test_candidates_are_every_runtime_of_the_stored_weights_narrowed_by_the_flag
     }
     with_onnx = {(c.backend, c.weights, c.dtype) for c in candidates(auto, cores=4, llama_cpp=True, onnx=True)}
     assert with_onnx == {(c.backend, c.weights, c.dtype) for c in found} | {("onnx", "auto", "float32")}
+    int8 = candidates(replace(auto, int8_activations=True), cores=4, llama_cpp=True, onnx=True)
+    assert {c.int8_activations for c in candidates(auto, cores=4, llama_cpp=True, onnx=True)} == {False}
+    assert {(c.backend, c.int8_activations) for c in int8} == {("onnx", True)}  # asked for: the onnx form only
     # (no emulated bfloat16 dense; no q4: the file stores no 4-bit blocks, see the next test)
     assert sorted({c.threads for c in found}) == [1, 2, 4]
     assert {c.backend for c in candidates(auto, cores=4, llama_cpp=False, onnx=False)} == {"lean"}

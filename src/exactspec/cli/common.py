@@ -292,9 +292,7 @@ def run_plan(args: argparse.Namespace, with_draft: bool = True, choose: bool = T
         if spec.backend == "auto" and choose:
             return _chosen(args, spec)
         return RunPlan(spec.resolved())
-    except FileNotFoundError as error:
-        raise CliError(str(error)) from None
-    except ValueError as error:
+    except (FileNotFoundError, ValueError) as error:  # a missing checkpoint, flags that contradict each other
         raise CliError(str(error)) from None
 
 

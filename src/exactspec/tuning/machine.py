@@ -8,9 +8,9 @@ guessing:
 1. :func:`candidates`: every way exactspec can run the target's weights *as stored* (a requantized file changes the
    model's numbers, so it is only ever run when the user names it): llama.cpp's runtime on a GGUF file (when
    llama-cpp-python is installed); ONNX Runtime's on a Llama GGUF file or directory (the file's own 4- and 8-bit
-   blocks, float32 activations: :mod:`exactspec.models.onnx_runtime`); the lean runtime with a GGUF file's 4-bit
-   weights kept (bfloat16 activations,
-   CPU); the lean runtime dense in float32, and in bfloat16 where the device computes it natively; each at
+   blocks, float32 activations, or int8 ones where ``--int8-activations`` asks: :mod:`exactspec.models.onnx_runtime`);
+   the lean runtime with a GGUF file's 4-bit weights kept (bfloat16 activations, CPU); the lean runtime dense in
+   float32, and in bfloat16 where the device computes it natively; each at
    1, 2, 4, ... threads up to the cores this process may use (one thread for a target under
    :data:`exactspec.loading.SMALL_MODEL_PARAMETERS`, whose calls are too short to share).
 2. :func:`measure`: per candidate, the target's call costs c(1..max_gamma+1) and one draft step
@@ -190,9 +190,10 @@ def candidates(
             Candidate("llamacpp", "auto", spec.dtype if spec.dtype != AUTO else "bfloat16" if native else "float32", 0)
         )
     if cpu and onnx and not spec.invariant and spec.dtype == spec.weights == AUTO and _onnx_runs(spec.target):
-        # ONNX Runtime's int4 kernels on the file's own blocks, float32 activations; named dtypes ask for torch's
+        # ONNX Runtime's 4-bit kernels on the file's own blocks, float32 activations; int8 activations, a coarser
+        # precision (docs/runtimes.md), only where --int8-activations asks for them; named dtypes ask for torch's
         draft_dtype = "bfloat16" if native else "float32"
-        options += [Candidate("onnx", "auto", draft_dtype, 0, int8) for int8 in (False, True)]
+        options.append(Candidate("onnx", "auto", draft_dtype, 0, spec.int8_activations))
     if gguf and cpu and any(t.type_name in ("Q4_0", "Q4_1") for t in read_gguf(spec.target).tensors.values()):
         options.append(Candidate("lean", "q4", "bfloat16", 0))  # torch's int4 kernel on the file's own 4-bit blocks
     options += [Candidate("lean", "dense", dtype, 0) for dtype in dense_dtypes]
@@ -203,7 +204,7 @@ def candidates(
         if spec.backend in (AUTO, c.backend)
         and spec.dtype in (AUTO, c.dtype)
         and spec.weights in (AUTO, c.weights)
-        and c.int8_activations >= spec.int8_activations  # asked for: the onnx candidates that have them
+        and c.int8_activations >= spec.int8_activations  # asked for: the onnx candidate that has them
     ]
     if not chosen:
         if spec.weights == "q4" and not gguf:
