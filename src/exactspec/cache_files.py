@@ -23,12 +23,13 @@ def default_cache_dir() -> Path:
 
 
 class CacheDirectory:
-    """A directory of small JSON entries that exactspec rebuilds when they are gone."""
+    """A directory of entries (``pattern``: small JSON files by default) that exactspec rebuilds when they are gone."""
 
     directory: Path
+    pattern = "*.json"
 
     def entries(self) -> list[Path]:
-        return sorted(self.directory.glob("*.json")) if self.directory.is_dir() else []
+        return sorted(self.directory.glob(self.pattern)) if self.directory.is_dir() else []
 
     def clear(self) -> int:
         """Remove every entry; returns how many there were."""

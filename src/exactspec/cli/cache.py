@@ -1,5 +1,5 @@
-"""``exactspec cache``: what exactspec remembers between runs: each pair's acceptance (the adaptive policy's start)
-and this machine's measured call costs (``--backend auto``'s choice)."""
+"""``exactspec cache``: what exactspec remembers between runs: each pair's acceptance (the adaptive policy's start),
+this machine's measured call costs (``--backend auto``'s choice) and the ONNX graphs built from checkpoints."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from exactspec.tuning.priors import PolicyCache
 
 
 def run(args: argparse.Namespace) -> dict:
-    caches = {"policy": PolicyCache(), "machine": MachineCache()}
+    from exactspec.models.onnx_runtime import GraphCache
+
+    caches = {"policy": PolicyCache(), "machine": MachineCache(), "onnx": GraphCache()}
     result = {}
     for name, cache in caches.items():
         entries = [str(p) for p in cache.entries()]
@@ -20,7 +22,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def show(r: dict) -> None:
-    for name, what in (("policy", "pair(s)' acceptance"), ("machine", "measured runtime choice(s)")):
+    kinds = (
+        ("policy", "pair(s)' acceptance"),
+        ("machine", "measured runtime choice(s)"),
+        ("onnx", "graph(s) built for ONNX Runtime"),
+    )
+    for name, what in kinds:
         c = r[name]
         if c["removed"]:
             print(f"removed {c['removed']} entries from {c['directory']}")
@@ -32,8 +39,8 @@ def add(add_command) -> None:
     """The ``cache`` command: its flags, run and show."""
     cache = add_command(
         "cache",
-        help="what exactspec remembers: each model pair's acceptance (--gamma auto starts from it) "
-        "and this machine's measured call costs (--backend auto chooses from them)",
+        help="what exactspec remembers: each model pair's acceptance (--gamma auto starts from it), "
+        "this machine's measured call costs (--backend auto chooses from them) and the graphs built for ONNX Runtime",
     )
     cache.add_argument("--clear", action="store_true", help="remove every entry (the next run measures again)")
     cache.add_argument("--json", action="store_true", help="print JSON")

@@ -36,7 +36,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from ..cache_files import default_cache_dir
+from ..cache_files import CacheDirectory, default_cache_dir
 from ..vocab import check_output_rows
 from .base import check_rollback_length, check_token_ids, is_gguf
 from .gguf import llama_config, read_gguf
@@ -52,7 +52,7 @@ from .onnx_graph import (
 )
 from .runtime import OneSlot, check_rows, outputs_per_row
 
-__all__ = ["OnnxModel", "OnnxRuntime", "SessionSettings", "onnx_cache_dir"]
+__all__ = ["GraphCache", "OnnxModel", "OnnxRuntime", "SessionSettings", "onnx_cache_dir"]
 
 WARM_UP_TOKENS = 4  # the throwaway call a new session makes at load (OnnxRuntime._warmed)
 GRAPH_VERSION = "exactspec-onnx-1"  # part of every cache key: bump when build_model changes its output
@@ -83,6 +83,15 @@ GraphSource = Callable[[GraphOptions], "str | bytes"]  # a model file's path, or
 def onnx_cache_dir() -> Path:
     """Where built graphs are kept: ``onnx/`` in exactspec's cache directory."""
     return default_cache_dir() / "onnx"
+
+
+class GraphCache(CacheDirectory):
+    """The graphs built from checkpoints, one ``.onnx`` file per checkpoint and build options (``exactspec cache``)."""
+
+    pattern = "*.onnx"
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else onnx_cache_dir()
 
 
 class _Session:
