@@ -22,6 +22,7 @@ httpx = pytest.importorskip("httpx")
 import uvicorn  # noqa: E402
 
 from exactspec import GREEDY, GenerationConfig, SpeculativeDecoder  # noqa: E402
+from exactspec.decoding.seeds import sample_seed  # noqa: E402
 from exactspec.jobs.records import model_identity, run_record  # noqa: E402
 from exactspec.loading import default_pair_dirs, load_pair  # noqa: E402
 from exactspec.serving.api import ServerSettings, create_app  # noqa: E402
@@ -225,7 +226,11 @@ def test_token_ids_and_the_run_record_on_request(server, pair):
     assert choices[0]["prompt_token_ids"] == pair.tokenizer.encode_prompt(PROMPT)
     assert [pair.tokenizer.decode(c["token_ids"]) for c in choices] == [c["text"] for c in choices]
     assert [c["token_ids"] for c in record["figures"]["choices"]] == [c["token_ids"] for c in choices]
-    assert record["seed"] == [5, 6] and record["sampling"] == [["top_k", 30]] and record["speculation"] == "draft"
+    assert (
+        record["seed"] == [5, sample_seed(5, 1)]
+        and record["sampling"] == [["top_k", 30]]
+        and record["speculation"] == "draft"
+    )
     assert record["target"] == model_identity(default_pair_dirs()[0]) and record["kind"] == "served request"
     assert record["verify"] == "block" and record["draw_order_version"] == 2
     body.update(verify="token", n=1)

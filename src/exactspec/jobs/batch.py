@@ -2,8 +2,9 @@
 
 :func:`generate_batch` is the library entry point (an iterable of request dicts in, an iterator of result dicts
 out); :func:`run_job` is ``exactspec generate-batch``: JSONL in, JSONL out, resumable. Every request carries a
-seed (its own, or the job's seed plus its line number), and a seeded sequence draws with the fixed gamma on its
-own generator, so its tokens depend neither on which other requests share its batch nor on which worker runs it.
+seed (its own, or the job's seed's sample number ``line``: :mod:`exactspec.decoding.seeds`), and a seeded sequence
+draws with the fixed gamma on its own generator, so its tokens depend neither on which other requests share its
+batch nor on which worker runs it.
 Its law is the target's in every precision mode; token for token, results are reproducible across batch
 compositions in the call-size invariant mode (``--invariant``), where a row's logits do not depend on the call.
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from exactspec.decoding.block import check_rule
 from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.decoding.sampling import SamplingParams
+from exactspec.decoding.seeds import sample_seed
 from exactspec.loading import LoadedPair
 
 __all__ = ["BatchJobConfig", "build_batch_engine", "generate_batch", "parse_request", "run_job", "completed_lines"]
@@ -61,7 +63,7 @@ SAMPLING_FIELDS = (
 class BatchJobConfig:
     max_tokens: int = 128  # per request unless it says otherwise
     max_tokens_limit: int = 4096
-    seed: int = 0  # a request without a seed uses seed + its line number
+    seed: int = 0  # a request without a seed draws from sample_seed(seed, its line number)
     gamma: int = 4
     slots: int = 16  # sequences decoded together
     max_len: int = 2048  # prompt + completion positions per sequence
@@ -101,7 +103,7 @@ def parse_request(obj: object, line: int, tokenizer, config: BatchJobConfig) -> 
                 f"prompt ({len(prompt)} tokens) + max_tokens {max_tokens} "
                 f"exceeds the {config.max_len} positions per sequence"
             )
-        seed = obj.get("seed", config.seed + line)
+        seed = obj.get("seed", sample_seed(config.seed, line))  # the job's seed, sample number `line`
         if not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ValueError("seed must be an integer in [0, 2^63)")
         verify = check_rule(obj.get("verify", config.verify))

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from exactspec.decoding.engine import BatchEngine, SequenceHandle, SequenceRequest, TokenEvent
 from exactspec.decoding.sampling import SamplingParams
+from exactspec.decoding.seeds import sample_seed
 from exactspec.serving.protocol import ChatRequest, CompletionRequest
 from exactspec.tokenizer import TextTokenizer
 
@@ -296,7 +297,7 @@ class ServingApp:
                 params,
                 max_tokens,
                 stops,
-                None if body.seed is None else body.seed + i,
+                None if body.seed is None else sample_seed(body.seed, i),
                 body.speculation,
                 body.top_logprobs_count(),
                 verify=body.verify,
