@@ -242,7 +242,7 @@ class LeanModel(OneSlot):
             invariant,
         )
         self.decoder, self.cfg, self.dtype, self.device = decoder, decoder.cfg, self.runtime.dtype, self.runtime.device
-        self.max_len, self.invariant = self.runtime.max_len, invariant
+        self.invariant = invariant
 
     @classmethod
     def from_pretrained(
@@ -294,10 +294,6 @@ class LeanModel(OneSlot):
         return cls(decoder, max_len=max_len, device=device, dtype=dtype, invariant=invariant, vocab_size=vocab_size)
 
     # -- protocol ---------------------------------------------------------------------------
-    @property
-    def vocab_size(self) -> int:
-        return self.runtime.vocab_size
-
     def copy_prefix(self, source: LeanModel, length: int) -> None:
         """Hold the first ``length`` cached positions of ``source`` (a model over the same decoder), copied: a prompt
         that several sequences share is prefilled once."""

@@ -423,14 +423,6 @@ class LlamaCppModel(OneSlot):
         return cls(LlamaCppRuntime(path, 1, max_len, threads, device, vocab_size))
 
     @property
-    def vocab_size(self) -> int:
-        return self.runtime.vocab_size
-
-    @property
-    def max_len(self) -> int:
-        return self.runtime.max_len
-
-    @property
     def threads(self) -> int:
         return self.runtime.threads
 

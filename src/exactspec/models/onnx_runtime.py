@@ -320,14 +320,6 @@ class OnnxModel(OneSlot):
         return cls(OnnxRuntime.from_checkpoint(path, slots=1, **options), Path(path))
 
     @property
-    def vocab_size(self) -> int:
-        return self.runtime.vocab_size
-
-    @property
-    def max_len(self) -> int:
-        return self.runtime.max_len
-
-    @property
     def threads(self) -> int:
         return self.runtime.settings.threads
 

@@ -96,6 +96,14 @@ class OneSlot:
     runtime: Runtime
 
     @property
+    def vocab_size(self) -> int:
+        return self.runtime.vocab_size
+
+    @property
+    def max_len(self) -> int:
+        return self.runtime.max_len
+
+    @property
     def length(self) -> int:
         return self.runtime.lengths[0]
 
