@@ -29,10 +29,10 @@ VOCAB, PROMPT, NEW_TOKENS, GAMMA = 4, [1, 2], 5, 3
 SUBSET = [0, 1, 3]  # token 2 is never drafted
 
 
-def tiny_target(seed: int = 3) -> LlamaDecoder:
+def tiny_target(seed: int = 3, hidden_size: int = 16) -> LlamaDecoder:
     cfg = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=16,
+        hidden_size=hidden_size,
         intermediate_size=32,
         num_hidden_layers=3,
         num_attention_heads=2,

@@ -249,24 +249,9 @@ def test_smollm2_q4_1_file_matches_lean_dense_float32_logits(tmp_path):
 
 def tiny_decoder():
     """tests/test_feature_draft.py's 4-token target with 16-wide heads (GroupQueryAttention takes multiples of 16)."""
-    from test_feature_draft import VOCAB
+    from test_feature_draft import tiny_target
 
-    from exactspec.models.llama import LlamaDecoder
-    from exactspec.models.llama_config import LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-    )
-    decoder = LlamaDecoder(cfg)
-    decoder.init_weights(torch.Generator().manual_seed(3), std=0.6)
-    return decoder.eval()
+    return tiny_target(hidden_size=32)
 
 
 def tiny_onnx(slots: int) -> OnnxRuntime:
