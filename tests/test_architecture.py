@@ -29,9 +29,9 @@ def private_imports(modules) -> list[str]:
     found = []
     for name, tree in modules:
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("exactspec"):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("exactspec")):
                 found += [
-                    f"{name}:{node.lineno} imports {alias.name} from {node.module}"
+                    f"{name}:{node.lineno} imports {alias.name} from {'.' * node.level}{node.module or ''}"
                     for alias in node.names
                     if _private(alias.name)
                 ]
@@ -135,6 +135,8 @@ def test_the_checks_catch_a_reach_in():
         "        return foreign._k\n"  # not allowed
     )
     assert private_imports([("x.py", broken)]) == ["x.py:1 imports _hidden from exactspec.loading"]
+    relative = ast.parse("from .gguf import GGUFFile, _fields\n")  # a package-relative import counts too
+    assert private_imports([("models/x.py", relative)]) == ["models/x.py:1 imports _fields from .gguf"]
     assert private_attribute_reads([("x.py", broken)]) == ["x.py:5 reads foreign._k"]
     climbing = ast.parse(
         "from exactspec.decoding.sampling import block_probs\nfrom exactspec.serving.api import build_app\n"

@@ -165,7 +165,7 @@ class GGUFFile:
         if info.type_name not in ("Q4_0", "Q4_1"):
             raise ValueError(f"{self.path}: tensor {name} is {info.type_name}, not a 4-bit block format")
         raw = torch.from_numpy(np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset))
-        q, d, m = _q4_fields(raw, info.type_name)
+        q, d, m = q4_fields(raw, info.type_name)
         rows, cols = info.shape
         return q.reshape(rows, cols), d.reshape(rows, cols // 32), m.reshape(rows, cols // 32)
 
@@ -195,11 +195,11 @@ def dequantize(raw: torch.Tensor, type_id: int, shape: tuple[int, ...]) -> torch
         d = blocks[:, :2].contiguous().view(torch.float16).float()  # (n_blocks, 1)
         q = blocks[:, 2:].contiguous().view(torch.int8).float()  # (n_blocks, 32)
         return (d * q).reshape(shape)
-    q, d, m = _q4_fields(raw, name)
+    q, d, m = q4_fields(raw, name)
     return (d * q + m).reshape(shape)  # exact in float32: Q4_0's d * q - 8 d equals d * (q - 8)
 
 
-def _q4_fields(raw: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def q4_fields(raw: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``raw`` bytes of Q4_0/Q4_1 blocks -> q (n_blocks, 32) uint8 in 0..15, d and m (n_blocks, 1) float32."""
     blocks = raw.reshape(-1, 20 if name == "Q4_1" else 18)  # (n_blocks, block_bytes): d [m] and 16 nibble bytes
     d = blocks[:, :2].contiguous().view(torch.float16).float()

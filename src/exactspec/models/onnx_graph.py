@@ -33,7 +33,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from .gguf import GGUFFile, _q4_fields, unpermute_rotary
+from .gguf import GGUFFile, q4_fields, unpermute_rotary
 from .llama_config import LlamaConfig
 
 __all__ = [
@@ -189,7 +189,7 @@ def requantize_symmetric(w: np.ndarray) -> Projection:  # w (N, K) float32
 def q4_blocks(raw: torch.Tensor, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The bytes of a ``(rows, cols)`` Q4_0/Q4_1 tensor as stored -> q ``(rows, cols)``, d and m ``(rows, cols/32)``
     (what :meth:`GGUFFile.q4_blocks` reads from a file)."""
-    q, d, m = _q4_fields(raw, kind)
+    q, d, m = q4_fields(raw, kind)
     return q.reshape(rows, cols), d.reshape(rows, cols // BLOCK), m.reshape(rows, cols // BLOCK)
 
 
