@@ -138,10 +138,10 @@ def engine_outcomes(
     for i in range(n):
         engine.submit(
             SequenceRequest(
-                tuple(prompt),
-                params,
-                new_tokens,
-                stops,
+                prompt=tuple(prompt),
+                params=params,
+                max_new_tokens=new_tokens,
+                stop_token_ids=stops,
                 seed=offset + i,
                 speculation=speculation,
                 gamma=gamma,

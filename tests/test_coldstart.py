@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactspec import GenerationConfig, SpeculativeDecoder
+from exactspec import SpeculativeDecoder
 from exactspec.decoding.policy import AdaptiveGamma
 from exactspec.decoding.sampling import GREEDY
 from exactspec.loading import default_pair_dirs, load_pair
@@ -25,8 +25,10 @@ def test_the_policy_starts_from_calibrated_costs_and_the_shipped_prior_then_the_
     prompt = pair.tokenizer.encode_prompt("def parse_args(argv):\n")
     cache = PolicyCache(tmp_path)
     decoder = SpeculativeDecoder(pair.target, pair.proposer(), GREEDY)
+    default_policy = decoder.policy
     started = cold_start(decoder, prompt, GREEDY, target_dir, draft_dir, cache)
     assert isinstance(started, ColdStart) and isinstance(decoder.policy, AdaptiveGamma)
+    assert decoder.policy is not default_policy
     priors = decoder.policy.priors
     assert (
         sorted(priors.target_ms) == list(range(1, 10)) and priors.draft_step_ms[1] > 0
@@ -36,7 +38,7 @@ def test_the_policy_starts_from_calibrated_costs_and_the_shipped_prior_then_the_
         started.record["prior_source"] == "shipped" and started.record["calibration"]["target_ms"] == priors.target_ms
     )
 
-    generation = decoder.generate(prompt, GenerationConfig(max_new_tokens=96))
+    generation = decoder.generate(prompt, max_new_tokens=96, gamma="auto")
     started.remember(generation.stats)  # the next run of the pair starts from this one
     again = SpeculativeDecoder(pair.target, pair.proposer(), GREEDY)
     assert cold_start(again, prompt, GREEDY, target_dir, draft_dir, cache).record["prior_source"] == "cache"
@@ -54,7 +56,7 @@ def test_a_draft_combined_with_lookup_gets_estimates_per_source_and_is_not_cache
     assert (
         decoder.policy.sources["lookup"].step_ms(1) == 0.0 < decoder.policy.sources["draft"].step_ms(1)
     )  # lookup: next to nothing
-    started.remember(decoder.generate(prompt, GenerationConfig(max_new_tokens=16)).stats)
+    started.remember(decoder.generate(prompt, max_new_tokens=16, gamma="auto").stats)
     assert list(cache.entries()) == []  # its rounds mix two sources' acceptance
 
 

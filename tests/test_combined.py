@@ -15,7 +15,7 @@ from conftest import engine_counts
 from test_exactness import ALPHA, SIZES, g_test_p_value
 from test_feature_draft import GAMMA, NEW_TOKENS, PROMPT, SLOTS, VOCAB, exact_law, tiny_draft, tiny_target
 
-from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
+from exactspec import SamplingParams, SpeculativeDecoder
 from exactspec.decoding.engine import BatchEngine, EngineConfig
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma
 from exactspec.models.feature_runtime import FeatureDraftRuntime
@@ -83,7 +83,7 @@ def test_engine_asks_and_teaches_the_policy_per_source():
         SamplingParams(temperature=0.0),
         policy=policy,
     )
-    decoder.generate([1, 2, 1, 2, 1], GenerationConfig(max_new_tokens=12))
+    decoder.generate([1, 2, 1, 2, 1], max_new_tokens=12, gamma="auto")
     assert seen["lookup"] >= 1 and seen["draft"] >= 1
     assert recorder.calls >= 1 and seen["draft_calls_under_lookup"] == 0
 

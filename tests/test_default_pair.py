@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactspec import GREEDY, GenerationConfig, SamplingParams, SpeculativeDecoder
+from exactspec import GREEDY, SamplingParams, SpeculativeDecoder
 from exactspec.bench.workloads import workload_prompts
 from exactspec.loading import default_pair_dirs, load_pair
 
@@ -31,11 +31,11 @@ def test_the_pair_ships_with_the_package_and_shares_a_vocabulary(pair):
 
 
 def test_speculative_greedy_equals_plain_greedy_on_held_out_code(pair, prompts):
-    config = GenerationConfig(max_new_tokens=48, gamma=5)
+    config = dict(max_new_tokens=48, gamma=5)
     accepted = 0
     for prompt in prompts:
-        plain = SpeculativeDecoder(pair.target, None, GREEDY).generate(prompt, config)
-        speculative = SpeculativeDecoder(pair.target, pair.draft, GREEDY).generate(prompt, config)
+        plain = SpeculativeDecoder(pair.target, None, GREEDY).generate(prompt, **config)
+        speculative = SpeculativeDecoder(pair.target, pair.draft, GREEDY).generate(prompt, **config)
         assert speculative.tokens == plain.tokens
         accepted += speculative.stats.accepted
     assert accepted > 0
@@ -43,11 +43,7 @@ def test_speculative_greedy_equals_plain_greedy_on_held_out_code(pair, prompts):
 
 def test_the_trained_draft_is_a_useful_draft(pair, prompts):
     """Acceptance far above what an unrelated model would get (a property of the shipped weights)."""
-    stats = (
-        SpeculativeDecoder(pair.target, pair.draft, GREEDY)
-        .generate(prompts[0], GenerationConfig(max_new_tokens=64, gamma=4))
-        .stats
-    )
+    stats = SpeculativeDecoder(pair.target, pair.draft, GREEDY).generate(prompts[0], max_new_tokens=64, gamma=4).stats
     assert stats.acceptance_rate > 0.4
 
 
@@ -56,9 +52,9 @@ def test_lean_and_hf_backends_agree(pair, prompts):
     hf = load_pair(default_pair_dirs()[0], None, backend="hf", dtype=torch.float32).target
     prompt = prompts[1][-64:]
     assert torch.allclose(pair.target.prefill(prompt), hf.prefill(prompt), atol=2e-3)
-    config = GenerationConfig(max_new_tokens=24, gamma=3)
-    lean_tokens = SpeculativeDecoder(pair.target, pair.draft, GREEDY).generate(prompt, config).tokens
-    hf_tokens = SpeculativeDecoder(hf, pair.draft, GREEDY).generate(prompt, config).tokens
+    config = dict(max_new_tokens=24, gamma=3)
+    lean_tokens = SpeculativeDecoder(pair.target, pair.draft, GREEDY).generate(prompt, **config).tokens
+    hf_tokens = SpeculativeDecoder(hf, pair.draft, GREEDY).generate(prompt, **config).tokens
     assert lean_tokens == hf_tokens
 
 
@@ -75,7 +71,5 @@ def test_static_cache_rollback_equals_fresh_prefill(pair, prompts):
 
 def test_a_seeded_stochastic_run_is_reproducible(pair, prompts):
     decoder = SpeculativeDecoder(pair.target, pair.draft, SamplingParams(temperature=0.8, top_p=0.95))
-    runs = [
-        decoder.generate(prompts[0], GenerationConfig(max_new_tokens=32, gamma=4, seed=s)).tokens for s in (1, 1, 2)
-    ]
+    runs = [decoder.generate(prompts[0], max_new_tokens=32, gamma=4, seed=s).tokens for s in (1, 1, 2)]
     assert runs[0] == runs[1] != runs[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactspec import GREEDY, GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
+from exactspec import GREEDY, MarkovLM, SamplingParams, SpeculativeDecoder
 from exactspec.decoding.sampling import block_probs
 from exactspec.proposers import Draft, DraftRequest
 from exactspec.proposers.base import processed_q
@@ -47,9 +47,9 @@ def test_speculative_greedy_equals_plain_greedy(gamma, params):
     target, draft = pair()
     accepted = 0
     for prompt in ([0], [1, 2, 3], [5, 5, 4, 1]):
-        config = GenerationConfig(max_new_tokens=40, gamma=gamma)
-        plain = SpeculativeDecoder(target, None, params).generate(prompt, config)
-        speculative = SpeculativeDecoder(target, draft, params).generate(prompt, config)
+        config = dict(max_new_tokens=40, gamma=gamma)
+        plain = SpeculativeDecoder(target, None, params).generate(prompt, **config)
+        speculative = SpeculativeDecoder(target, draft, params).generate(prompt, **config)
         assert speculative.tokens == plain.tokens
         accepted += speculative.stats.accepted
     assert accepted > 0  # the comparison exercised accepted blocks, not only rejections
@@ -60,7 +60,7 @@ def test_target_cache_holds_exactly_the_committed_history_minus_the_newest_token
     decoder = SpeculativeDecoder(target, draft, SamplingParams())
     prompt = [1, 2]
     emitted: list[int] = []
-    for token in decoder.stream(prompt, GenerationConfig(max_new_tokens=30, gamma=3, seed=4)):
+    for token in decoder.stream(prompt, max_new_tokens=30, gamma=3, seed=4):
         emitted.append(token)
     assert target._tokens == prompt + emitted[:-1]
 
@@ -68,9 +68,7 @@ def test_target_cache_holds_exactly_the_committed_history_minus_the_newest_token
 def test_each_round_is_one_target_call_of_gamma_plus_one_tokens():
     base, draft = pair()
     target = RecordingModel(base)
-    result = SpeculativeDecoder(target, draft, SamplingParams()).generate(
-        [1], GenerationConfig(max_new_tokens=50, gamma=4, seed=1)
-    )
+    result = SpeculativeDecoder(target, draft, SamplingParams()).generate([1], max_new_tokens=50, gamma=4, seed=1)
     rounds = result.stats.rounds[1:]  # the first token comes from the prefill
     assert target.calls == [r.drafted + 1 for r in rounds]
     assert sum(r.committed for r in result.stats.rounds) == len(result.tokens)
@@ -83,9 +81,7 @@ def test_rejected_tokens_never_stay_in_the_caches():
     base_target, base_draft = pair(noise=2.0)
     target, draft = RecordingModel(base_target), RecordingModel(base_draft)
     prompt = [3]
-    result = SpeculativeDecoder(target, draft, SamplingParams()).generate(
-        prompt, GenerationConfig(max_new_tokens=60, gamma=3, seed=2)
-    )
+    result = SpeculativeDecoder(target, draft, SamplingParams()).generate(prompt, max_new_tokens=60, gamma=3, seed=2)
     history = prompt + result.tokens
     assert 0 < result.stats.acceptance_rate < 1
     rejected = sum(r.accepted < r.drafted for r in result.stats.rounds)
@@ -97,10 +93,8 @@ def test_rejected_tokens_never_stay_in_the_caches():
 def test_max_new_tokens_is_exact_and_drafting_stops_at_the_budget():
     target, draft = pair()
     for budget in (1, 2, 5, 13):
-        result = SpeculativeDecoder(target, draft, SamplingParams()).generate(
-            [0], GenerationConfig(max_new_tokens=budget, gamma=6)
-        )
-        assert len(result.tokens) == budget and result.stop_reason == "max_new_tokens"
+        result = SpeculativeDecoder(target, draft, SamplingParams()).generate([0], max_new_tokens=budget, gamma=6)
+        assert len(result.tokens) == budget and result.finish_reason == "length"
         assert all(r.drafted <= budget for r in result.stats.rounds)
 
 
@@ -111,34 +105,30 @@ def test_tokens_after_a_stop_token_inside_an_accepted_block_are_dropped():
     )
     draft = MarkovLM(target.table.clone(), 1)  # perfect draft: whole blocks accepted
     result = SpeculativeDecoder(target, draft, GREEDY).generate(
-        [0], GenerationConfig(max_new_tokens=20, gamma=5, stop_token_ids=frozenset({3}))
+        [0], max_new_tokens=20, gamma=5, stop_token_ids=frozenset({3})
     )
     assert result.tokens == [1, 2, 3]
-    assert result.stop_reason == "stop_token"
+    assert result.finish_reason == "stop"
     assert result.stats.rounds[-1].accepted == 5  # the stop came inside a fully accepted block
 
 
 def test_streaming_yields_the_same_tokens_as_generate():
     target, draft = pair()
     decoder = SpeculativeDecoder(target, draft, SamplingParams(temperature=0.9))
-    config = GenerationConfig(max_new_tokens=25, gamma=3, seed=7)
-    assert list(decoder.stream([2], config)) == decoder.generate([2], config).tokens
+    config = dict(max_new_tokens=25, gamma=3, seed=7)
+    assert list(decoder.stream([2], **config)) == decoder.generate([2], **config).tokens
 
 
 def test_same_seed_same_output_different_seed_different_output():
     target, draft = pair()
     decoder = SpeculativeDecoder(target, draft, SamplingParams())
-    runs = [decoder.generate([1, 2], GenerationConfig(max_new_tokens=30, gamma=3, seed=s)).tokens for s in (5, 5, 6)]
+    runs = [decoder.generate([1, 2], max_new_tokens=30, gamma=3, seed=s).tokens for s in (5, 5, 6)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
 def test_statistics_are_consistent():
     target, draft = pair()
-    stats = (
-        SpeculativeDecoder(target, draft, SamplingParams())
-        .generate([0], GenerationConfig(max_new_tokens=80, gamma=4, seed=3))
-        .stats
-    )
+    stats = SpeculativeDecoder(target, draft, SamplingParams()).generate([0], max_new_tokens=80, gamma=4, seed=3).stats
     summary = stats.summary()
     assert summary["tokens"] == 80
     assert summary["accepted"] == sum(r.accepted for r in stats.rounds) and 0 < stats.acceptance_rate < 1
@@ -176,9 +166,7 @@ def test_deterministic_proposals_are_verified_with_the_point_mass_rule(monkeypat
     )
     monkeypatch.setattr(engine_module, "verify_stochastic", None)  # must not be reached
     target, _ = pair()
-    SpeculativeDecoder(target, FixedProposer([1, 2, 3]), SamplingParams()).generate(
-        [0], GenerationConfig(max_new_tokens=10, gamma=3)
-    )
+    SpeculativeDecoder(target, FixedProposer([1, 2, 3]), SamplingParams()).generate([0], max_new_tokens=10, gamma=3)
     assert max(drafted_sizes) == 3  # rounds with drafts, not only the prefill's sample
 
 
@@ -190,9 +178,9 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         decoder.generate([99])
     with pytest.raises(ValueError, match="max_new_tokens"):
-        GenerationConfig(max_new_tokens=0)
+        decoder.generate([0], max_new_tokens=0)
     with pytest.raises(ValueError, match="gamma"):
-        GenerationConfig(gamma=-1)
+        decoder.generate([0], gamma=-1)
     with pytest.raises(ValueError, match="vocabulary size"):
         SpeculativeDecoder(target, MarkovLM.random(5, 1))
 
@@ -217,15 +205,15 @@ def test_generation_never_touches_the_global_random_generator():
     target, draft = pair()
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    SpeculativeDecoder(target, draft, SamplingParams()).generate([1], GenerationConfig(max_new_tokens=30, gamma=3))
+    SpeculativeDecoder(target, draft, SamplingParams()).generate([1], max_new_tokens=30, gamma=3)
     assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_two_decoders_with_their_own_models_interleave_like_separate_runs():
-    config = GenerationConfig(max_new_tokens=25, gamma=3, seed=9)
-    alone = SpeculativeDecoder(*pair(), SamplingParams()).generate([1], config).tokens
+    config = dict(max_new_tokens=25, gamma=3, seed=9)
+    alone = SpeculativeDecoder(*pair(), SamplingParams()).generate([1], **config).tokens
     first, second = SpeculativeDecoder(*pair(), SamplingParams()), SpeculativeDecoder(*pair(), SamplingParams())
-    together = [(a, b) for a, b in zip(first.stream([1], config), second.stream([1], config))]
+    together = [(a, b) for a, b in zip(first.stream([1], **config), second.stream([1], **config))]
     assert [a for a, _ in together] == alone == [b for _, b in together]
 
 
@@ -233,20 +221,20 @@ def test_sharing_a_cache_is_refused_instead_of_corrupting_the_law():
     target, draft = pair()
     with pytest.raises(ValueError, match="different object"):
         SpeculativeDecoder(target, target)
-    config = GenerationConfig(max_new_tokens=20, gamma=3)
+    config = dict(max_new_tokens=20, gamma=3)
     first, second = (
         SpeculativeDecoder(target, draft, SamplingParams()),
         SpeculativeDecoder(target, MarkovLM(draft.table, draft.order), SamplingParams()),
     )
     with pytest.raises(RuntimeError, match="changed outside this engine"):
-        for _ in zip(first.stream([1], config), second.stream([2], config)):
+        for _ in zip(first.stream([1], **config), second.stream([2], **config)):
             pass
 
 
 def test_two_streams_of_one_decoder_queue_for_its_slot_and_each_keeps_its_own_law():
     """A decoder is one slot: a second stream waits for the first (stepping it on), it never mixes the caches."""
     decoder = SpeculativeDecoder(*pair(), SamplingParams())
-    config = GenerationConfig(max_new_tokens=20, gamma=3, seed=4)
-    alone = [decoder.generate(prompt, config).tokens for prompt in ([1], [2])]
-    together = list(zip(decoder.stream([1], config), decoder.stream([2], config)))
+    config = dict(max_new_tokens=20, gamma=3, seed=4)
+    alone = [decoder.generate(prompt, **config).tokens for prompt in ([1], [2])]
+    together = list(zip(decoder.stream([1], **config), decoder.stream([2], **config)))
     assert [a for a, _ in together] == alone[0] and [b for _, b in together] == alone[1]

@@ -38,7 +38,7 @@ from conftest import SyntheticClock, engine_outcomes
 from scipy import stats
 
 import exactspec.decoding.engine as engine_module
-from exactspec import GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
+from exactspec import MarkovLM, SamplingParams, SpeculativeDecoder
 from exactspec.decoding.engine import BatchEngine, EngineConfig
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
 from exactspec.decoding.sampling import block_probs
@@ -234,10 +234,7 @@ def test_a_seeded_generation_is_the_same_alone_and_in_the_batch(name):
     params = CONFIGS[name]
     decoder = SpeculativeDecoder(target, draft, params)
     seeds = range(SLOTS + 8)  # past one batch: the last seeds join slots that earlier sequences left
-    solo = [
-        tuple(decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=s)).tokens)
-        for s in seeds
-    ]
+    solo = [tuple(decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=s).tokens) for s in seeds]
     assert sample_outcomes(target, draft, params, len(seeds)) == solo
 
 

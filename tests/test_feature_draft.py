@@ -15,7 +15,7 @@ from conftest import engine_counts, sequence_law
 from test_exactness import ALPHA, SIZES, g_test_p_value, replacement_from_target
 
 import exactspec.decoding.engine as engine_module
-from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder
+from exactspec import SamplingParams, SpeculativeDecoder
 from exactspec.decoding.engine import BatchEngine, EngineConfig
 from exactspec.decoding.sampling import block_probs
 from exactspec.models.eagle import FeatureDraft, FeatureDraftConfig, ttt_mask
@@ -147,9 +147,9 @@ def test_greedy_equals_plain_greedy_and_drafts_come_from_the_subset():
     drafted = []
     propose = proposer.propose
     proposer.propose = lambda *a: drafted.extend(propose(*a)) or drafted[-len(a[0]) :]
-    config = GenerationConfig(max_new_tokens=20, gamma=3, seed=0)
-    speculative = SpeculativeDecoder(LeanModel(target), proposer, params).generate(PROMPT, config)
-    plain = SpeculativeDecoder(LeanModel(tiny_target()), None, params).generate(PROMPT, config)
+    config = dict(max_new_tokens=20, gamma=3, seed=0)
+    speculative = SpeculativeDecoder(LeanModel(target), proposer, params).generate(PROMPT, **config)
+    plain = SpeculativeDecoder(LeanModel(tiny_target()), None, params).generate(PROMPT, **config)
     assert speculative.tokens == plain.tokens
     assert speculative.stats.summary()["accepted"] > 0
     assert drafted and all(t in SUBSET for d in drafted for t in d.tokens)

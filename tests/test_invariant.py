@@ -103,7 +103,7 @@ def test_smollm2_greedy_speculative_equals_greedy_plain_in_bfloat16():
     """The promise the mode exists for: in bfloat16, prompt-lookup speculation (gamma 8) gives plain decoding's
     greedy tokens exactly."""
     from exactspec.chat import chat_messages
-    from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
+    from exactspec.decoding.decoder import SpeculativeDecoder
     from exactspec.decoding.sampling import SamplingParams
     from exactspec.proposers import PromptLookupProposer
     from exactspec.tokenizer import TextTokenizer
@@ -116,8 +116,8 @@ def test_smollm2_greedy_speculative_equals_greedy_plain_in_bfloat16():
         "Write a Python function that adds two numbers.",
     ):
         prompt = tokenizer.encode_chat(chat_messages(question))
-        config = GenerationConfig(max_new_tokens=48, gamma=8)
-        plain = SpeculativeDecoder(model, None, greedy).generate(prompt, config).tokens
-        speculative = SpeculativeDecoder(model, PromptLookupProposer(), greedy).generate(prompt, config)
+        config = dict(max_new_tokens=48, gamma=8)
+        plain = SpeculativeDecoder(model, None, greedy).generate(prompt, **config).tokens
+        speculative = SpeculativeDecoder(model, PromptLookupProposer(), greedy).generate(prompt, **config)
         assert speculative.tokens == plain
         assert speculative.stats.summary()["drafted"] > 0  # blocks of several tokens were really verified

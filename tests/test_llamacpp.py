@@ -40,7 +40,7 @@ from test_exactness import ALPHA, SIZES, g_test_p_value, replacement_from_target
 from test_gguf import VOCAB, llama_metadata, random_hf_weights, write_llama_gguf  # noqa: E402
 
 import exactspec.decoding.engine as engine_module  # noqa: E402
-from exactspec import GenerationConfig, SamplingParams, SpeculativeDecoder  # noqa: E402
+from exactspec import SamplingParams, SpeculativeDecoder  # noqa: E402
 from exactspec.decoding.engine import SequenceRequest  # noqa: E402
 from exactspec.decoding.sampling import GREEDY, block_probs  # noqa: E402
 from exactspec.loading import LoadedPair  # noqa: E402
@@ -282,23 +282,27 @@ def feature_draft_pair(files, tmp_path_factory):
 
 def test_a_feature_draft_on_llama_cpp_keeps_greedy_and_the_seeded_draws(feature_draft_pair):
     pair = feature_draft_pair
-    config = GenerationConfig(max_new_tokens=24, gamma=GAMMA)
+    config = dict(max_new_tokens=24, gamma=GAMMA)
     for prompt in ([1, 7, 9], [1, 40, 41, 42]):
-        plain = SpeculativeDecoder(pair.target, None, GREEDY).generate(prompt, config).tokens
-        speculative = SpeculativeDecoder(pair.target, pair.proposer(), GREEDY).generate(prompt, config)
+        plain = SpeculativeDecoder(pair.target, None, GREEDY).generate(prompt, **config).tokens
+        speculative = SpeculativeDecoder(pair.target, pair.proposer(), GREEDY).generate(prompt, **config)
         assert speculative.tokens == plain and speculative.stats.drafted > 0
-    mine = SequenceRequest(tuple(PROMPT), SamplingParams(), 20, seed=77, speculation="draft", gamma=GAMMA)
-    other = SequenceRequest((1, 50, 60), SamplingParams(top_p=0.9), 16, seed=1, speculation="draft", gamma=2)
+    mine = SequenceRequest(
+        prompt=tuple(PROMPT), params=SamplingParams(), max_new_tokens=20, seed=77, speculation="draft", gamma=GAMMA
+    )
+    other = SequenceRequest(
+        prompt=(1, 50, 60), params=SamplingParams(top_p=0.9), max_new_tokens=16, seed=1, speculation="draft", gamma=2
+    )
     alone = _run(build_engine(pair, slots=2, max_len=64, calibrated=False), [mine])[0]
     crowded = _run(build_engine(pair, slots=2, max_len=64, calibrated=False), [other, mine])[1]
     assert alone == crowded
 
 
 def test_greedy_speculative_equals_plain_greedy(target, draft):
-    config = GenerationConfig(max_new_tokens=24, gamma=GAMMA)
+    config = dict(max_new_tokens=24, gamma=GAMMA)
     for prompt in ([1, 7, 9], [1, 40, 41, 42], [1, 100]):
-        plain = SpeculativeDecoder(target, None, GREEDY).generate(prompt, config).tokens
-        speculative = SpeculativeDecoder(target, draft, GREEDY).generate(prompt, config)
+        plain = SpeculativeDecoder(target, None, GREEDY).generate(prompt, **config).tokens
+        speculative = SpeculativeDecoder(target, draft, GREEDY).generate(prompt, **config)
         assert speculative.tokens == plain and speculative.stats.acceptance_rate > 0
 
 
@@ -315,16 +319,23 @@ def _run(engine, requests):
 
 def test_a_seeded_request_draws_the_same_tokens_alone_and_among_others(target, draft):
     pair = LoadedPair(target, draft, tokenizer=None)  # build_engine reads no text
-    mine = SequenceRequest(tuple(PROMPT), SamplingParams(), 20, seed=77, speculation="draft", gamma=GAMMA)
+    mine = SequenceRequest(
+        prompt=tuple(PROMPT), params=SamplingParams(), max_new_tokens=20, seed=77, speculation="draft", gamma=GAMMA
+    )
     others = [
-        SequenceRequest((1, 50 + i, 60 + i), SamplingParams(top_p=0.9), 16 + i, seed=i, speculation="draft", gamma=2)
+        SequenceRequest(
+            prompt=(1, 50 + i, 60 + i),
+            params=SamplingParams(top_p=0.9),
+            max_new_tokens=16 + i,
+            seed=i,
+            speculation="draft",
+            gamma=2,
+        )
         for i in range(3)
     ]
     alone = _run(build_engine(pair, slots=4, max_len=64, calibrated=False), [mine])[0]
     crowded = _run(build_engine(pair, slots=4, max_len=64, calibrated=False), others[:2] + [mine] + others[2:])[2]
-    solo = SpeculativeDecoder(target, draft, SamplingParams()).generate(
-        PROMPT, GenerationConfig(max_new_tokens=20, gamma=GAMMA, seed=77)
-    )
+    solo = SpeculativeDecoder(target, draft, SamplingParams()).generate(PROMPT, max_new_tokens=20, gamma=GAMMA, seed=77)
     assert alone == crowded == solo.tokens
 
 
@@ -342,9 +353,7 @@ def sample_counts(
     counts: dict[tuple[int, ...], int] = {}
     accepted = drafted = 0
     for seed in range(n):
-        generation = decoder.generate(
-            PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=seed, verify=verify)
-        )
+        generation = decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, gamma=GAMMA, seed=seed, verify=verify)
         counts[tuple(generation.tokens)] = counts.get(tuple(generation.tokens), 0) + 1
         accepted, drafted = accepted + generation.stats.accepted, drafted + generation.stats.drafted
     return counts, accepted / drafted

@@ -316,7 +316,9 @@ def test_a_seeded_sequence_draws_the_same_tokens_alone_and_in_a_batch_on_onnx_ru
     def run(engine: BatchEngine, seeds: list[int]) -> dict[int, list[int]]:
         got: dict[int, list[int]] = {s: [] for s in seeds}
         for seed in seeds:
-            request = SequenceRequest(tuple(PROMPT * 3), SamplingParams(temperature=1.0), 12, seed=seed, gamma=2)
+            request = SequenceRequest(
+                prompt=tuple(PROMPT * 3), params=SamplingParams(temperature=1.0), max_new_tokens=12, seed=seed, gamma=2
+            )
             engine.submit(request, lambda events, s=seed: got[s].extend(e.token for e in events), lambda h: None)
         while engine.batch_size or engine.queue_depth:
             engine.step()

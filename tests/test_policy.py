@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import SyntheticClock
 
-from exactspec import GREEDY, GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
+from exactspec import GREEDY, MarkovLM, SamplingParams, SpeculativeDecoder
 from exactspec.decoding.costmodel import best_gamma, expected_tokens_per_round
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, CostCurve, PolicyPriors
 from exactspec.decoding.stats import RoundRecord
@@ -61,9 +61,9 @@ def test_a_good_draft_keeps_speculating_and_recovers_after_a_bad_patch():
 def test_adaptive_speculation_keeps_greedy_output_and_the_sampling_law():
     target = MarkovLM.random(6, 2, seed=21)
     draft = MarkovLM(target.table + MarkovLM.random(6, 2, seed=22, scale=0.7).table, 2)
-    config = GenerationConfig(max_new_tokens=60)
-    plain = SpeculativeDecoder(target, None, GREEDY).generate([1, 2], config)
-    adaptive = SpeculativeDecoder(target, draft, GREEDY, policy=AdaptiveGamma()).generate([1, 2], config)
+    config = dict(max_new_tokens=60, gamma="auto")
+    plain = SpeculativeDecoder(target, None, GREEDY).generate([1, 2], **config)
+    adaptive = SpeculativeDecoder(target, draft, GREEDY, policy=AdaptiveGamma()).generate([1, 2], **config)
     assert adaptive.tokens == plain.tokens
     gammas = {r.drafted for r in adaptive.stats.rounds}
     assert len(gammas) > 1
@@ -200,7 +200,7 @@ def test_cold_start_on_a_pair_with_known_acceptance_runs_at_the_optimum_from_the
             )
             clock = SyntheticClock(AdaptiveGamma(priors=priors), draft_ms, target_ms_of)
             SpeculativeDecoder(target, draft, SamplingParams(), policy=clock).generate(
-                [1], GenerationConfig(max_new_tokens=200, seed=seed)
+                [1], max_new_tokens=200, gamma="auto", seed=seed
             )
             chosen += clock.chosen[:5]
             if name == "priors":

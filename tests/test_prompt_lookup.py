@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactspec import GREEDY, GenerationConfig, MarkovLM, SamplingParams, SpeculativeDecoder
+from exactspec import GREEDY, MarkovLM, SamplingParams, SpeculativeDecoder
 from exactspec.proposers import PromptLookupProposer
 from exactspec.proposers.prompt_lookup import find_continuation
 
@@ -35,10 +35,10 @@ def test_repetitive_target_commits_several_tokens_per_call_and_greedy_is_unchang
     table = torch.full((4, 4), -4.0)
     table[torch.arange(4), (torch.arange(4) + 1) % 4] = 4.0
     target = MarkovLM(table, 1)
-    config = GenerationConfig(max_new_tokens=40, gamma=5)
-    lookup = SpeculativeDecoder(target, PromptLookupProposer(), GREEDY).generate([0, 1, 2, 3, 0], config)
-    plain = SpeculativeDecoder(target, None, GREEDY).generate([0, 1, 2, 3, 0], config)
+    config = dict(max_new_tokens=40, gamma=5)
+    lookup = SpeculativeDecoder(target, PromptLookupProposer(), GREEDY).generate([0, 1, 2, 3, 0], **config)
+    plain = SpeculativeDecoder(target, None, GREEDY).generate([0, 1, 2, 3, 0], **config)
     assert lookup.tokens == plain.tokens
     assert lookup.stats.tokens_per_round > 4
-    sampled = SpeculativeDecoder(target, PromptLookupProposer(), SamplingParams()).generate([0, 1, 2, 3, 0], config)
+    sampled = SpeculativeDecoder(target, PromptLookupProposer(), SamplingParams()).generate([0, 1, 2, 3, 0], **config)
     assert sampled.stats.acceptance_rate > 0.8

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 import uvicorn  # noqa: E402
 
-from exactspec import GREEDY, GenerationConfig, SpeculativeDecoder  # noqa: E402
+from exactspec import GREEDY, SpeculativeDecoder  # noqa: E402
 from exactspec.decoding.seeds import sample_seed  # noqa: E402
 from exactspec.jobs.records import model_identity, run_record  # noqa: E402
 from exactspec.loading import default_pair_dirs, load_pair  # noqa: E402
@@ -76,7 +76,7 @@ def client(server):
 
 def plain_greedy(pair, text: str, tokens: int) -> str:
     ids = pair.tokenizer.encode_prompt(text)
-    out = SpeculativeDecoder(pair.target, None, GREEDY).generate(ids, GenerationConfig(max_new_tokens=tokens))
+    out = SpeculativeDecoder(pair.target, None, GREEDY).generate(ids, max_new_tokens=tokens)
     return pair.tokenizer.decode(out.tokens)
 
 

@@ -43,7 +43,7 @@ def test_sequences_checks_every_limit_and_builds_one_request_per_choice(serving)
     bad_bias = refusal(lambda: serving.sequences(completion(logit_bias={"999999": 1}), [1], 16))
     assert bad_bias.status == 400 and "outside the vocabulary" in bad_bias.message
     requests = serving.sequences(completion(n=2, seed=7, max_tokens=5, temperature=0.5), [1, 2], 16)
-    assert [r.seed for r in requests] == [7, sample_seed(7, 1)] and {r.max_tokens for r in requests} == {5}
+    assert [r.seed for r in requests] == [7, sample_seed(7, 1)] and {r.max_new_tokens for r in requests} == {5}
     assert all(r.prompt == (1, 2) and r.params.temperature == 0.5 for r in requests)
 
 

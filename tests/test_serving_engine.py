@@ -18,7 +18,7 @@ import torch
 from test_exactness import ALPHA, SIZES, g_test_p_value
 from test_feature_draft import exact_law, tiny_target
 
-from exactspec import GREEDY, GenerationConfig, SamplingParams, SpeculativeDecoder
+from exactspec import GREEDY, SamplingParams, SpeculativeDecoder
 from exactspec.bench.workloads import workload_prompts
 from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.decoding.sampling import block_probs
@@ -72,12 +72,13 @@ def test_greedy_in_a_mixed_batch_equals_plain_decoding_alone(pair, prompts):
     engine = build_engine(pair, slots=4, max_len=256, calibrated=True)
     modes = ["off", "draft", "lookup", "auto", "draft", "auto"]
     requests = [
-        SequenceRequest(tuple(p), GREEDY, 20 + 3 * i, speculation=m) for i, (p, m) in enumerate(zip(prompts, modes))
+        SequenceRequest(prompt=tuple(p), params=GREEDY, max_new_tokens=20 + 3 * i, speculation=m)
+        for i, (p, m) in enumerate(zip(prompts, modes))
     ]
     results = run(engine, requests)  # 6 sequences, 4 slots: two join as others leave
     for request, result in zip(requests, results):
         plain = SpeculativeDecoder(pair.target, None, GREEDY).generate(
-            list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens)
+            list(request.prompt), max_new_tokens=request.max_new_tokens
         )
         assert result["tokens"] == plain.tokens and result["handle"].finish_reason == "length"
     assert sum(r["handle"].accepted for r in results) > 0 and engine.metrics.target_calls < sum(
@@ -88,17 +89,19 @@ def test_greedy_in_a_mixed_batch_equals_plain_decoding_alone(pair, prompts):
 
 def test_a_seeded_sequence_is_the_same_alone_among_others_and_as_the_decoder(pair, prompts):
     params = SamplingParams(temperature=0.9, top_p=0.95)
-    mine = SequenceRequest(tuple(prompts[0]), params, 24, seed=1234, speculation="draft")
+    mine = SequenceRequest(prompt=tuple(prompts[0]), params=params, max_new_tokens=24, seed=1234, speculation="draft")
     alone = run(build_engine(pair, slots=8, max_len=256, calibrated=False), [mine])[0]["tokens"]
     others = [
-        SequenceRequest(tuple(p), SamplingParams(temperature=1.0), 30, seed=s, speculation=m)
+        SequenceRequest(
+            prompt=tuple(p), params=SamplingParams(temperature=1.0), max_new_tokens=30, seed=s, speculation=m
+        )
         for s, (p, m) in enumerate(zip(prompts[1:] * 2, ["auto", "lookup", "off", "draft", "auto", "draft", "lookup"]))
     ]
     crowded = run(build_engine(pair, slots=8, max_len=256, calibrated=False), others[:3] + [mine] + others[3:])[3][
         "tokens"
     ]
     decoder = SpeculativeDecoder(pair.target, pair.draft, params).generate(
-        prompts[0], GenerationConfig(max_new_tokens=24, gamma=4, seed=1234)
+        prompts[0], max_new_tokens=24, gamma=4, seed=1234
     )
     assert alone == crowded == decoder.tokens
 
@@ -111,13 +114,16 @@ def test_a_shared_prompt_is_prefilled_once_and_each_sequence_draws_as_alone(pair
     calls = recording_fed_rows(engine)
     params = SamplingParams(temperature=0.9)
     requests = [
-        SequenceRequest(tuple(prompts[0 if i < 4 else 1]), params, 12, seed=i, speculation="draft") for i in range(5)
+        SequenceRequest(
+            prompt=tuple(prompts[0 if i < 4 else 1]), params=params, max_new_tokens=12, seed=i, speculation="draft"
+        )
+        for i in range(5)
     ]
     results = run(engine, requests)
     assert sorted(row for row in calls if len(row) > 5) == sorted([tuple(prompts[0]), tuple(prompts[1])])  # prefills
     for request, result in zip(requests, results):
         reference = SpeculativeDecoder(invariant.target, invariant.draft, params).generate(
-            list(request.prompt), GenerationConfig(max_new_tokens=12, gamma=4, seed=request.seed)
+            list(request.prompt), max_new_tokens=12, gamma=4, seed=request.seed
         )
         assert result["tokens"] == reference.tokens
     assert len({tuple(r["tokens"]) for r in results[:4]}) > 1
@@ -131,10 +137,16 @@ def test_a_prompt_an_active_sequence_shares_is_copied_from_its_cache(pair, promp
     engine = build_engine(invariant, slots=3, max_len=256, calibrated=False)
     fed = recording_fed_rows(engine)
     params = SamplingParams(temperature=0.9)
-    running = SequenceRequest(tuple(prompts[0]), params, 30, seed=0, speculation="draft")
+    running = SequenceRequest(prompt=tuple(prompts[0]), params=params, max_new_tokens=30, seed=0, speculation="draft")
     joining = [
-        SequenceRequest(tuple(prompts[0][:80] + prompts[1][:10]), params, 12, seed=1, speculation="draft"),
-        SequenceRequest(tuple(prompts[0]), params, 12, seed=2, speculation="draft"),
+        SequenceRequest(
+            prompt=tuple(prompts[0][:80] + prompts[1][:10]),
+            params=params,
+            max_new_tokens=12,
+            seed=1,
+            speculation="draft",
+        ),
+        SequenceRequest(prompt=tuple(prompts[0]), params=params, max_new_tokens=12, seed=2, speculation="draft"),
     ]
     results = [{"tokens": []} for _ in range(3)]
     results[0]["handle"] = engine.submit(
@@ -153,7 +165,7 @@ def test_a_prompt_an_active_sequence_shares_is_copied_from_its_cache(pair, promp
         engine.step()
     for request, result in zip([running, *joining], results):
         reference = SpeculativeDecoder(invariant.target, invariant.draft, params).generate(
-            list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens, gamma=4, seed=request.seed)
+            list(request.prompt), max_new_tokens=request.max_new_tokens, gamma=4, seed=request.seed
         )
         assert result["tokens"] == reference.tokens
 
@@ -171,9 +183,9 @@ def test_a_failing_sequence_ends_with_an_error_and_the_others_finish(pair, promp
     monkeypatch.setattr(module, "block_probs", failing)
     engine = build_engine(pair, slots=3, max_len=256, calibrated=False)
     requests = [
-        SequenceRequest(tuple(prompts[0]), GREEDY, 12),
-        SequenceRequest(tuple(prompts[1]), SamplingParams(top_k=7), 12),
-        SequenceRequest(tuple(prompts[2]), GREEDY, 12, speculation="lookup"),
+        SequenceRequest(prompt=tuple(prompts[0]), params=GREEDY, max_new_tokens=12),
+        SequenceRequest(prompt=tuple(prompts[1]), params=SamplingParams(top_k=7), max_new_tokens=12),
+        SequenceRequest(prompt=tuple(prompts[2]), params=GREEDY, max_new_tokens=12, speculation="lookup"),
     ]
     results = run(engine, requests)
     assert [r["handle"].finish_reason for r in results] == ["length", "error", "length"]
@@ -184,16 +196,24 @@ def test_a_cancelled_sequence_leaves_and_frees_its_slot(pair, prompts):
     engine = build_engine(pair, slots=2, max_len=256, calibrated=False)
     got = []
     first = engine.submit(
-        SequenceRequest(tuple(prompts[0]), GREEDY, 100), lambda events: got.extend(events), lambda h: None
+        SequenceRequest(prompt=tuple(prompts[0]), params=GREEDY, max_new_tokens=100),
+        lambda events: got.extend(events),
+        lambda h: None,
     )
-    engine.submit(SequenceRequest(tuple(prompts[1]), GREEDY, 100), lambda events: None, lambda h: None)
+    engine.submit(
+        SequenceRequest(prompt=tuple(prompts[1]), params=GREEDY, max_new_tokens=100),
+        lambda events: None,
+        lambda h: None,
+    )
     engine.step()
     engine.step()
     first.cancel()
     engine.step()
     assert first.finish_reason == "cancelled" and engine.batch_size == 1 and len(engine._free) == 1
     with pytest.raises(ValueError, match="exceeds the 256-position window"):
-        engine.submit(SequenceRequest(tuple(prompts[0]), GREEDY, 250), lambda e: None, lambda h: None)
+        engine.submit(
+            SequenceRequest(prompt=tuple(prompts[0]), params=GREEDY, max_new_tokens=250), lambda e: None, lambda h: None
+        )
 
 
 # ---------------------------------------------------------------- the law in a batch
@@ -239,7 +259,7 @@ def solo_feature_decode(engine: BatchEngine, request: SequenceRequest, draft_pro
     if draft_probs is not None:
         decoder.engine._draft_probs = draft_probs(decoder.engine._draft_probs)
     return decoder.generate(
-        list(request.prompt), GenerationConfig(max_new_tokens=request.max_tokens, gamma=3, seed=request.seed)
+        list(request.prompt), max_new_tokens=request.max_new_tokens, gamma=3, seed=request.seed
     ).tokens
 
 
@@ -249,10 +269,16 @@ def law_counts(engine: BatchEngine, n: int, params: SamplingParams = SamplingPar
     for seed in range(n):
         prompt, mode, temperature = NEIGHBOURS[seed % len(NEIGHBOURS)]
         mine.append(len(requests))
-        requests.append(SequenceRequest(PROMPT, params, NEW_TOKENS, seed=seed, speculation="draft"))
+        requests.append(
+            SequenceRequest(prompt=PROMPT, params=params, max_new_tokens=NEW_TOKENS, seed=seed, speculation="draft")
+        )
         requests.append(
             SequenceRequest(
-                prompt, SamplingParams(temperature=temperature), 1 + seed % 6, seed=n + seed, speculation=mode
+                prompt=prompt,
+                params=SamplingParams(temperature=temperature),
+                max_new_tokens=1 + seed % 6,
+                seed=n + seed,
+                speculation=mode,
             )
         )
     results = run(engine, requests)
@@ -311,7 +337,7 @@ def test_in_invariant_mode_batched_sequences_are_bit_identical_to_solo_runs(prom
     engine = build_engine(invariant, slots=4, max_len=256, calibrated=False)
     params = SamplingParams(temperature=1.0)
     requests = [
-        SequenceRequest(tuple(p), GREEDY if i % 2 else params, 24, seed=i, speculation=m)
+        SequenceRequest(prompt=tuple(p), params=GREEDY if i % 2 else params, max_new_tokens=24, seed=i, speculation=m)
         for i, (p, m) in enumerate(zip(prompts, ["draft", "lookup", "draft", "off", "draft", "auto"]))
     ]
     for request, result in zip(requests, run(engine, requests)):
@@ -319,7 +345,9 @@ def test_in_invariant_mode_batched_sequences_are_bit_identical_to_solo_runs(prom
         proposer = PromptLookupProposer() if request.speculation == "lookup" else draft
         reference = SpeculativeDecoder(invariant.target, proposer, request.params).generate(
             list(request.prompt),
-            GenerationConfig(max_new_tokens=24, gamma=0 if proposer is None else 4, seed=request.seed),
+            max_new_tokens=24,
+            gamma=0 if proposer is None else 4,
+            seed=request.seed,
         )
         assert result["tokens"] == reference.tokens
 
@@ -356,8 +384,10 @@ def test_a_feature_draft_copies_the_slots_a_shared_prompt_built():
     engine._draft_probs = recorded
     params = SamplingParams(temperature=1.0)
     requests = [
-        SequenceRequest((1, 2, 3, 0, 1, 2, 3, 0), params, 12, seed=5, speculation="draft"),
-        SequenceRequest((1, 2, 3, 0, 1, 2, 0), params, 8, seed=6, speculation="draft", top_logprobs=0),
+        SequenceRequest(prompt=(1, 2, 3, 0, 1, 2, 3, 0), params=params, max_new_tokens=12, seed=5, speculation="draft"),
+        SequenceRequest(
+            prompt=(1, 2, 3, 0, 1, 2, 0), params=params, max_new_tokens=8, seed=6, speculation="draft", top_logprobs=0
+        ),
     ]
     results = [{"tokens": [], "logprobs": []} for _ in requests]
     for i, (result, request) in enumerate(zip(results, requests)):
@@ -391,7 +421,9 @@ def test_a_feature_draft_in_a_batch_draws_what_it_draws_alone():
     bit for bit); with that decoder's law G-tested in test_feature_draft.py, the batch keeps the law."""
     engine = tiny_feature_engine(slots=3, invariant=True)
     requests = [
-        SequenceRequest(prompt, SamplingParams(temperature=t), 8, seed=seed, speculation="draft")
+        SequenceRequest(
+            prompt=prompt, params=SamplingParams(temperature=t), max_new_tokens=8, seed=seed, speculation="draft"
+        )
         for seed, (prompt, t) in enumerate(
             [((1, 2), 1.0), ((3, 0, 1), 0.7), ((2,), 1.0), ((0, 1), 1.3), ((1, 1, 2), 1.0)]
         )

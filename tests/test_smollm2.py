@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")  # transformers reads GGUF files through it
 
 from exactspec.cli import main  # noqa: E402
-from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder  # noqa: E402
+from exactspec.decoding.decoder import SpeculativeDecoder  # noqa: E402
 from exactspec.decoding.sampling import SamplingParams  # noqa: E402
 from exactspec.models.lean import LeanModel  # noqa: E402
 from exactspec.tokenizer import TextTokenizer  # noqa: E402
@@ -122,7 +122,7 @@ def test_greedy_generation_matches_transformers(chat, tokenizer, lean, hf_model)
     """64 greedy tokens, past any end-of-turn, are token-for-token transformers' (exactspec's plain decoder)."""
     prompt = tokenizer.encode_chat(CHATS[chat])
     decoder = SpeculativeDecoder(lean, None, SamplingParams(temperature=0))
-    ours = decoder.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=0)).tokens
+    ours = decoder.generate(prompt, max_new_tokens=NEW_TOKENS, gamma=0).tokens
     assert len(ours) == NEW_TOKENS
     assert ours == hf_greedy(hf_model, prompt, NEW_TOKENS)
     if chat == "capital":  # the quantized weights are read right, not merely read the same wrong way twice
@@ -254,9 +254,9 @@ def test_cli_chat_answer_streams_without_the_end_of_turn_token(capsys):
 
 
 def test_cli_json_stops_at_the_stop_token(float32_lookup_run):
-    """--json: the answer ends at <|im_end|> (stop_reason stop_token, before the budget), which is not in the text."""
+    """--json: the answer ends at <|im_end|> (stop_reason "stop", before the budget), which is not in the text."""
     code, result = float32_lookup_run
-    assert code == 0 and result["stop_reason"] == "stop_token" and result["tokens"] < 24
+    assert code == 0 and result["stop_reason"] == "stop" and result["tokens"] < 24
     assert "Paris" in result["text"] and "<|im_end|>" not in result["text"]
     assert result["mode"].startswith("speculative (trained draft + prompt lookup)")
 
@@ -266,7 +266,7 @@ def test_cli_lookup_equals_plain_decoding_in_float32(float32_lookup_run, capsys)
     code, out, err = generate(capsys, *FLOAT32_GREEDY, "--user", QUESTION, "--no-speculation")
     plain = json.loads(out)
     assert code == 0 and plain["mode"] == "plain", err
-    assert plain["text"] == float32_lookup_run[1]["text"] and plain["stop_reason"] == "stop_token"
+    assert plain["text"] == float32_lookup_run[1]["text"] and plain["stop_reason"] == "stop"
 
 
 def test_cli_draft_without_lookup_routing_drafts_every_round_and_reports_by_source(float32_lookup_run, capsys):

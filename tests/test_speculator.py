@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from exactspec import GenerationConfig, SpeculativeDecoder
+from exactspec import SpeculativeDecoder
 from exactspec.decoding.sampling import GREEDY, SamplingParams
 from exactspec.loading import LOOKUP, PairSpec, default_pair_dirs
 from exactspec.speculator import Speculator
@@ -24,7 +24,7 @@ def test_greedy_auto_equals_plain_decoding_and_fixed_gamma(speculator):
     plain = speculator.generate(PROMPT, max_new_tokens=40, sampling=GREEDY, gamma=0, stop_at_eos=False)
     fixed = speculator.generate(PROMPT, max_new_tokens=40, sampling=GREEDY, gamma=3, stop_at_eos=False)
     assert len(auto.tokens) == 40 and auto.tokens == plain.tokens == fixed.tokens
-    assert auto.generation.stats.drafted > 0 and plain.generation.stats.drafted == 0
+    assert auto.stats.drafted > 0 and plain.stats.drafted == 0
     assert auto.policy is not None and plain.policy is None and fixed.policy is None  # only auto starts a policy
 
 
@@ -44,7 +44,7 @@ def test_a_seeded_fixed_gamma_run_is_the_decoders_run(speculator):
     params = SamplingParams(temperature=1.0, top_p=0.9)
     completion = speculator.generate(PROMPT, max_new_tokens=24, sampling=params, gamma=2, seed=5, stop_at_eos=False)
     decoder = SpeculativeDecoder(speculator.pair.target, speculator.pair.proposer(), params)
-    direct = decoder.generate(speculator.encode(PROMPT), GenerationConfig(max_new_tokens=24, gamma=2, seed=5))
+    direct = decoder.generate(speculator.encode(PROMPT), max_new_tokens=24, gamma=2, seed=5)
     assert completion.tokens == direct.tokens
     other = speculator.generate(PROMPT, max_new_tokens=24, sampling=params, gamma=2, seed=6, stop_at_eos=False)
     assert other.tokens != completion.tokens  # the seed matters, so the equality above is not vacuous
@@ -60,7 +60,7 @@ def test_a_stream_read_part_way_keeps_what_it_committed(speculator):
 def test_bad_input_is_a_clear_error(speculator):
     with pytest.raises(ValueError, match="exceeds the target model's"):
         speculator.generate(PROMPT, max_new_tokens=10**6)
-    with pytest.raises(ValueError, match="gamma must be 'auto' or an integer"):
+    with pytest.raises(ValueError, match="gamma must be an integer >= 0, 'auto'"):
         speculator.generate(PROMPT, gamma=-1)
     with pytest.raises(ValueError, match="a draft needs its target"):
         PairSpec(draft="some/draft")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactspec import GREEDY, GenerationConfig, MarkovLM, SpeculativeDecoder
+from exactspec import GREEDY, MarkovLM, SpeculativeDecoder
 from exactspec.models.lean import LeanModel
 from exactspec.models.llama import LlamaDecoder
 from exactspec.models.llama_config import LlamaConfig
@@ -46,9 +46,9 @@ def test_padded_pair_decodes_like_the_target_restricted_to_its_real_vocabulary()
     target = MarkovLM.random(8, 1, seed=0)
     draft = MarkovLM(torch.cat([target.table[:6, :6] + 0.3, torch.zeros(0, 6)]), 1)
     size = real_vocabulary_size(VOCAB, VOCAB)
-    config = GenerationConfig(max_new_tokens=30, gamma=3)
-    plain = SpeculativeDecoder(cut(target, size), None, GREEDY).generate([1], config)
-    speculative = SpeculativeDecoder(cut(target, size), cut(draft, size), GREEDY).generate([1], config)
+    config = dict(max_new_tokens=30, gamma=3)
+    plain = SpeculativeDecoder(cut(target, size), None, GREEDY).generate([1], **config)
+    speculative = SpeculativeDecoder(cut(target, size), cut(draft, size), GREEDY).generate([1], **config)
     assert speculative.tokens == plain.tokens and max(plain.tokens) < 4
 
 
@@ -77,7 +77,7 @@ def test_padding_ids_are_never_sampled_whatever_the_padding_and_in_plain_decodin
     other_draft = MarkovLM(equal_draft.table[:6, :6], 1)  # the same draft padded to 6 rows instead of 8
 
     def runs(decoder):
-        return [decoder.generate([1], GenerationConfig(10, 3, seed=s)).tokens for s in range(200)]
+        return [decoder.generate([1], max_new_tokens=10, gamma=3, seed=s).tokens for s in range(200)]
 
     unrestricted = runs(SpeculativeDecoder(target, equal_draft))
     assert sum(max(tokens) >= 4 for tokens in unrestricted) > 150  # without the restriction padding ids come out

@@ -15,28 +15,28 @@ from exactspec.version import __version__
 
 _HOMES = {
     "Generation": "exactspec.decoding.decoder",
-    "GenerationConfig": "exactspec.decoding.decoder",
     "SpeculativeDecoder": "exactspec.decoding.decoder",
     "GREEDY": "exactspec.decoding.sampling",
     "SamplingParams": "exactspec.decoding.sampling",
     "GenerationStats": "exactspec.decoding.stats",
     "RoundRecord": "exactspec.decoding.stats",
     "MarkovLM": "exactspec.models.markov",
-    "Completion": "exactspec.speculator",
+    "SequenceRequest": "exactspec.decoding.engine",
+    "TokenStream": "exactspec.decoding.decoder",
     "Speculator": "exactspec.speculator",
 }
 
 __all__ = [
     "GREEDY",
-    "Completion",
     "Generation",
-    "GenerationConfig",
     "GenerationStats",
     "MarkovLM",
     "RoundRecord",
     "SamplingParams",
+    "SequenceRequest",
     "SpeculativeDecoder",
     "Speculator",
+    "TokenStream",
     "__version__",
 ]
 

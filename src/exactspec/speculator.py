@@ -3,7 +3,7 @@
 What ``generate`` does around the decoder lives here, so a library user gets all of it from two calls::
 
     speculator = Speculator.load()                      # the shipped pair; or Speculator.load("smollm2"), a path, ...
-    completion = speculator.generate("def parse_args(", max_new_tokens=64)
+    generation = speculator.generate("def parse_args(", max_new_tokens=64)
 
 * **Which pair and how.** :class:`exactspec.loading.PairSpec`: the shipped pair, a packaged model's name, a path, a
   hub id in the local cache; the target's shipped draft, a draft checkpoint, prompt lookup or none; backend, precision,
@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from exactspec.decoding.decoder import Generation, GenerationConfig, SpeculativeDecoder
+from exactspec.decoding.decoder import Generation, SpeculativeDecoder, TokenStream
 from exactspec.decoding.engine import BatchEngine, EngineConfig
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
 from exactspec.decoding.sampling import SamplingParams
@@ -39,19 +38,7 @@ from exactspec.tuning.calibration import Calibration, calibrate_engine
 from exactspec.tuning.coldstart import ColdStart, cold_start
 from exactspec.tuning.priors import PolicyCache
 
-__all__ = ["Completion", "Speculator", "build_engine"]
-
-
-@dataclass
-class Completion:
-    prompt_ids: list[int]
-    seed: int
-    generation: Generation = field(default_factory=lambda: Generation(tokens=[], stop_reason="max_new_tokens"))
-    policy: dict | None = None  # the cold start's calibration and acceptance prior (gamma "auto" only)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.generation.tokens
+__all__ = ["Speculator", "build_engine"]
 
 
 class Speculator:
@@ -153,58 +140,52 @@ class Speculator:
     def stream(
         self,
         prompt: str | Sequence[int],
+        *,
         max_new_tokens: int = 128,
         sampling: SamplingParams = SamplingParams(),
         gamma: int | str = "auto",
         seed: int | None = None,
         stop_at_eos: bool = True,
-        completion: Completion | None = None,
         verify: str = "block",
         compare_rules: bool = False,
-    ) -> Iterator[int]:
-        """Yield the generated tokens as they are committed (the stop token included). ``completion`` (optional, made
-        with the prompt's ids and the seed) receives the tokens, stop reason, stats and policy record; when the caller
-        stops reading, what was committed is kept and the run's acceptance still reaches the policy cache."""
-        if gamma != "auto" and not (isinstance(gamma, int) and gamma >= 0):
-            raise ValueError(f"gamma must be 'auto' or an integer >= 0, got {gamma!r}")
+    ) -> TokenStream:
+        """The generated tokens as they are committed (the stop token included), and the :class:`Generation` they
+        fill (``.generation``: prompt ids, seed, stop reason, stats and the policy's cold start). When the caller stops
+        reading, what was committed is kept and the run's acceptance still reaches the policy cache."""
         prompt_ids = self.encode(prompt)
         self.check_room(prompt_ids, max_new_tokens)
-        seed = secrets.randbits(64) if seed is None else seed
-        completion = completion if completion is not None else Completion(prompt_ids, seed)
-        stops = self.tokenizer.eos_token_ids if stop_at_eos else frozenset()
-        config = GenerationConfig(max_new_tokens, 0 if gamma == "auto" else gamma, stops, seed, verify, compare_rules)
         decoder, started = self._decoder(sampling, gamma == "auto", prompt_ids, verify)
-        completion.policy = started.record if started else None
+        tokens = decoder.stream(
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            gamma=gamma,
+            stop_token_ids=self.tokenizer.eos_token_ids if stop_at_eos else (),
+            seed=secrets.randbits(64) if seed is None else seed,
+            verify=verify,
+            compare_rules=compare_rules,
+        )
+        tokens.generation.policy = started.record if started else None
+        return TokenStream(self._remembered(tokens, started), tokens.generation)
+
+    @staticmethod
+    def _remembered(tokens: TokenStream, started: ColdStart | None) -> Iterator[int]:
         try:
-            for token in decoder.stream(prompt_ids, config, completion.generation):
-                completion.generation.tokens.append(token)
-                yield token
+            yield from tokens
         finally:
+            tokens.close()
             if started is not None:
-                started.remember(completion.generation.stats)  # the next run of this pair starts here
+                started.remember(tokens.generation.stats)  # the next run of this pair starts here
 
-    def generate(
-        self,
-        prompt: str | Sequence[int],
-        max_new_tokens: int = 128,
-        sampling: SamplingParams = SamplingParams(),
-        gamma: int | str = "auto",
-        seed: int | None = None,
-        stop_at_eos: bool = True,
-        verify: str = "block",
-    ) -> Completion:
-        """The whole generation (see :meth:`stream`)."""
-        seed = secrets.randbits(64) if seed is None else seed
-        completion = Completion(self.encode(prompt), seed)
-        for _ in self.stream(
-            completion.prompt_ids, max_new_tokens, sampling, gamma, seed, stop_at_eos, completion, verify
-        ):
+    def generate(self, prompt: str | Sequence[int], **options: object) -> Generation:
+        """The whole generation; ``options``: the keywords of :meth:`stream`."""
+        tokens = self.stream(prompt, **options)
+        for _ in tokens:
             pass
-        return completion
+        return tokens.generation
 
-    def text(self, completion: Completion) -> str:
-        """The completion's text, its stop token left out."""
-        return self.tokenizer.decode([t for t in completion.tokens if t not in self.tokenizer.eos_token_ids])
+    def text(self, generation: Generation) -> str:
+        """The generation's text, its stop token left out."""
+        return self.tokenizer.decode([t for t in generation.tokens if t not in self.tokenizer.eos_token_ids])
 
 
 def build_engine(

@@ -34,7 +34,7 @@ import torch
 from exactspec.bench.report import Column, add_ratios, format_rows, groups, rate_row, write_report
 from exactspec.bench.workloads import WORKLOADS, workload_prompts
 from exactspec.decoding import costmodel
-from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
+from exactspec.decoding.decoder import SpeculativeDecoder
 from exactspec.decoding.policy import AdaptiveConfig, AdaptiveGamma, PolicyPriors
 from exactspec.decoding.sampling import GREEDY, SamplingParams
 from exactspec.decoding.stats import GenerationStats, RoundRecord
@@ -102,9 +102,9 @@ class ArmRecord:
         )
 
 
-def _engine_arm(decoder: SpeculativeDecoder, gamma: int, max_new_tokens: int) -> Arm:
+def _engine_arm(decoder: SpeculativeDecoder, gamma: int | str, max_new_tokens: int) -> Arm:
     def run(prompt: list[int], seed: int):
-        generation = decoder.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma, seed=seed))
+        generation = decoder.generate(prompt, max_new_tokens=max_new_tokens, gamma=gamma, seed=seed)
         rounds = generation.stats.rounds
         return len(generation.tokens), rounds[1:], rounds[0].target_seconds
 
@@ -145,7 +145,7 @@ def _arms(
     arms.append(
         (
             ArmRecord("adaptive", None),
-            _engine_arm(SpeculativeDecoder(target, draft, params, AdaptiveGamma(priors=priors)), 0, n),
+            _engine_arm(SpeculativeDecoder(target, draft, params, AdaptiveGamma(priors=priors)), "auto", n),
         )
     )
     arms.append(

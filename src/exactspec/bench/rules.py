@@ -20,9 +20,8 @@ import time
 from dataclasses import dataclass
 
 from exactspec.bench.workloads import CHAT_WORKLOADS, WORKLOADS, workload_prompts
-from exactspec.decoding.sampling import SamplingParams
 from exactspec.loading import model_capacity
-from exactspec.speculator import Completion, Speculator
+from exactspec.speculator import Speculator
 
 __all__ = ["RulesConfig", "run_rules", "ratio_summary", "format_rules_table", "ONE_SIDED_ALPHA"]
 
@@ -66,20 +65,15 @@ def _expected(speculator: Speculator, prompts: list[list[int]], config: RulesCon
     (block running): ``(block, token)``, one entry per round."""
     block, token = [], []
     for i, prompt in enumerate(prompts):
-        completion = Completion(prompt, config.seed + i)
-        for _ in speculator.stream(
+        generation = speculator.generate(
             prompt,
-            config.max_new_tokens,
-            SamplingParams(),
-            config.gamma,
-            completion.seed,
-            False,
-            completion,
-            "block",
+            max_new_tokens=config.max_new_tokens,
+            gamma=config.gamma,
+            seed=config.seed + i,
+            stop_at_eos=False,
             compare_rules=True,
-        ):
-            pass
-        rounds = [r for r in completion.generation.stats.rounds if r.expected_block is not None]
+        )
+        rounds = [r for r in generation.stats.rounds if r.expected_block is not None]
         block += [1 + r.expected_block for r in rounds]
         token += [1 + r.expected_token for r in rounds]
     return block, token
@@ -116,10 +110,15 @@ def _wall_clock(speculators: dict[str, Speculator], prompts: list[list[int]], co
         for name, (owner, gamma, rule) in arms.items():
             tokens, began = 0, time.perf_counter()
             for i, prompt in enumerate(prompts):
-                completion = speculators[owner].generate(
-                    prompt, config.max_new_tokens, SamplingParams(), gamma, config.seed + i, False, rule
+                generation = speculators[owner].generate(
+                    prompt,
+                    max_new_tokens=config.max_new_tokens,
+                    gamma=gamma,
+                    seed=config.seed + i,
+                    stop_at_eos=False,
+                    verify=rule,
                 )
-                tokens += len(completion.tokens)
+                tokens += len(generation.tokens)
             rates[name].append(tokens / (time.perf_counter() - began))
     medians = {name: statistics.median(values[1:]) for name, values in rates.items()}
     return {

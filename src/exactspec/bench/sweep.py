@@ -33,7 +33,9 @@ def _cell(engine, prompts: list[list[int]], concurrency: int, mode: str, request
     def submit() -> None:
         nonlocal submitted
         begun = time.perf_counter()
-        request = SequenceRequest(tuple(prompts[submitted % len(prompts)]), GREEDY, max_tokens, speculation=mode)
+        request = SequenceRequest(
+            prompt=tuple(prompts[submitted % len(prompts)]), params=GREEDY, max_new_tokens=max_tokens, speculation=mode
+        )
         live.append(
             engine.submit(
                 request,

@@ -55,7 +55,7 @@ from exactspec.certification.pit import (
 )
 from exactspec.chat import chat_messages
 from exactspec.decoding.block import check_rule
-from exactspec.decoding.decoder import GenerationConfig, SpeculativeDecoder
+from exactspec.decoding.decoder import SpeculativeDecoder
 from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.decoding.sampling import GREEDY, SamplingParams, block_probs
 from exactspec.decoding.verify import sample_from
@@ -211,9 +211,9 @@ def _sample(
     handles = []
     for run in runs:
         request = SequenceRequest(
-            tuple(run["prompt"]),
-            params,
-            config.max_tokens,
+            prompt=tuple(run["prompt"]),
+            params=params,
+            max_new_tokens=config.max_tokens,
             seed=run["seed"],
             speculation=speculation,
             verify=config.verify,
@@ -438,8 +438,8 @@ def _greedy_check(pair: LoadedPair, prompts: list[list[int]], config: CertifyCon
         SpeculativeDecoder(pair.target, None, GREEDY),
         SpeculativeDecoder(pair.target, pair.proposer(), GREEDY),
     )
-    generation = GenerationConfig(max_new_tokens=config.max_tokens, gamma=config.gamma)
-    equal = sum(plain.generate(p, generation).tokens == speculative.generate(p, generation).tokens for p in prompts)
+    options = dict(max_new_tokens=config.max_tokens, gamma=config.gamma)
+    equal = sum(plain.generate(p, **options).tokens == speculative.generate(p, **options).tokens for p in prompts)
     return {"prompts": len(prompts), "equal": equal}
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import secrets
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,11 +24,12 @@ from exactspec.cli.common import (
 from exactspec.cli.files import check_record_path, write_record_file
 from exactspec.decoding.block import RULES
 from exactspec.decoding.sampling import SamplingParams
-from exactspec.speculator import Completion, Speculator
+from exactspec.speculator import Speculator
 from exactspec.tokenizer import stream_text
 from exactspec.tuning.priors import PolicyCache
 
 if TYPE_CHECKING:
+    from exactspec.decoding.decoder import Generation
     from exactspec.decoding.stats import GenerationStats
     from exactspec.tuning.machine import RuntimeChoice
 
@@ -51,18 +51,17 @@ def run(args: argparse.Namespace) -> dict:
         speculator.check_room(prompt, args.max_new_tokens)
     except ValueError as error:
         raise CliError(str(error).replace("max_new_tokens", "--max-new-tokens")) from None
-    completion = Completion(prompt, args.seed if args.seed >= 0 else secrets.randbits(64))
     tokens = speculator.stream(
         prompt,
-        args.max_new_tokens,
-        params,
-        args.gamma,
-        completion.seed,
-        not args.ignore_eos,
-        completion,
-        args.verify,
-        args.json,
+        max_new_tokens=args.max_new_tokens,
+        sampling=params,
+        gamma=args.gamma,
+        seed=args.seed if args.seed >= 0 else None,
+        stop_at_eos=not args.ignore_eos,
+        verify=args.verify,
+        compare_rules=args.json,
     )
+    generation, stats = tokens.generation, tokens.generation.stats
     stops = frozenset() if args.ignore_eos else speculator.tokenizer.eos_token_ids
     pieces = []
     try:
@@ -71,8 +70,8 @@ def run(args: argparse.Namespace) -> dict:
             if not args.json:
                 print(piece, end="", flush=True)
     except KeyboardInterrupt:  # Ctrl-C: keep what was generated and summarise it
-        completion.generation.stop_reason = "interrupted"
-    generation, stats = completion.generation, completion.generation.stats
+        tokens.close()
+        generation.finish_reason = "interrupted"
     result = {
         "prompt": text,
         "threads": getattr(speculator.pair.target, "threads", torch.get_num_threads()),  # llama.cpp's own, or torch's
@@ -84,16 +83,16 @@ def run(args: argparse.Namespace) -> dict:
         "mode": "plain" if args.no_speculation else f"speculative ({speculator.proposal}), gamma {args.gamma}",
         "verify_rule": args.verify,
         "gammas_used": sorted({r.drafted for r in stats.rounds[1:]}),
-        "seed": completion.seed,
+        "seed": generation.seed,
         "sampling": "greedy" if params.greedy else "sampled",
-        "stop_reason": generation.stop_reason,
+        "stop_reason": generation.finish_reason,
         "tokens_per_second": stats.committed / stats.wall_seconds if stats.wall_seconds else 0.0,
-        "policy": completion.policy,
-        "cost_model": _cost_model(stats, completion.policy, choice),
+        "policy": generation.policy,
+        "cost_model": _cost_model(stats, generation.policy, choice),
         **stats.summary(),
     }
     if args.record:
-        _write_generate_record(args, plan, speculator, params, completion, result)
+        _write_generate_record(args, plan, speculator, params, generation, result)
     return result
 
 
@@ -121,15 +120,14 @@ def _write_generate_record(
     plan: RunPlan,
     speculator: Speculator,
     params: SamplingParams,
-    completion: Completion,
+    generation: Generation,
     result: dict,
 ) -> None:
     from exactspec.jobs.records import run_record
 
-    generation = completion.generation
     figures = {
         "token_ids": list(generation.tokens),
-        "stop_reason": generation.stop_reason,
+        "stop_reason": generation.finish_reason,
         "sampling": "greedy" if params.greedy else "sampled",
         "runtime_choice": result["runtime_choice"],
         "cost_model": result["cost_model"],
@@ -142,7 +140,7 @@ def _write_generate_record(
         params,
         speculator.proposal,
         f"{args.gamma}" if args.gamma == "auto" else f"fixed {args.gamma}",
-        completion.seed,
+        generation.seed,
         plan.precision,
         figures,
         args.verify,

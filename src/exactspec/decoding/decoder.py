@@ -10,8 +10,11 @@ are the same rounds and the same rules::
     result = verify(p, q, draft.tokens)                    accepted prefix + replacement/bonus token
     target.rollback(...)                                   cache = committed history minus the newest token
 
-Random numbers: a fresh ``torch.Generator`` seeded with ``GenerationConfig.seed``; the first token (from the
-prompt's prefill) consumes one uniform, then per round the proposer's draws come first, then the verifier's (see
+A call's keywords are the fields of the one request type, :class:`exactspec.decoding.engine.SequenceRequest`, which
+validates them; the result is a :class:`Generation`, filled as the tokens stream.
+
+Random numbers: a fresh ``torch.Generator`` seeded with the request's seed; the first token (from the prompt's
+prefill) consumes one uniform, then per round the proposer's draws come first, then the verifier's (see
 :mod:`exactspec.decoding.verify`). With a fixed gamma a seeded generation is reproducible.
 """
 
@@ -21,44 +24,42 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from exactspec.decoding.block import check_rule
 from exactspec.decoding.engine import BatchEngine, SequenceRequest, verify_block
 from exactspec.decoding.policy import AdaptiveGamma
 from exactspec.decoding.sampling import SamplingParams
 from exactspec.decoding.stats import GenerationStats
-from exactspec.models.base import LanguageModel, check_token_ids
+from exactspec.models.base import LanguageModel
 from exactspec.models.runtime import SequenceSlots
 from exactspec.proposers import DraftModelProposer, Proposer, SequenceProposer
 from exactspec.proposers.base import as_proposer
 
-__all__ = ["GenerationConfig", "Generation", "SpeculativeDecoder", "verify_block"]
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 64
-    gamma: int = 4  # draft tokens per round; 0 is plain decoding
-    stop_token_ids: frozenset[int] = frozenset()  # EOS and other stops; the stop token is kept
-    seed: int = 0  # of the generation's own torch.Generator, in [0, 2^64 - 1]
-    verify: str = "block"  # sampled drafts: "block" (exactspec.decoding.block) or "token" (token-wise min(1, p/q))
-    compare_rules: bool = False  # record both rules' expected accepted length of each sampled round (stats.summary)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.gamma, int) or self.gamma < 0:
-            raise ValueError(f"gamma must be an integer >= 0, got {self.gamma!r}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed must be an integer in [0, 2^64 - 1] (torch.Generator's range), got {self.seed!r}")
-        check_rule(self.verify)
-        object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
+__all__ = ["Generation", "SpeculativeDecoder", "TokenStream", "verify_block"]
 
 
 @dataclass
 class Generation:
-    tokens: list[int]  # generated tokens (prompt excluded), the stop token included
-    stop_reason: str  # "stop_token" or "max_new_tokens"
+    """One generation's result, filled as its tokens are committed."""
+
+    prompt_ids: list[int]
+    seed: int
+    tokens: list[int] = field(default_factory=list)  # generated tokens (prompt excluded), the stop token included
+    finish_reason: str | None = None  # the engine's: "stop" (a stop token), "length", "cancelled", "error"
     stats: GenerationStats = field(default_factory=GenerationStats)
+    policy: dict | None = None  # the gamma policy's cold start, where one ran (exactspec.speculator)
+
+
+class TokenStream(Iterator[int]):
+    """The generated tokens as they are committed, and the :class:`Generation` they fill (complete once the
+    stream is exhausted; closing the stream early keeps what was committed)."""
+
+    def __init__(self, tokens: Iterator[int], generation: Generation) -> None:
+        self._tokens, self.generation = tokens, generation
+
+    def __next__(self) -> int:
+        return next(self._tokens)
+
+    def close(self) -> None:
+        self._tokens.close()
 
 
 class SpeculativeDecoder:
@@ -66,9 +67,8 @@ class SpeculativeDecoder:
 
     ``draft`` is a language model with the target's vocabulary (drafted with the target's sampling settings), a
     :class:`exactspec.proposers.Proposer`, a single-sequence proposer (``reset`` / ``propose(context, gamma,
-    generator)``), or ``None`` for plain decoding. ``policy`` (:class:`exactspec.decoding.policy.AdaptiveGamma`) chooses
-    gamma per round, for the source each context routes to, and keeps learning across generations; without one,
-    every round drafts ``GenerationConfig.gamma``.
+    generator)``), or ``None`` for plain decoding. ``policy`` (:class:`exactspec.decoding.policy.AdaptiveGamma`) is
+    the gamma policy of requests with ``gamma="auto"``; it keeps learning across generations.
     """
 
     def __init__(
@@ -89,51 +89,60 @@ class SpeculativeDecoder:
         elif draft is not None:
             draft = as_proposer(draft)
         self.target, self.params, self.proposer = target, params, draft
-        self.engine = BatchEngine(SequenceSlots([target]), draft)
-        self.policy = policy
+        self.engine = BatchEngine(SequenceSlots([target]), draft, policy=policy)
 
     @property
-    def policy(self) -> AdaptiveGamma | None:
-        return self._policy
+    def policy(self) -> AdaptiveGamma:
+        return self.engine.policy
 
     @policy.setter
-    def policy(self, policy: AdaptiveGamma | None) -> None:
-        self._policy = policy
-        if policy is not None:
-            self.engine.policy = policy
+    def policy(self, policy: AdaptiveGamma) -> None:
+        self.engine.policy = policy
 
-    def generate(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> Generation:
-        generation = Generation(tokens=[], stop_reason="max_new_tokens")
-        for token in self.stream(prompt_ids, config, generation):
-            generation.tokens.append(token)
-        return generation
+    def generate(self, prompt_ids: Sequence[int], **request: object) -> Generation:
+        """The whole generation; ``request``: the keywords of :meth:`stream`."""
+        stream = self.stream(prompt_ids, **request)
+        for _ in stream:
+            pass
+        return stream.generation
 
     def stream(
         self,
         prompt_ids: Sequence[int],
-        config: GenerationConfig = GenerationConfig(),
-        generation: Generation | None = None,
-    ) -> Iterator[int]:
-        """Yield generated tokens as they are committed. ``generation`` (optional) receives stats and stop reason."""
-        generation = generation if generation is not None else Generation(tokens=[], stop_reason="max_new_tokens")
-        prompt = check_token_ids(prompt_ids, self.target.vocab_size)
+        *,
+        max_new_tokens: int = 64,
+        gamma: int | str = 4,
+        stop_token_ids: Sequence[int] = (),
+        seed: int = 0,
+        verify: str = "block",
+        compare_rules: bool = False,
+    ) -> TokenStream:
+        """Stream one generation with this decoder's sampling settings. ``gamma``: draft tokens per round (0 is plain
+        decoding) or "auto" (the policy's); the stop token is kept; the other keywords are
+        :class:`exactspec.decoding.engine.SequenceRequest`'s."""
         request = SequenceRequest(
-            tuple(prompt),
-            self.params,
-            config.max_new_tokens,
-            config.stop_token_ids,
-            config.seed,
+            prompt=tuple(prompt_ids),
+            params=self.params,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            seed=seed,
             speculation="off" if self.proposer is None else "draft",
-            gamma=config.gamma if self.policy is None else "auto",
-            verify=config.verify,
-            compare_rules=config.compare_rules,
+            gamma=gamma,
+            verify=verify,
+            compare_rules=compare_rules,
         )
+        generation = Generation(list(request.prompt), seed)
+        return TokenStream(self._run(request, generation), generation)
+
+    def _run(self, request: SequenceRequest, generation: Generation) -> Iterator[int]:
         committed, began = [], time.perf_counter()
-        handle = self.engine.submit(request, lambda events: committed.extend(e.token for e in events), lambda _: None)
-        handle.stats = generation.stats
+        handle = self.engine.submit(
+            request, lambda events: committed.extend(e.token for e in events), lambda _: None, generation.stats
+        )
         try:
             while handle.finish_reason is None:
                 self.engine.step()
+                generation.tokens += committed
                 yield from committed
                 committed.clear()
         finally:
@@ -141,6 +150,6 @@ class SpeculativeDecoder:
             if handle.finish_reason is None:  # the caller stopped reading: free the slot
                 handle.cancel()
                 self.engine.step()
+            generation.finish_reason = handle.finish_reason
         if handle.finish_reason == "error":
             raise handle.exception
-        generation.stop_reason = "stop_token" if handle.finish_reason == "stop" else "max_new_tokens"

@@ -91,27 +91,42 @@ def rule_that_runs(params: SamplingParams, sampled_draft: bool, rule: str) -> st
     return "greedy" if params.greedy else rule if sampled_draft else "token"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SequenceRequest:
+    """The one request type: what every entry point (the decoder, the Speculator, serve, batch jobs, certify,
+    the benches) submits to the engine. Its fields are validated here, once, where a request is made."""
+
     prompt: tuple[int, ...]
     params: SamplingParams
-    max_tokens: int
-    stop_token_ids: frozenset[int] = frozenset()
-    seed: int | None = None  # None: a random seed
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()  # EOS and other stops; the stop token is kept
+    seed: int | None = None  # of the sequence's own torch.Generator, in [0, 2^64 - 1]; None: a random seed
     speculation: str = "auto"  # "off", "lookup", "draft" (the engine's proposer) or "auto" (it, else lookup)
     top_logprobs: int | None = None  # None: no log-probabilities; k >= 0: the token's and the k most likely
-    gamma: int | str | None = None  # an int: fixed; "auto": the gamma policy's; None: see EngineConfig.gamma
+    gamma: int | str | None = None  # an int: fixed (0: plain); "auto": the gamma policy's; None: see EngineConfig.gamma
     verify: str = "block"  # sampled drafts: "block" (exactspec.decoding.block) or "token" (token-wise min(1, p/q))
     compare_rules: bool = False  # record both rules' E[accepted | draft] of each sampled round (a pass over p and q)
 
     def __post_init__(self) -> None:
         check_rule(self.verify)
+        if not self.prompt:
+            raise ValueError("the prompt needs at least one token")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
-        if self.max_tokens < 1 or not self.prompt:
-            raise ValueError("a sequence needs a non-empty prompt and max_tokens >= 1")
-        if not (self.gamma is None or self.gamma == "auto" or (isinstance(self.gamma, int) and self.gamma >= 0)):
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not (self.gamma is None or self.gamma == "auto" or (_is_int(self.gamma) and self.gamma >= 0)):
             raise ValueError(f"gamma must be an integer >= 0, 'auto' or None, got {self.gamma!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2^64 - 1] (torch.Generator's range), got {self.seed!r}")
+        if self.top_logprobs is not None and not (_is_int(self.top_logprobs) and self.top_logprobs >= 0):
+            raise ValueError(f"top_logprobs must be None or an integer >= 0, got {self.top_logprobs!r}")
+        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -248,15 +263,19 @@ class BatchEngine:
         self._lock = threading.Condition()
 
     # -- the caller's side (any thread) ---------------------------------------------------
-    def submit(self, request: SequenceRequest, on_tokens, on_finish) -> SequenceHandle:
+    def submit(
+        self, request: SequenceRequest, on_tokens, on_finish, stats: GenerationStats | None = None
+    ) -> SequenceHandle:
+        """Queue ``request``; ``on_tokens`` gets its committed :class:`TokenEvent` s, ``on_finish`` its handle when it
+        ends. Its round records go to ``stats`` (a new one when None), the handle's ``stats``."""
         limit = self.target.max_len
-        if len(request.prompt) + request.max_tokens - 1 > limit:  # the last token drawn is never fed
+        if len(request.prompt) + request.max_new_tokens - 1 > limit:  # the last token drawn is never fed
             raise ValueError(
-                f"prompt ({len(request.prompt)} tokens) + max_tokens "
-                f"{request.max_tokens} exceeds the {limit}-position window"
+                f"prompt ({len(request.prompt)} tokens) + max_new_tokens "
+                f"{request.max_new_tokens} exceeds the {limit}-position window"
             )
         check_token_ids(request.prompt, self.target.vocab_size)
-        handle = SequenceHandle(request, on_tokens, on_finish)
+        handle = SequenceHandle(request, on_tokens, on_finish, stats=stats if stats is not None else GenerationStats())
         with self._lock:
             self._waiting.append(handle)
             self._lock.notify()
@@ -414,7 +433,7 @@ class BatchEngine:
             auto_gamma = self.policy.choose([s.source for s in auto], fixed_rows, fixed_tokens)
             self.metrics.speculation_on += auto_gamma > 0
             self.metrics.speculation_off += auto_gamma == 0
-        budget = {s.slot: s.request.max_tokens - s.handle.generated - 1 for s in sequences}
+        budget = {s.slot: s.request.max_new_tokens - s.handle.generated - 1 for s in sequences}
         return {s.slot: max(0, min(auto_gamma if s.gamma is None else s.gamma, budget[s.slot])) for s in sequences}
 
     def _draft(self, sequences: list[_Sequence], gammas: dict[int, int]) -> dict[int, _Round]:
@@ -553,7 +572,7 @@ class BatchEngine:
             if token in s.request.stop_token_ids:
                 reason = "stop"
                 break
-            if handle.generated >= s.request.max_tokens:
+            if handle.generated >= s.request.max_new_tokens:
                 reason = "length"
                 break
         self.metrics.tokens += len(events)

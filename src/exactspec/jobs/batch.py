@@ -110,7 +110,15 @@ def parse_request(obj: object, line: int, tokenizer, config: BatchJobConfig) -> 
     except (ValueError, TypeError, KeyError) as error:
         raise ValueError(f"{where}: {error}") from None
     stops = frozenset() if obj.get("ignore_eos") else tokenizer.eos_token_ids
-    return SequenceRequest(tuple(prompt), params, max_tokens, stops, seed, "draft", verify=verify)
+    return SequenceRequest(
+        prompt=tuple(prompt),
+        params=params,
+        max_new_tokens=max_tokens,
+        stop_token_ids=stops,
+        seed=seed,
+        speculation="draft",
+        verify=verify,
+    )
 
 
 def build_batch_engine(pair: LoadedPair, config: BatchJobConfig) -> BatchEngine:

@@ -293,13 +293,13 @@ class ServingApp:
         stops = frozenset(body.stop_token_ids or []) | self.tokenizer.eos_token_ids
         return [
             SequenceRequest(
-                tuple(prompt),
-                params,
-                max_tokens,
-                stops,
-                None if body.seed is None else sample_seed(body.seed, i),
-                body.speculation,
-                body.top_logprobs_count(),
+                prompt=tuple(prompt),
+                params=params,
+                max_new_tokens=max_tokens,
+                stop_token_ids=stops,
+                seed=None if body.seed is None else sample_seed(body.seed, i),
+                speculation=body.speculation,
+                top_logprobs=body.top_logprobs_count(),
                 verify=body.verify,
             )
             for i in range(body.n)
@@ -416,13 +416,9 @@ async def _collect(choice: _Choice, stop_ids: frozenset[int]) -> str:
         if kind == "tokens":
             pieces.append(choice.add(value, stop_ids))
             continue
-        choice.finish_reason = choice.finish_reason or _reason(value)
+        choice.finish_reason = choice.finish_reason or (value.finish_reason or "stop")
         pieces.append(choice.rest(stop_ids))
         return "".join(pieces)
-
-
-def _reason(handle: SequenceHandle) -> str:
-    return {"stop": "stop", "length": "length"}.get(handle.finish_reason, handle.finish_reason or "stop")
 
 
 def _usage(choices: list[_Choice], prompt_tokens: int) -> dict:
@@ -493,7 +489,7 @@ async def _stream(
                     error = ApiError(500, f"generation failed: {value.error}", "server_error").body()
                     yield f"data: {json.dumps(error)}\n\n"
                     continue
-                choice.finish_reason = choice.finish_reason or _reason(value)
+                choice.finish_reason = choice.finish_reason or (value.finish_reason or "stop")
                 yield chunk(choice, choice.rest(stop_ids), choice.finish_reason, {"speculation": value.figures()})
         if include_usage:
             usage = {**meta, "object": kind, "choices": [], "usage": _usage(choices, prompt_tokens)}

@@ -160,12 +160,12 @@ def generate_answers(
             answer: list[int] = []
             digest = hashlib.sha256(f"{seed}:{sample}:{prompt.key}".encode()).digest()
             request = SequenceRequest(
-                tuple(ids),
-                params,
-                min(max_new_tokens, window - len(ids)),
-                frozenset(tokenizer.eos_token_ids),
-                int.from_bytes(digest[:7], "big"),
-                "off",
+                prompt=tuple(ids),
+                params=params,
+                max_new_tokens=min(max_new_tokens, window - len(ids)),
+                stop_token_ids=frozenset(tokenizer.eos_token_ids),
+                seed=int.from_bytes(digest[:7], "big"),
+                speculation="off",
             )
 
             def finished(handle) -> None:

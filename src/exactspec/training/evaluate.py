@@ -40,12 +40,16 @@ def engine_acceptance(
     for source, items in prompts.items():
         drafted = accepted = 0
         for index, ids in enumerate(items):
-            completion = speculator.generate(
-                ids, max_new_tokens, SamplingParams(temperature=temperature), gamma=1, seed=index
+            generation = speculator.generate(
+                ids,
+                max_new_tokens=max_new_tokens,
+                sampling=SamplingParams(temperature=temperature),
+                gamma=1,
+                seed=index,
             )
             if sequences is not None:
-                sequences.append(TeacherSequence(f"{source}#{index}", ids + completion.tokens, len(ids) - 1, source))
-            own = completion.generation.stats.by_source().get("draft", {"drafted": 0, "accepted": 0})
+                sequences.append(TeacherSequence(f"{source}#{index}", ids + generation.tokens, len(ids) - 1, source))
+            own = generation.stats.by_source().get("draft", {"drafted": 0, "accepted": 0})
             drafted, accepted = drafted + own["drafted"], accepted + own["accepted"]
         totals[source] = {
             "prompts": len(items),

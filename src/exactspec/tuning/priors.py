@@ -176,10 +176,9 @@ class PolicyCache(CacheDirectory):
 
 def measure_acceptance(decoder, prompts: Sequence[Sequence[int]], gamma: int, max_new_tokens: int) -> list[float]:
     """Acceptance by draft position (conditional on reaching it) over fixed-gamma runs of ``decoder`` on ``prompts``."""
-    from exactspec.decoding.decoder import GenerationConfig
     from exactspec.decoding.stats import GenerationStats
 
     rounds = []
     for seed, prompt in enumerate(prompts):
-        rounds += decoder.generate(list(prompt), GenerationConfig(max_new_tokens, gamma, seed=seed)).stats.rounds[1:]
+        rounds += decoder.generate(list(prompt), max_new_tokens=max_new_tokens, gamma=gamma, seed=seed).stats.rounds[1:]
     return GenerationStats(rounds).acceptance_by_position()
