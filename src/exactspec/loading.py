@@ -511,8 +511,11 @@ class PairSpec:
             self.threads,
             self.int8_activations,
         )
-        if self.backend == "onnx":  # ONNX Runtime's threads do the model's work (set at load); torch's, the verifier's
-            torch.set_num_threads(1)
+        if self.backend == "onnx":
+            # ONNX Runtime's threads run the target (set at load); torch's run a feature draft and the verifier. Its
+            # workers do not spin after a call, so torch's pool may have the cores too: the draft's step costs about
+            # two thirds of its one-thread time (docs/runtimes.md)
+            torch.set_num_threads(self.threads or os.cpu_count() or 1)
             return pair
         if self.backend == "llamacpp":
             # llama.cpp's own threads do the model's work; torch's, only the verifier's small tensors. Two pools

@@ -90,8 +90,12 @@ class Runtime(Protocol):
 
 class OneSlot:
     """The single-sequence model protocol (:class:`exactspec.models.base.LanguageModel`) as slot 0 of
-    ``self.runtime``, a runtime of one slot: what :class:`~exactspec.models.lean.LeanModel` and
-    :class:`~exactspec.models.llamacpp.LlamaCppModel` share."""
+    ``self.runtime``, a runtime of one slot: what :class:`~exactspec.models.lean.LeanModel`,
+    :class:`~exactspec.models.llamacpp.LlamaCppModel` and :class:`~exactspec.models.onnx_runtime.OnnxModel` share.
+
+    Why it stays: a loaded pair is one sequence's models (the Hugging Face model and the Markov test model have no
+    other form), and :meth:`batched` turns one into a runtime of many slots on the same weights at the edge where
+    serving and batch jobs need them; the engine itself only ever sees runtimes."""
 
     runtime: Runtime
 
