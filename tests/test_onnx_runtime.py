@@ -261,7 +261,9 @@ def tiny_onnx(slots: int) -> OnnxRuntime:
     return OnnxRuntime.from_weights(decoder.cfg, state_dict_weights(decoder.cfg, hf_state_dict(decoder)), slots, 32, 1)
 
 
-def onnx_counts_and_law(params, n: int, proposer_class=None):
+def onnx_counts_and_law(params, n: int, proposer_class=None, draft_runtime=None):
+    """Counts of n sequences from the engine over the tiny ONNX target with the tiny feature draft (on torch's
+    runtime, or ``draft_runtime(draft, slots)``), and the target's sequence law."""
     from conftest import engine_counts, sequence_law
     from test_feature_draft import GAMMA, NEW_TOKENS, PROMPT, VOCAB, tiny_draft
 
@@ -271,7 +273,7 @@ def onnx_counts_and_law(params, n: int, proposer_class=None):
     from exactspec.proposers.feature_draft import FeatureDraftProposer
 
     slots = 16
-    draft = FeatureDraftRuntime(tiny_draft(tiny_decoder()), slots, 32)
+    draft = (draft_runtime or (lambda d, s: FeatureDraftRuntime(d, s, 32)))(tiny_draft(tiny_decoder()), slots)
     proposer = (proposer_class or FeatureDraftProposer)(draft, VOCAB)
     engine = BatchEngine(tiny_onnx(slots), proposer, EngineConfig(gamma=GAMMA))
     counts = engine_counts(engine, PROMPT, n, params, NEW_TOKENS, GAMMA)

@@ -352,11 +352,22 @@ class LoadedPair:
 
         if not isinstance(self.draft, FeatureDraft):
             return self.draft
-        target = self.target
-        draft = FeatureDraftProposer.solo(
-            self.draft, self.target.vocab_size, target.max_len, target.device, self.draft_dtype, target.invariant
-        )
+        draft = FeatureDraftProposer(self.feature_draft_runtime(1, self.target.max_len), self.target.vocab_size)
         return LookupOrDraft(draft) if lookup_routing else draft
+
+    def feature_draft_runtime(self, slots: int, max_len: int):
+        """The feature-level draft's runtime of ``slots`` slots: beside an ONNX Runtime target, an ONNX Runtime
+        graph with int8 weights (:mod:`exactspec.models.onnx_draft`: a draft step is one session run); else torch's,
+        in the target's dtype and invariant mode (:mod:`exactspec.models.feature_runtime`)."""
+        from exactspec.models.feature_runtime import FeatureDraftRuntime
+        from exactspec.models.onnx_runtime import OnnxModel
+
+        target = self.target
+        if isinstance(target, OnnxModel):
+            from exactspec.models.onnx_draft import OnnxFeatureDraftRuntime
+
+            return OnnxFeatureDraftRuntime(self.draft, slots, max_len, target.runtime.settings)
+        return FeatureDraftRuntime(self.draft, slots, max_len, target.device, self.draft_dtype, target.invariant)
 
     @property
     def draft_dtype(self) -> torch.dtype:

@@ -202,7 +202,6 @@ def build_engine(
     model is batched like the target, and so is a feature-level draft (its one layer's slot cache). The gamma policy
     starts from ``acceptance`` (the draft's by position: :func:`exactspec.tuning.priors.acceptance_prior`) and, with
     ``calibrated``, from call costs measured now."""
-    from exactspec.models.feature_runtime import FeatureDraftRuntime
     from exactspec.proposers import DraftModelProposer
     from exactspec.proposers.feature_draft import FeatureDraftProposer
 
@@ -211,7 +210,7 @@ def build_engine(
     proposer = None
     if isinstance(pair.draft, FeatureDraft):
         proposer = FeatureDraftProposer(
-            FeatureDraftRuntime(pair.draft, slots, batched.max_len, target.device, pair.draft_dtype, target.invariant),
+            pair.feature_draft_runtime(slots, batched.max_len),
             pair.target.vocab_size,
         )
     elif pair.draft is not None:

@@ -38,13 +38,16 @@ from .llama_config import LlamaConfig
 
 __all__ = [
     "unsupported",
+    "Graph",
     "GraphOptions",
     "LlamaWeights",
     "Projection",
     "WEIGHT_MODES",
     "build_model",
     "gguf_weights",
+    "matmul",
     "pack_int4",
+    "quantize_int8",
     "projection_model",
     "q4_blocks",
     "q4_projection",
@@ -186,6 +189,17 @@ def requantize_symmetric(w: np.ndarray) -> Projection:  # w (N, K) float32
     return Projection(bits=4, codes=q.reshape(n, k), scale=d[..., 0])
 
 
+def quantize_int8(w: np.ndarray) -> Projection:  # w (N, K) float32
+    """Symmetric int8 blocks of 32: d = max |w| / 127, q = round(w / d) (codes q + 128). For weights that only move
+    speed (a draft's), never for a target's."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    d = np.abs(blocks).max(-1, keepdims=True) / 127.0  # (N, K/32, 1)
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+    q = np.clip(np.rint(blocks * inv), -127, 127).astype(np.int16) + 128
+    return Projection(bits=8, codes=q.astype(np.uint8).reshape(n, k), scale=d[..., 0].astype(np.float32))
+
+
 def q4_blocks(raw: torch.Tensor, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The bytes of a ``(rows, cols)`` Q4_0/Q4_1 tensor as stored -> q ``(rows, cols)``, d and m ``(rows, cols/32)``
     (what :meth:`GGUFFile.q4_blocks` reads from a file)."""
@@ -261,7 +275,7 @@ def gguf_weights(gguf: GGUFFile, cfg: LlamaConfig, mode: str = "auto") -> LlamaW
 # ---- the graph ----------------------------------------------------------------------------------
 
 
-class _Graph:
+class Graph:
     """Nodes and initializers under unique names."""
 
     def __init__(self) -> None:
@@ -295,7 +309,7 @@ class _Bound:
     names: dict
 
 
-def _bind(g: _Graph, p: Projection, stem: str) -> _Bound:
+def _bind(g: Graph, p: Projection, stem: str) -> _Bound:
     if p.dense is not None:
         return _Bound(p, {"dense": g.const(stem, p.dense.T)})  # (K, N)
     n, k = p.shape
@@ -306,7 +320,7 @@ def _bind(g: _Graph, p: Projection, stem: str) -> _Bound:
     return _Bound(p, names)
 
 
-def projection(g: _Graph, x: str, bound: _Bound, options: GraphOptions, sums: dict[str, str]) -> str:
+def projection(g: Graph, x: str, bound: _Bound, options: GraphOptions, sums: dict[str, str]) -> str:
     """x ``(1, T, K)`` -> x W^T ``(1, T, N)``. A Q4_1 offset adds (block sums of x) @ (m + 8 d); ``sums`` caches an
     input's block sums so projections of one input share them."""
     p, names = bound.weight, bound.names
@@ -333,7 +347,12 @@ def projection(g: _Graph, x: str, bound: _Bound, options: GraphOptions, sums: di
     return g.one("Add", [y, g.one("MatMul", [sums[x], names["offset"]])])
 
 
-def _embedding(g: _Graph, ids: str, bound: _Bound, cfg: LlamaConfig) -> str:  # ids (1, T) -> (1, T, C)
+def matmul(g: Graph, x: str, weight: Projection, stem: str, options: GraphOptions = GraphOptions()) -> str:
+    """x ``(1, T, K)`` -> x W^T ``(1, T, N)`` for one weight used once."""
+    return projection(g, x, _bind(g, weight, stem), options, {})
+
+
+def _embedding(g: Graph, ids: str, bound: _Bound, cfg: LlamaConfig) -> str:  # ids (1, T) -> (1, T, C)
     p, names = bound.weight, bound.names
     if p.dense is not None:  # the (K, N) transpose is the head's; the embedding needs rows
         table = g.const("embed", p.dense)
@@ -355,7 +374,7 @@ def build_model(cfg: LlamaConfig, weights: LlamaWeights, options: GraphOptions =
     bad = [i for i in options.feature_layers if not 0 <= i < cfg.num_hidden_layers]
     if bad:
         raise ValueError(f"feature layers {bad} do not exist in a {cfg.num_hidden_layers}-layer decoder")
-    g, hd, nkv, eps = _Graph(), cfg.head_size, cfg.num_key_value_heads, cfg.rms_norm_eps
+    g, hd, nkv, eps = Graph(), cfg.head_size, cfg.num_key_value_heads, cfg.rms_norm_eps
     float_in = TensorProto.FLOAT
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "T"]),
@@ -432,7 +451,7 @@ def _head_form(head: Projection, options: GraphOptions) -> Projection:
     return head
 
 
-def _gate_up(g: _Graph, fused: str, cfg: LlamaConfig) -> tuple[str, str]:  # (1, T, 2 I) -> (1, T, I) x 2
+def _gate_up(g: Graph, fused: str, cfg: LlamaConfig) -> tuple[str, str]:  # (1, T, 2 I) -> (1, T, I) x 2
     split = g.const("split", np.array([cfg.intermediate_size] * 2, np.int64))
     gate, up = g.op("Split", [fused, split], 2, axis=-1)
     return gate, up
@@ -440,7 +459,7 @@ def _gate_up(g: _Graph, fused: str, cfg: LlamaConfig) -> tuple[str, str]:  # (1,
 
 def projection_model(weight: Projection, options: GraphOptions = GraphOptions()) -> onnx.ModelProto:
     """A graph of one projection, ``x`` (1, T, K) -> ``y`` (1, T, N), as the decoder graph multiplies it."""
-    g = _Graph()
+    g = Graph()
     n, k = weight.shape
     y = projection(g, "x", _bind(g, weight, "w"), options, {})
     g.op("Identity", [y], ["y"])
