@@ -254,16 +254,36 @@ def tiny_decoder():
     return tiny_target(hidden_size=32)
 
 
-def tiny_onnx(slots: int) -> OnnxRuntime:
+def tiny_onnx(slots: int, int8_activations: bool = False, accuracy_level: int = 4) -> OnnxRuntime:
+    """The tiny target, float32; with ``int8_activations`` its matrices as Q4_1 blocks (w = d q + m) multiplied with
+    int8 activations (``accuracy_level`` 4: ``--int8-activations``' graph; 0: the same blocks, float32 activations)."""
+    from dataclasses import replace
+
     from exactspec.models.llama import hf_state_dict
 
     decoder = tiny_decoder()
-    return OnnxRuntime.from_weights(decoder.cfg, state_dict_weights(decoder.cfg, hf_state_dict(decoder)), slots, 32, 1)
+    weights = state_dict_weights(decoder.cfg, hf_state_dict(decoder))
+    if not int8_activations:
+        return OnnxRuntime.from_weights(decoder.cfg, weights, slots, 32, 1)
+    blocks = {name: [q4_1_blocks(p) for p in getattr(weights, name)] for name in ("wqkv", "wo", "w13", "w2")}
+    head = q4_1_blocks(weights.head)
+    weights = replace(weights, embed=head, head=head, **blocks)
+    return OnnxRuntime.from_weights(decoder.cfg, weights, slots, 32, 1, GraphOptions(accuracy_level=accuracy_level))
 
 
-def onnx_counts_and_law(params, n: int, proposer_class=None, draft_runtime=None):
-    """Counts of n sequences from the engine over the tiny ONNX target with the tiny feature draft (on torch's
-    runtime, or ``draft_runtime(draft, slots)``), and the target's sequence law."""
+def q4_1_blocks(weight: Projection) -> Projection:
+    """A dense weight as Q4_1 blocks of 32: m the block's minimum, d its range / 15, q = round((w - m) / d)."""
+    w = torch.from_numpy(weight.dense)
+    blocks = w.reshape(w.shape[0], -1, 32)
+    m, top = blocks.amin(-1), blocks.amax(-1)
+    d = (top - m) / 15
+    q = torch.round((blocks - m[..., None]) / d[..., None]).clamp(0, 15).reshape(w.shape)
+    return q4_projection(q, d, m, "Q4_1")
+
+
+def onnx_counts_and_law(params, n: int, proposer_class=None, draft_runtime=None, int8_activations: bool = False):
+    """Counts of n sequences from the engine over the tiny ONNX target (:func:`tiny_onnx`) with the tiny feature
+    draft (on torch's runtime, or ``draft_runtime(draft, slots)``), and the target's sequence law."""
     from conftest import engine_counts, sequence_law
     from test_feature_draft import GAMMA, NEW_TOKENS, PROMPT, VOCAB, tiny_draft
 
@@ -275,9 +295,9 @@ def onnx_counts_and_law(params, n: int, proposer_class=None, draft_runtime=None)
     slots = 16
     draft = (draft_runtime or (lambda d, s: FeatureDraftRuntime(d, s, 32)))(tiny_draft(tiny_decoder()), slots)
     proposer = (proposer_class or FeatureDraftProposer)(draft, VOCAB)
-    engine = BatchEngine(tiny_onnx(slots), proposer, EngineConfig(gamma=GAMMA))
+    engine = BatchEngine(tiny_onnx(slots, int8_activations), proposer, EngineConfig(gamma=GAMMA))
     counts = engine_counts(engine, PROMPT, n, params, NEW_TOKENS, GAMMA)
-    alone = tiny_onnx(1)  # the law from this runtime's own logits, each prefix computed alone
+    alone = tiny_onnx(1, int8_activations)  # the law from this runtime's own logits, each prefix computed alone
 
     def next_probs(prefix):
         alone.rollback(0, 0)
@@ -286,26 +306,37 @@ def onnx_counts_and_law(params, n: int, proposer_class=None, draft_runtime=None)
     return counts, sequence_law(next_probs, PROMPT, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("n", [2_000])
-def test_speculation_on_onnx_runtime_follows_the_target_law(n):
-    """The feature draft over the ONNX target, block verification, T=0.8: the output law is the runtime's own."""
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["float32 activations", "int8 activations"])
+def test_speculation_on_onnx_runtime_follows_the_target_law(int8_activations):
+    """The feature draft over the ONNX target, block verification, T=0.8, in each precision mode the runtime offers
+    (int8 activations: Q4_1 blocks through MatMulNBits at accuracy level 4): the output law is the runtime's own."""
     from test_exactness import ALPHA, g_test_p_value
 
     from exactspec.decoding.sampling import SamplingParams
 
-    counts, law = onnx_counts_and_law(SamplingParams(temperature=0.8), n)
+    counts, law = onnx_counts_and_law(SamplingParams(temperature=0.8), 2_000, int8_activations=int8_activations)
     assert g_test_p_value(counts, law) > ALPHA
 
 
-def test_the_same_test_rejects_a_wrong_draft_law_on_onnx_runtime():
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["float32 activations", "int8 activations"])
+def test_the_same_test_rejects_a_wrong_draft_law_on_onnx_runtime(int8_activations):
     """Power: the draft's unprocessed softmax handed to the verifier (tests/test_feature_draft.py's mutant)."""
     from test_exactness import ALPHA, g_test_p_value
     from test_feature_draft import RawProbsReported
 
     from exactspec.decoding.sampling import SamplingParams
 
-    counts, law = onnx_counts_and_law(SamplingParams(temperature=0.8), 2_000, RawProbsReported)
+    counts, law = onnx_counts_and_law(
+        SamplingParams(temperature=0.8), 2_000, RawProbsReported, int8_activations=int8_activations
+    )
     assert g_test_p_value(counts, law) < ALPHA
+
+
+def test_the_int8_activation_graph_runs_other_numbers_than_float32():
+    """The int8 mode's law test above is not the float32 one again: on the same blocks its logits differ, a little."""
+    exact, int8 = tiny_onnx(1, True, accuracy_level=0), tiny_onnx(1, True)
+    a, b = exact.forward([(0, [1, 2, 3, 0])])[0], int8.forward([(0, [1, 2, 3, 0])])[0]
+    assert 0 < (a - b).abs().max().item() < 0.1 * a.abs().max().item()
 
 
 def test_a_seeded_sequence_draws_the_same_tokens_alone_and_in_a_batch_on_onnx_runtime():
