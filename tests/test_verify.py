@@ -420,3 +420,19 @@ def test_global_rng_is_refused():
 def test_greedy_rejects_nan_scores():
     with pytest.raises(ValueError, match="NaN"):
         verify_greedy(torch.tensor([[0]]), torch.tensor([[[float("nan"), 1.0], [0.0, 1.0]]]))
+
+
+@pytest.mark.parametrize("dtype,within,beyond", [(torch.float32, 5e-6, 1e-4), (torch.float64, 5e-10, 1e-7)])
+def test_a_distribution_off_by_rounding_is_renormalised_and_one_off_by_more_is_refused(dtype, within, beyond):
+    """Tolerance by dtype (NORMALIZATION_TOLERANCE): within it the row is divided by its sum in float64, so the
+    verifier never works with a q that is not a distribution; beyond it the call is refused."""
+    from exactspec.decoding.verify import check_distribution
+
+    q = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    q[0, 0] += within
+    fixed = check_distribution(q.to(dtype), "draft_probs")
+    assert fixed.dtype == torch.float64 and (fixed.sum(-1) - 1).abs().max() < 1e-15
+    assert torch.allclose(fixed[0], q[0].to(dtype).double() / q[0].to(dtype).double().sum(), rtol=0, atol=1e-16)
+    q[0, 0] += beyond
+    with pytest.raises(ValueError, match=rf"not normalised: .*\(the rounding allowed for {str(dtype)[6:]}\)"):
+        check_distribution(q.to(dtype), "draft_probs")

@@ -56,7 +56,10 @@ def main() -> None:
             up, down = _layer(f"exactspec/{name}"), _layer(f"exactspec/{previous}")
             climbs += up is not None and down is not None and up > down
     print(f"\n{len(seen)} files: {' -> '.join(seen)}", file=sys.stderr)
-    print(f"{len(path)} entries in all; entered again: {sorted(entered_twice) or 'none'}; climbs: {climbs}", file=sys.stderr)
+    print(
+        f"{len(path)} entries in all; entered again: {sorted(entered_twice) or 'none'}; climbs: {climbs}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":
