@@ -230,3 +230,14 @@ def test_smollm2_against_llama_cpp(tmp_path, capsys, monkeypatch):
         assert rows["exactspec trained draft + lookup (llama.cpp runtime, auto gamma)"]["tokens_per_call"] >= 1
     else:
         assert "pip install llama-cpp-python" in report["llama_cpp_skipped"] and "llama.cpp plain" not in rows
+
+
+def test_the_onnx_runtime_arms_run_where_onnx_runtime_can_run_the_checkpoint(target, monkeypatch):
+    config = peers.PeerBenchConfig(target, threads=1, num_prompts=1, repeats=1, arm_groups=("onnx-runtime",))
+    monkeypatch.setattr(peers, "checkpoint_unsupported", lambda path: None)
+    commands = [arm.command for arm in peers._arms(config, "greedy")]
+    assert len(commands) == 2
+    assert all(c[c.index("--backend") + 1] == "onnx" and "--int8-activations" in c for c in commands)
+    assert "--no-speculation" in commands[0] and commands[1][commands[1].index("--draft") + 1] == "lookup"
+    monkeypatch.setattr(peers, "checkpoint_unsupported", lambda path: "a head size of 8")
+    assert peers._arms(config, "greedy") == []

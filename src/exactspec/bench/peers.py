@@ -1,16 +1,17 @@
 """``exactspec bench`` for a target without a draft model: exactspec against llama.cpp on the same GGUF file.
 
-Arms: exactspec plain (``--no-speculation``), exactspec with prompt lookup, exactspec with a trained draft (when
-one is given or shipped), all three on the torch runtime unless ``--backend`` names another; exactspec as a user
-runs it (``--backend auto``: the runtime this machine's measurement chose, the default drafting); the same three again
-on exactspec's llama.cpp runtime (``--backend llamacpp``, when llama-cpp-python is installed: the same kernels as the
-llama.cpp arms, so the difference is the method), llama.cpp plain and llama.cpp with prompt lookup (llama-cpp-python's
-``LlamaPromptLookupDecoding``); llama-server (llama.cpp's own server, a newer llama.cpp than llama-cpp-python's) plain
-and in each of its draft-free speculative modes (:mod:`exactspec.bench.llama_server`), when it is installed. Same chat
-prompts, greedy (T=0) and/or sampled (T=1, no truncation: llama.cpp's default top-k, top-p and min-p are switched off),
-the same thread count, and exactly ``max_new_tokens`` new tokens in every arm (end-of-sequence tokens are never chosen:
-``--ignore-eos`` here, a -inf logit bias in llama.cpp), so that no arm's rate is a different mix of prompt processing
-and decoding.
+Arms: exactspec plain (``--no-speculation``), exactspec with prompt lookup, exactspec with a trained draft (when one
+is given or shipped), all three on the torch runtime unless ``--backend`` names another; exactspec as a user runs it
+(``--backend auto``: the runtime this machine's measurement chose, the default drafting); the same three again on
+exactspec's llama.cpp runtime (``--backend llamacpp``, when llama-cpp-python is installed: the same kernels as the
+llama.cpp arms, so the difference is the method) and on its ONNX Runtime runtime with int8 activations (``--backend
+onnx --int8-activations``, where ONNX Runtime can run the checkpoint), llama.cpp plain and llama.cpp with prompt
+lookup (llama-cpp-python's ``LlamaPromptLookupDecoding``); llama-server (llama.cpp's own server, a newer llama.cpp
+than llama-cpp-python's) plain and in each of its draft-free speculative modes
+(:mod:`exactspec.bench.llama_server`), when it is installed. Same chat prompts, greedy (T=0) and/or sampled (T=1, no
+truncation: llama.cpp's default top-k, top-p and min-p are switched off), the same thread count, and exactly
+``max_new_tokens`` new tokens in every arm (end-of-sequence tokens are never chosen: ``--ignore-eos`` here, a -inf
+logit bias in llama.cpp), so that no arm's rate is a different mix of prompt processing and decoding.
 
 Every run is its own process (exactspec: ``exactspec generate --json``; llama.cpp: ``python -m exactspec.bench.peers``),
 so no arm's threads compete with another's (llama.cpp's workers spin while idle) and each starts as a user's
@@ -47,6 +48,7 @@ from exactspec.bench.workloads import CHAT_WORKLOADS
 from exactspec.chat import chat_messages
 from exactspec.models.llamacpp import llama_cpp_available, llama_cpp_version
 from exactspec.models.llamacpp_tiles import survives
+from exactspec.models.onnx_runtime import checkpoint_unsupported
 from exactspec.tokenizer import TextTokenizer
 
 __all__ = ["PeerBenchConfig", "run_peer_bench", "format_peer_table", "llama_cpp_available", "write_peer_outputs"]
@@ -62,7 +64,7 @@ MODES = {"greedy": 0.0, "sample": 1.0}  # temperature
 #: The arms by group, for --arms: exactspec on the torch runtime (plain, lookup, the draft), exactspec's default,
 #: exactspec on its llama.cpp runtime (plain, lookup, the draft), llama.cpp itself (plain, lookup), llama-server
 #: (plain and its speculative modes).
-ARM_GROUPS = ("torch", "default", "llamacpp-runtime", "llama.cpp", "llama-server")
+ARM_GROUPS = ("torch", "default", "llamacpp-runtime", "onnx-runtime", "llama.cpp", "llama-server")
 #: With an exported draft (--llama-server-draft) and the same draft as exactspec's (--draft), both tools draft this many
 #: tokens a round from it (llama-server's default length), and the report sets their tokens per target call side by
 #: side.
@@ -197,6 +199,29 @@ def _arms(config: PeerBenchConfig, mode: str, llama_cpp_flags: Sequence[str] = (
                         *prompt_flag,
                     ],
                     "llamacpp-runtime",
+                )
+            )
+    if "--invariant" not in config.generate_flags and checkpoint_unsupported(config.target) is None:
+        # the file on exactspec's ONNX Runtime runtime, int8 activations (its fast form; the record names it)
+        on_onnx = [*generate, "--backend", "onnx", "--int8-activations"]
+        arms += [
+            PeerArm(
+                f"{EXACTSPEC_PLAIN} (ONNX Runtime, int8 activations)",
+                [*on_onnx, "--no-speculation", *prompt_flag],
+                "onnx-runtime",
+            ),
+            PeerArm(
+                "exactspec prompt lookup (ONNX Runtime, int8 activations, auto gamma)",
+                [*on_onnx, "--draft", "lookup", *prompt_flag],
+                "onnx-runtime",
+            ),
+        ]
+        if config.draft is not None:
+            arms.append(
+                PeerArm(
+                    "exactspec trained draft + lookup (ONNX Runtime, int8 activations, auto gamma)",
+                    [*on_onnx, "--draft", str(config.draft), *prompt_flag],
+                    "onnx-runtime",
                 )
             )
     if config.llama_cpp:

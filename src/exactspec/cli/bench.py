@@ -309,7 +309,8 @@ def add(add_command) -> None:
         help=(
             "against llama.cpp, the comma-separated groups of arms to run (default: all): "
             "torch (exactspec on the torch runtime), default (exactspec as a user runs it), "
-            "llamacpp-runtime (exactspec on its llama.cpp runtime), llama.cpp (llama.cpp "
+            "llamacpp-runtime (exactspec on its llama.cpp runtime), onnx-runtime (exactspec on its ONNX Runtime "
+            "runtime, int8 activations), llama.cpp (llama.cpp "
             "itself), llama-server (llama.cpp's server, plain and in its speculative modes)"
         ),
     )

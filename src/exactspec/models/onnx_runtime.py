@@ -52,7 +52,7 @@ from .onnx_graph import (
 )
 from .runtime import OneSlot, check_rows, outputs_per_row
 
-__all__ = ["GraphCache", "OnnxModel", "OnnxRuntime", "SessionSettings", "onnx_cache_dir"]
+__all__ = ["GraphCache", "OnnxModel", "OnnxRuntime", "SessionSettings", "checkpoint_unsupported", "onnx_cache_dir"]
 
 WARM_UP_TOKENS = 4  # the throwaway call a new session makes at load (OnnxRuntime._warmed)
 GRAPH_VERSION = "exactspec-onnx-1"  # part of every cache key: bump when build_model changes its output
@@ -328,6 +328,16 @@ class OnnxModel(OneSlot):
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------------
+
+
+def checkpoint_unsupported(path: str | Path) -> str | None:
+    """Why ONNX Runtime cannot run this checkpoint (not a Llama GGUF file or directory, or a shape its kernels do not
+    take), or None."""
+    try:
+        _, cfg, _ = _checkpoint(Path(path), "auto")
+    except (ValueError, OSError, KeyError) as error:
+        return str(error)
+    return unsupported(cfg)
 
 
 def _checkpoint(path: Path, mode: str) -> tuple[list[Path], LlamaConfig, Callable[[], LlamaWeights]]:
