@@ -197,9 +197,10 @@ def build_engine(
     engine_class: type[BatchEngine] = BatchEngine,
     acceptance: Sequence[float] = (),
 ) -> BatchEngine:
-    """A batch engine over the pair's models on their runtimes (torch's lean runtime, or llama.cpp's for the
-    llamacpp backend), with ``slots`` sequences of up to ``max_len`` positions. A draft
-    model is batched like the target, and so is a feature-level draft (its one layer's slot cache). The gamma policy
+    """A batch engine over the pair's models on their runtimes (torch's lean runtime, llama.cpp's or ONNX
+    Runtime's), with ``slots`` sequences of up to ``max_len`` positions. A draft model is batched like the target,
+    and so is a feature-level draft (its one layer's slot cache, where :meth:`LoadedPair.feature_draft_runtime` puts
+    it). The gamma policy
     starts from ``acceptance`` (the draft's by position: :func:`exactspec.tuning.priors.acceptance_prior`) and, with
     ``calibrated``, from call costs measured now."""
     from exactspec.proposers import DraftModelProposer
