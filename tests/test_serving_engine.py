@@ -22,7 +22,7 @@ from exactspec import GREEDY, SamplingParams, SpeculativeDecoder
 from exactspec.bench.workloads import workload_prompts
 from exactspec.decoding.engine import BatchEngine, EngineConfig, SequenceRequest
 from exactspec.decoding.sampling import block_probs
-from exactspec.loading import default_pair_dirs, load_pair
+from exactspec.loading import LoadedPair, default_pair_dirs, load_pair
 from exactspec.models.lean import LeanModel, LeanRuntime
 from exactspec.proposers import DraftModelProposer, PromptLookupProposer
 from exactspec.speculator import build_engine
@@ -129,13 +129,20 @@ def test_a_shared_prompt_is_prefilled_once_and_each_sequence_draws_as_alone(pair
     assert len({tuple(r["tokens"]) for r in results[:4]}) > 1
 
 
-def test_a_prompt_an_active_sequence_shares_is_copied_from_its_cache(pair, prompts):
-    """Sequences joining while another runs: one whose prompt opens with 80 of its tokens feeds only the rest, one
-    with its whole prompt feeds only the last token (the positions before are copied from the running sequence's
-    cache); each seeded sequence equals the single-sequence decoder (invariant mode: bit for bit)."""
-    invariant = load_pair(*default_pair_dirs(), backend="lean", dtype=torch.float32, invariant=True)
-    engine = build_engine(invariant, slots=3, max_len=256, calibrated=False)
-    fed = recording_fed_rows(engine)
+def joining_run(invariant: bool, prompts) -> tuple[list, dict, list, list, LoadedPair]:
+    """One sequence running, then two joining: one whose prompt opens with 80 of the running one's tokens, one with
+    its whole prompt. Returns the rows fed in the joining step, each fed row's returned logits, the requests, their
+    results and the pair."""
+    pair = load_pair(*default_pair_dirs(), backend="lean", dtype=torch.float32, invariant=invariant)
+    engine = build_engine(pair, slots=3, max_len=256, calibrated=False)
+    fed, returned, forward = recording_fed_rows(engine), {}, engine.target.forward
+
+    def recorded(rows, outputs=None):
+        logits = forward(rows, outputs)
+        returned.update({tuple(tokens): row for (_, tokens), row in zip(rows, logits)})
+        return logits
+
+    engine.target.forward = recorded
     params = SamplingParams(temperature=0.9)
     running = SequenceRequest(prompt=tuple(prompts[0]), params=params, max_new_tokens=30, seed=0, speculation="draft")
     joining = [
@@ -159,12 +166,27 @@ def test_a_prompt_an_active_sequence_shares_is_copied_from_its_cache(pair, promp
         result["handle"] = engine.submit(
             request, lambda events, r=result: r["tokens"].extend(e.token for e in events), lambda h: None
         )
-    engine.step()  # a prefill call for the 10 new tokens, then one call: the blocks, and the last token of the other
-    assert fed[0] == tuple(prompts[1][:10]) and fed[-1] == tuple(prompts[0][-1:]) and len(fed) == 4
+    engine.step()
+    joined = list(fed)
     while any(r["handle"].finish_reason is None for r in results):
         engine.step()
-    for request, result in zip([running, *joining], results):
-        reference = SpeculativeDecoder(invariant.target, invariant.draft, params).generate(
+    return joined, returned, [running, *joining], results, pair
+
+
+def test_a_prompt_an_active_sequence_shares_is_copied_from_its_cache(prompts):
+    """Joining while another sequence runs: the prompt opening with 80 of its tokens feeds only the rest, the same
+    prompt feeds only its last token (the positions before are copied from the running sequence's cache, which its
+    own prefill of more than 17 tokens built). In invariant mode the copy holds the bits the prompt's own prefill computes: the
+    logits its first token is drawn from equal a solo prefill's bit for bit, and each seeded sequence equals the
+    single-sequence decoder."""
+    fed, returned, requests, results, pair = joining_run(True, prompts)
+    assert fed[0] == tuple(prompts[1][:10]) and fed[-1] == tuple(prompts[0][-1:]) and len(fed) == 4
+    assert len(requests[0].prompt) > 17  # longer than the invariant block: its prefill ran in pieces
+    for prompt in (requests[1].prompt, requests[2].prompt):
+        fed_rest = next(rest for rest in fed if prompt[-len(rest) :] == rest)
+        assert torch.equal(returned[fed_rest][-1], pair.target.prefill(list(prompt), 1)[-1])
+    for request, result in zip(requests, results):
+        reference = SpeculativeDecoder(pair.target, pair.draft, request.params).generate(
             list(request.prompt), max_new_tokens=request.max_new_tokens, gamma=4, seed=request.seed
         )
         assert result["tokens"] == reference.tokens

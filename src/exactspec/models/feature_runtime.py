@@ -8,8 +8,8 @@ at its own length, so padding and another sequence's keys are never read. Each s
 
 Numerics: as in the lean runtime, a batched row matches its solo computation up to the low-order bits of matrix
 kernels given more rows. With ``invariant=True`` every row runs alone at ``INVARIANT_ROWS`` rows with fixed-shape
-attention, so it gets the same bits whatever the call and the batch (the target's invariant mode keeps its promise
-with a feature-level draft).
+attention (a longer one as consecutive calls of that size), so it gets the same bits whatever the call and the
+batch (the target's invariant mode keeps its promise with a feature-level draft).
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ class FeatureDraftRuntime:
 
     def project(self, features: torch.Tensor) -> torch.Tensor:  # (n, F) the target's features -> (n, C) inputs u
         n = features.shape[0]
+        if self.invariant and n > INVARIANT_ROWS:  # in pieces of the fixed row count, as _forward_one feeds them
+            return torch.cat([self.project(features[i : i + INVARIANT_ROWS]) for i in range(0, n, INVARIANT_ROWS)])
         with torch.inference_mode():
             return self.draft.fc(padded_rows(features.to(device=self.device, dtype=self.dtype), self._rows(n)))[:n]
 
@@ -88,6 +90,10 @@ class FeatureDraftRuntime:
             return g, self.draft.logits(g).float()
 
     def _forward_one(self, slot: int, u: torch.Tensor, tokens: list[int]) -> torch.Tensor:  # (C,) the last slot's g
+        if self.invariant and len(tokens) > INVARIANT_ROWS:  # a prompt's catch-up: consecutive fixed-size calls, so
+            for start in range(0, len(tokens), INVARIANT_ROWS):  # its slots' bits never depend on how it was split
+                g = self._forward_one(slot, u[start : start + INVARIANT_ROWS], tokens[start : start + INVARIANT_ROWS])
+            return g
         pos, n = self.cache.lengths[slot], len(tokens)
         rows = self._rows(n)
         ids = torch.tensor(tokens + [0] * (rows - n), dtype=torch.long, device=self.device).unsqueeze(0)  # (1, R)

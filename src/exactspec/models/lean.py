@@ -13,8 +13,10 @@ no Python work per token:
   (:func:`exactspec.models.attention.grouped_attention`). Padding rows compute garbage that is never returned;
   their keys land past the row's length, where no query looks before a real token overwrites them;
 * ``invariant=True``: every row runs alone, and a call of up to ``INVARIANT_ROWS`` tokens runs its matmuls at
-  exactly that many rows with fixed-shape attention chunks (:meth:`exactspec.models.llama.Block.forward_invariant`),
-  so a position's logits are the same bits whatever the call size and whatever else the batch holds.
+  exactly that many rows with fixed-shape attention chunks (:meth:`exactspec.models.llama.Block.forward_invariant`);
+  a longer one (a prompt) runs as consecutive calls of that size, so a position's logits and cache entries are the
+  same bits whatever the calls that computed them and whatever else the batch holds (a prefix copied from another
+  sequence's cache included).
 
 Numerics outside the invariant mode: a sequence's logits are computed by the same operations whatever the call,
 but matrix kernels given more rows may round the low-order bits differently; speculative output still follows
@@ -142,6 +144,8 @@ class LeanRuntime:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (count, V), (t, F)
         """One sequence's call against its slot, unpadded (or at INVARIANT_ROWS rows in the invariant mode); the
         logits of its last ``count`` positions."""
+        if self.invariant and len(ids) > INVARIANT_ROWS:
+            return self._forward_pieces(slot, ids, count)
         pos, t = self.cache.lengths[slot], len(ids)
         fixed = self.invariant and t <= INVARIANT_ROWS
         rows = INVARIANT_ROWS if fixed else t
@@ -168,6 +172,21 @@ class LeanRuntime:
             logits = self.decoder.logits(x[:, t - count : t])[0]  # (count, V)
         self.cache.lengths[slot] = pos + t
         return logits, torch.cat(features, dim=-1) if features else None
+
+    def _forward_pieces(
+        self, slot: int, ids: list[int], count: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (count, V), (t, F)
+        """A call longer than INVARIANT_ROWS in the invariant mode (a prompt) as consecutive calls of at most that
+        many tokens: every position then gets the bits any other split gives it, so a prefix copied from another
+        sequence's cache holds the bits this prompt's own prefill would."""
+        logits, features = [], []
+        for start in range(0, len(ids), INVARIANT_ROWS):
+            piece = ids[start : start + INVARIANT_ROWS]
+            after = len(ids) - start - len(piece)  # positions of the call after this piece
+            piece_logits, piece_features = self._forward_one(slot, piece, min(len(piece), max(0, count - after)))
+            logits.append(piece_logits)
+            features.append(piece_features)
+        return torch.cat(logits), None if features[0] is None else torch.cat(features)
 
     def _forward_ragged(
         self, slots: list[int], ids: list[list[int]], counts: list[int]

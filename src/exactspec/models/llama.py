@@ -38,7 +38,7 @@ __all__ = [
 
 # Invariant mode: every call of up to this many tokens (every decoding call: gamma <= 16) runs its matmuls at
 # exactly this many rows, so a position's logits are the same bits whatever the call size. Longer calls (a
-# prompt's prefill, the same in every mode) run unpadded.
+# prompt's prefill) run as consecutive calls of this size.
 INVARIANT_ROWS = 17
 
 
