@@ -155,3 +155,18 @@ def test_outputs_return_the_logits_of_each_rows_last_positions(mode):
             )
     with pytest.raises(ValueError, match="outputs must give each of the"):
         part.forward([(0, [1, 2])], [3])
+
+
+def test_a_call_that_fails_part_way_leaves_its_slot_as_it_was():
+    """A layer raising after the first one wrote its keys: the slot keeps its length, and the next call on it gives a
+    fresh call's logits (what the failed call wrote past the length is never read)."""
+    model = small_model()
+    runtime = LeanRuntime.like(model, slots=2, max_len=64)
+    fresh = runtime.forward([(0, [1, 2, 3, 4, 5])])[0]
+    layer = runtime._layers[1]
+    layer.forward_cached = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("forced"))
+    with pytest.raises(RuntimeError, match="forced"):
+        runtime.forward([(1, [7, 8, 9, 10])])
+    del layer.forward_cached
+    assert runtime.lengths == [5, 0]
+    assert torch.equal(runtime.forward([(1, [1, 2, 3, 4, 5])])[0], fresh)

@@ -185,6 +185,22 @@ def test_rollback_and_a_copied_prefix_continue_as_a_fresh_call(files):
     assert runtime.lengths == [4, 5]
 
 
+def test_a_failed_decode_leaves_nothing_in_its_slots(files, monkeypatch):
+    """llama_decode writes a slot's cells, then reports a failure: the cells past each slot's length are freed before
+    the error, so the slot (at length 0 here, where a rollback has nothing to cut) continues as a fresh call."""
+    import llama_cpp
+
+    runtime = LlamaCppRuntime(files[0], slots=2, max_len=64, threads=1)
+    fresh = runtime.forward([(0, [1, 20, 21, 22, 23])])[0]
+    decode = llama_cpp.llama_decode
+    monkeypatch.setattr(llama_cpp, "llama_decode", lambda ctx, batch: decode(ctx, batch) or 1)
+    with pytest.raises(RuntimeError, match="llama_decode failed with status 1"):
+        runtime.forward([(1, [1, 30, 31, 32])])
+    monkeypatch.undo()
+    assert runtime.lengths == [5, 0]
+    assert (runtime.forward([(1, [1, 20, 21, 22, 23])])[0] - fresh).abs().max() < ATOL
+
+
 def test_a_split_cache_gives_the_unified_caches_logits_in_any_slot_order(files):
     """Rows of a split cache go to llama.cpp in slot order (llama.cpp computes consecutive slots together) and come
     back in the caller's order; a copied prefix is the source's stream cut to its length."""

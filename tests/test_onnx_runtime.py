@@ -383,3 +383,24 @@ def test_a_head_size_onnx_runtime_cannot_run_is_refused_by_name():
     decoder = tiny_target()
     with pytest.raises(ValueError, match="head size of 8"):
         OnnxRuntime.from_weights(decoder.cfg, state_dict_weights(decoder.cfg, hf_state_dict(decoder)))
+
+
+def test_a_call_that_fails_after_writing_leaves_its_slot_as_it_was(target, monkeypatch):
+    """The session's run writes the call's keys in place, then the call fails: the slot keeps its length, and the
+    next call on it gives a fresh call's logits."""
+    cfg, weights, _ = target
+    runtime = OnnxRuntime.from_weights(cfg, weights, slots=2, max_len=128, threads=1)
+    fresh = runtime.forward([(0, [1, 2, 3, 4, 5])])[0]
+    session = runtime._session.session
+    run = session.run_with_iobinding
+
+    def written_then_failed(binding, *args):
+        run(binding, *args)
+        raise RuntimeError("forced")
+
+    monkeypatch.setattr(session, "run_with_iobinding", written_then_failed)
+    with pytest.raises(RuntimeError, match="forced"):
+        runtime.forward([(1, [7, 8, 9, 10])])
+    monkeypatch.undo()
+    assert runtime.lengths == [5, 0]
+    assert torch.equal(runtime.forward([(1, [1, 2, 3, 4, 5])])[0], fresh)

@@ -176,9 +176,9 @@ def joining_run(invariant: bool, prompts) -> tuple[list, dict, list, list, Loade
 def test_a_prompt_an_active_sequence_shares_is_copied_from_its_cache(prompts):
     """Joining while another sequence runs: the prompt opening with 80 of its tokens feeds only the rest, the same
     prompt feeds only its last token (the positions before are copied from the running sequence's cache, which its
-    own prefill of more than 17 tokens built). In invariant mode the copy holds the bits the prompt's own prefill computes: the
-    logits its first token is drawn from equal a solo prefill's bit for bit, and each seeded sequence equals the
-    single-sequence decoder."""
+    own prefill of more than 17 tokens built). In invariant mode the copy holds the bits the prompt's own prefill
+    computes: the logits its first token is drawn from equal a solo prefill's bit for bit, and each seeded sequence
+    equals the single-sequence decoder."""
     fed, returned, requests, results, pair = joining_run(True, prompts)
     assert fed[0] == tuple(prompts[1][:10]) and fed[-1] == tuple(prompts[0][-1:]) and len(fed) == 4
     assert len(requests[0].prompt) > 17  # longer than the invariant block: its prefill ran in pieces

@@ -6,7 +6,8 @@ implements the runtime interface (:mod:`exactspec.models.runtime`) on llama.cpp'
 * ``forward(rows, outputs)``: one ``llama_decode`` for every row of the call, each row's tokens at its slot's next
   positions in sequence ``slot``, logits requested for the positions asked for (every fed position by default)
   and read back in the batch's order;
-* ``rollback(slot, n)``: ``llama_memory_seq_rm(slot, n, -1)``; the cells past ``n`` are free again;
+* ``rollback(slot, n)``: ``llama_memory_seq_rm(slot, n, -1)``; the cells past ``n`` are free again (a failed
+  decode frees what it wrote past each of its slots' lengths the same way, before it raises);
 * ``copy_prefix(source, slot, n)``: the slot's cells dropped, then the source's first ``n`` positions shared with
   it (``llama_memory_seq_cp``: no recomputation, the cells are tagged with both sequences).
 
@@ -362,6 +363,8 @@ class LlamaCppRuntime:
                 self._capture.clear()  # nothing left from a decode that failed
             status = llama.llama_decode(self._ctx, batch)
             if status != 0:
+                for slot in slots:  # what the failed decode wrote past each slot's length stays in no slot
+                    llama.llama_memory_seq_rm(self._memory, slot, self._lengths[slot], -1)
                 raise RuntimeError(f"llama_decode failed with status {status} on {total} tokens in {len(rows)} rows")
             logits = torch.empty((0, self.vocab_size))  # (sum(computed), V): copied, llama.cpp reuses its buffer
             if sum(computed):
