@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -331,13 +332,24 @@ class OnnxModel(OneSlot):
 
 
 def checkpoint_unsupported(path: str | Path) -> str | None:
-    """Why ONNX Runtime cannot run this checkpoint (not a Llama GGUF file or directory, or a shape its kernels do not
-    take), or None."""
+    """Why exactspec's graph cannot run this checkpoint on ONNX Runtime (not a Llama GGUF file or a directory whose
+    config names LlamaForCausalLM, or a shape its kernels do not take), or None. Reads the config only."""
+    path = Path(path)
     try:
-        _, cfg, _ = _checkpoint(Path(path), "auto")
-    except (ValueError, OSError, KeyError) as error:
-        return str(error)
-    return unsupported(cfg)
+        if is_gguf(path):
+            gguf = read_gguf(path)
+            architecture = gguf.metadata.get("general.architecture")
+            if architecture != "llama":
+                return f"a {architecture} GGUF file (the graph builder reads Llama files)"
+            return unsupported(llama_config(gguf))
+        architectures = json.loads((path / "config.json").read_text()).get("architectures", [])
+        if "LlamaForCausalLM" not in architectures:
+            return f"config.json names {', '.join(architectures) or 'no architecture'}, not LlamaForCausalLM"
+        from .lean import read_config
+
+        return unsupported(read_config(path))
+    except (OSError, ValueError, AttributeError) as error:
+        return f"{type(error).__name__}: {error}"
 
 
 def _checkpoint(path: Path, mode: str) -> tuple[list[Path], LlamaConfig, Callable[[], LlamaWeights]]:

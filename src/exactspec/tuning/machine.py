@@ -229,23 +229,10 @@ def onnx_available() -> bool:
 
 
 def _onnx_runs(checkpoint: str | Path | None) -> bool:
-    """Whether ``checkpoint`` is a Llama model that the ONNX graph builder reads and ONNX Runtime runs (a GGUF file,
-    or a directory whose config names LlamaForCausalLM; a head size its attention takes)."""
-    from exactspec.models.gguf import llama_config
-    from exactspec.models.lean import read_config
-    from exactspec.models.onnx_graph import unsupported
+    """Whether ``checkpoint`` is a Llama model that the ONNX graph builder reads and ONNX Runtime runs."""
+    from exactspec.models.onnx_runtime import checkpoint_unsupported
 
-    if checkpoint is None:
-        return False
-    path = Path(checkpoint)
-    try:
-        if is_gguf(path):
-            gguf = read_gguf(path)
-            return gguf.metadata.get("general.architecture") == "llama" and not unsupported(llama_config(gguf))
-        architectures = json.loads((path / "config.json").read_text()).get("architectures", [])
-        return "LlamaForCausalLM" in architectures and not unsupported(read_config(path))
-    except (OSError, ValueError, AttributeError):
-        return False
+    return checkpoint is not None and checkpoint_unsupported(checkpoint) is None
 
 
 def _weight_bytes(checkpoint: str | Path) -> int:
