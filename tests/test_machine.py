@@ -201,3 +201,39 @@ def test_generate_reports_the_choice_and_starts_from_it(capsys, monkeypatch):
     assert runs[0]["runtime_choice"]["chosen"] == runs[1]["runtime_choice"]["chosen"]
     assert runs[1]["policy"]["calibration"]["seconds"] == 0.0  # the cached costs, not timed again
     assert main(["cache", "--clear"]) == 0 and not MachineCache().entries()
+
+
+def test_a_cached_measurement_far_from_a_runs_own_calls_is_measured_again(gguf, monkeypatch, tmp_path):
+    """A measurement taken on a busy machine (injected: every call ten times its cost) is cached; a later run whose
+    calls cost a tenth of it says so in one line and forgets it, so the next choice measures again. A run within
+    DRIFT_FACTOR of the cache keeps it."""
+    monkeypatch.setattr(machine, "llama_cpp_available", lambda: False)
+    monkeypatch.setattr(machine, "acceptance_prior", lambda *args: ((0.6,) * 8, "test"))
+    slow = {"factor": 10.0}
+
+    def measure(spec, candidate, max_gamma, params):
+        return Measurement(candidate, costs(slow["factor"] * 10.0, slow["factor"] * 1.0), 1.0)
+
+    monkeypatch.setattr(machine, "measure", measure)
+    cache = MachineCache(tmp_path / "machine")
+    spec = PairSpec(gguf, "lookup", backend="auto", dtype="auto").resolved()
+    assert choose(spec, cache=cache)[1].source == "measured now"
+    _, choice = choose(spec, cache=cache)
+    assert choice.source == "cached" and choice.cache_file is not None
+    near = {1: 95.0, 3: 130.0}  # within DRIFT_FACTOR of the cached 100 and 120 ms
+    assert machine.recheck(choice, near) is None and choose(spec, cache=cache)[1].source == "cached"
+    quiet = {1: 10.5, 2: 11.2, 4: 13.1}  # what the calls really cost
+    line = machine.recheck(choice, quiet)
+    assert "0.1x" in line and "measures again" in line and "\n" not in line
+    slow["factor"] = 1.0
+    _, again = choose(spec, cache=cache)
+    assert again.source == "measured now" and again.measurements[0].target_ms[1] == 10.0
+    assert machine.recheck(again, quiet) is None  # measured now: nothing to hold it against
+
+
+def test_a_runs_call_costs_come_from_its_rounds():
+    from exactspec.decoding.stats import GenerationStats, RoundRecord
+
+    rounds = [RoundRecord(0, 0, 1, 0.0, 0.5, 0.0)]  # the prefill: left out
+    rounds += [RoundRecord(d, 0, 1, 0.0, s, 0.0) for d, s in ((0, 0.010), (0, 0.012), (0, 0.020), (2, 0.015))]
+    assert machine.observed_call_ms(GenerationStats(rounds)) == {1: pytest.approx(12.0), 3: pytest.approx(15.0)}

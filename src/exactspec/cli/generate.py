@@ -72,6 +72,12 @@ def run(args: argparse.Namespace) -> dict:
     except KeyboardInterrupt:  # Ctrl-C: keep what was generated and summarise it
         tokens.close()
         generation.finish_reason = "interrupted"
+    if choice is not None:
+        from exactspec.tuning.machine import observed_call_ms, recheck
+
+        drift = recheck(choice, observed_call_ms(stats))
+        if drift:
+            print(f"exactspec: {drift}", file=sys.stderr)
     result = {
         "prompt": text,
         "threads": getattr(speculator.pair.target, "threads", torch.get_num_threads()),  # llama.cpp's own, or torch's

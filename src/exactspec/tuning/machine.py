@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from exactspec.decoding.costmodel import expected_tokens_by_gamma
 from exactspec.decoding.decoder import SpeculativeDecoder
 from exactspec.decoding.policy import AdaptiveConfig
 from exactspec.decoding.sampling import SamplingParams
+from exactspec.decoding.stats import GenerationStats
 from exactspec.loading import LOOKUP, SMALL_MODEL_PARAMETERS, PairSpec, native_bfloat16
 from exactspec.models.base import check_local_checkpoint, is_gguf
 from exactspec.models.gguf import read_gguf
@@ -66,6 +68,8 @@ __all__ = [
     "candidates",
     "choose",
     "machine_signature",
+    "observed_call_ms",
+    "recheck",
     "measure",
     "ms_per_token_by_gamma",
     "predicted_ms_per_token",
@@ -75,6 +79,8 @@ __all__ = [
 AUTO = "auto"
 #: The context the call costs are measured after (calibration re-feeds its last tokens).
 CONTEXT_TOKENS = 64
+#: How far (either way) a run's calls may cost from the cached measurement before it is taken again (:func:`recheck`).
+DRIFT_FACTOR = 3.0
 #: The CPU flags the kernels' speed depends on (a machine signature keeps only these).
 _FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "neon", "asimd")
 
@@ -113,6 +119,7 @@ class RuntimeChoice:
     source: str  # "measured now", "cached" or "only candidate"
     seconds: float  # spent measuring in this run
     draft_dropped: bool = False  # the shipped draft's best gamma on the chosen runtime is 0: prompt lookup runs instead
+    cache_file: str | None = None  # where the measurements are kept (None: nothing measured)
 
     @property
     def calibration(self) -> Calibration | None:
@@ -400,7 +407,16 @@ def choose(
         and bool(acceptance)
         and _best_gamma(measured[best], acceptance, max_gamma) == 0
     )
-    choice = RuntimeChoice(chosen, measured, predicted, tuple(acceptance), source, time.perf_counter() - began, dropped)
+    choice = RuntimeChoice(
+        chosen,
+        measured,
+        predicted,
+        tuple(acceptance),
+        source,
+        time.perf_counter() - began,
+        dropped,
+        str(file) if measured else None,
+    )
     return replace(
         spec,
         backend=chosen.backend,
@@ -410,6 +426,36 @@ def choose(
         int8_activations=chosen.int8_activations,
         draft=LOOKUP if dropped else spec.draft,
     ), choice
+
+
+def observed_call_ms(stats: GenerationStats) -> dict[int, float]:
+    """The median ms of a run's verification calls by the tokens each fed (drafted + 1); the prompt's prefill (the
+    first record) left out."""
+    by_size: dict[int, list[float]] = {}
+    for record in stats.rounds[1:]:
+        by_size.setdefault(record.drafted + 1, []).append(record.target_seconds * 1000)
+    return {n: statistics.median(ms) for n, ms in by_size.items()}
+
+
+def recheck(choice: RuntimeChoice, observed_ms: dict[int, float]) -> str | None:
+    """A cached choice held against the calls a run made (:func:`observed_call_ms`): where the run's calls cost more
+    than :data:`DRIFT_FACTOR` times the cached ones, or less than their share, the cached measurements of this
+    machine and pair are forgotten, so the next run measures again; returns the line that says so, else None. One
+    measurement taken while something else ran must not decide every later run."""
+    if choice.source != "cached" or choice.cache_file is None:
+        return None
+    cached = next(m.target_ms for m in choice.measurements if m.candidate == choice.chosen)
+    ratios = [ms / cached[n] for n, ms in observed_ms.items() if cached.get(n, 0) > 0]
+    if not ratios:
+        return None
+    ratio = statistics.median(ratios)
+    if 1 / DRIFT_FACTOR <= ratio <= DRIFT_FACTOR:
+        return None
+    Path(choice.cache_file).unlink(missing_ok=True)
+    return (
+        f"this run's calls on {choice.chosen.label} cost {ratio:.2g}x what this machine's cached measurement says "
+        f"(c(1) {cached[1]:.1f} ms): it was forgotten, and the next run measures again"
+    )
 
 
 def _well_formed(entry) -> bool:
