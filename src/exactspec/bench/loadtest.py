@@ -51,6 +51,10 @@ class LoadConfig:
     baseline_requests: int = 3
     check_limit: int = 64
     temperature: float = 1.0  # of the load phase's requests (seeded); 0: greedy
+    faults: bool = (
+        False  # mixed lengths; every 4th client leaves mid-stream, every 8th sends a bad body every other turn
+    )
+    warmup: float = 0.1  # the share of the load phase after which the server's memory is read the first time
 
     def __post_init__(self) -> None:
         if self.clients < 1 or not self.seconds > 0 or self.max_tokens < 1 or self.baseline_requests < 1:
@@ -68,10 +72,11 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50": pick(0.50), "p95": pick(0.95), "p99": pick(0.99)}
 
 
-async def _stream(client, config: LoadConfig, body: dict) -> dict:
-    """One streaming request: its text, tokens, time to first token and latency (or its error)."""
+async def _stream(client, config: LoadConfig, body: dict, leave_after: int | None = None) -> dict:
+    """One streaming request: its text, tokens, time to first token and latency (or its error); with
+    ``leave_after``, the client closes the connection after that many chunks (``{"left": True}``)."""
     started = time.perf_counter()
-    first, pieces, tokens = None, [], 0
+    first, pieces, tokens, chunks = None, [], 0, 0
     async with client.stream(
         "POST",
         "/v1/completions",
@@ -85,6 +90,9 @@ async def _stream(client, config: LoadConfig, body: dict) -> dict:
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 return {"error": chunk["error"]["message"]}
+            chunks += 1
+            if leave_after is not None and chunks >= leave_after:
+                return {"left": True}
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices", []):
@@ -93,6 +101,19 @@ async def _stream(client, config: LoadConfig, body: dict) -> dict:
                     pieces.append(choice["text"])
     end = time.perf_counter()
     return {"text": "".join(pieces), "tokens": tokens, "ttft": (first or end) - started, "latency": end - started}
+
+
+BAD_BODIES = ({"temperature": "hot"}, {"max_tokens": -3}, {"prompt": None}, {"n": 10**6}, {"logit_bias": [1]})
+
+
+async def _bad_body(client, config: LoadConfig, body: dict, refused: dict) -> None:
+    """A request a fault-injecting client breaks on purpose: a 4xx with an error body is expected."""
+    bad = {**body, "model": config.model, **BAD_BODIES[body["seed"] % len(BAD_BODIES)]}
+    response = await client.post("/v1/completions", json=bad)
+    if 400 <= response.status_code < 500 and "error" in response.json():
+        refused["expected"] += 1
+    else:
+        refused["unexpected"].append(f"bad body {bad} answered HTTP {response.status_code}")
 
 
 async def _memory(client) -> float | None:
@@ -129,31 +150,41 @@ async def run_load(config: LoadConfig) -> dict:
         memory_before = await _memory(client)
         deadline = time.perf_counter() + config.seconds
         records: list[tuple[dict, dict]] = []
+        refused = {"expected": 0, "unexpected": []}  # the faults' bad bodies
 
         async def user(index: int) -> None:
             turn = 0
             while time.perf_counter() < deadline:
+                length = 4 + (7 * index + 5 * turn) % config.max_tokens if config.faults else config.max_tokens
                 body = {
                     "prompt": PROMPTS[(index + turn) % len(PROMPTS)],
-                    "max_tokens": config.max_tokens,
+                    "max_tokens": length,
                     "temperature": config.temperature,
                     "seed": 1000 * index + turn,
                     "speculation": MODES[(index + turn) % len(MODES)],
                 }
+                turn += 1
                 try:
-                    records.append((body, await _stream(client, config, body)))
+                    if config.faults and index % 8 == 6 and turn % 2:
+                        await _bad_body(client, config, body, refused)
+                        continue
+                    leave = 2 + turn % 3 if config.faults and index % 4 == 3 else None
+                    records.append((body, await _stream(client, config, body, leave)))
                 except httpx.HTTPError as error:
                     records.append((body, {"error": f"{type(error).__name__}: {error}"}))
-                turn += 1
+
+        async def warm_memory() -> float | None:
+            await asyncio.sleep(config.warmup * config.seconds)
+            return await _memory(client)
 
         load_began = time.perf_counter()
-        await asyncio.gather(*(user(i) for i in range(config.clients)))
+        memory_warm, *_ = await asyncio.gather(warm_memory(), *(user(i) for i in range(config.clients)))
         load_seconds = time.perf_counter() - load_began
         memory_after = await _memory(client)
 
-        done = [r for _, r in records if "error" not in r]
+        done = [r for _, r in records if "error" not in r and "left" not in r]
         mismatches = []
-        for body, result in [(b, r) for b, r in records if "error" not in r][: config.check_limit]:
+        for body, result in [(b, r) for b, r in records if "error" not in r and "left" not in r][: config.check_limit]:
             alone = await _stream(client, config, body)
             if alone.get("text") != result["text"]:
                 mismatches.append(
@@ -166,18 +197,21 @@ async def run_load(config: LoadConfig) -> dict:
         "baseline_tokens_per_second": baseline,
         "requests": len(records),
         "completed": len(done),
-        "errors": [r["error"] for _, r in records if "error" in r],
+        "left_mid_stream": sum("left" in r for _, r in records),
+        "bad_bodies_refused": refused["expected"],
+        "errors": [r["error"] for _, r in records if "error" in r] + refused["unexpected"],
         "aggregate_tokens_per_second": aggregate,
         "speedup_over_one_plain_client": aggregate / baseline,
         "latency_seconds": _percentiles([r["latency"] for r in done]),
         "ttft_seconds": _percentiles([r["ttft"] for r in done]),
+        "seconds_per_token": _percentiles([r["latency"] / r["tokens"] for r in done if r["tokens"]]),
         "checked_against_solo": min(len(done), config.check_limit),
         "mismatches": mismatches,
-        "memory_bytes": {"before": memory_before, "after": memory_after},
+        "memory_bytes": {"before": memory_before, "after_warmup": memory_warm, "after": memory_after},
     }
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -213,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     process = None
     try:
         if args.spawn:
-            port = _free_port()
+            port = free_port()
             args.url = f"http://127.0.0.1:{port}"
             command = [
                 sys.executable,
@@ -229,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             command += ["--threads", str(args.threads)] if args.threads else []
             command += ["--dtype", args.dtype]
             process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
-            _wait_until_up(args.url, process)
+            wait_until_up(args.url, process)
         config = LoadConfig(
             args.url,
             args.model,
@@ -265,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if not report["errors"] and not report["mismatches"] else 1
 
 
-def _wait_until_up(url: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
+def wait_until_up(url: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
