@@ -163,26 +163,7 @@ def _arms(config: PeerBenchConfig, mode: str, llama_cpp_flags: Sequence[str] = (
         config.llama_cpp and "--invariant" not in config.generate_flags
     ):  # the same file on exactspec's llama.cpp runtime
         on_llama = [*generate, "--backend", "llamacpp"]
-        arms += [
-            PeerArm(
-                f"{EXACTSPEC_PLAIN} (llama.cpp runtime)",
-                [*on_llama, "--no-speculation", *prompt_flag],
-                "llamacpp-runtime",
-            ),
-            PeerArm(
-                "exactspec prompt lookup (llama.cpp runtime, auto gamma)",
-                [*on_llama, "--draft", "lookup", *prompt_flag],
-                "llamacpp-runtime",
-            ),
-        ]
-        if config.draft is not None:
-            arms.append(
-                PeerArm(
-                    "exactspec trained draft + lookup (llama.cpp runtime, auto gamma)",
-                    [*on_llama, "--draft", str(config.draft), *prompt_flag],
-                    "llamacpp-runtime",
-                )
-            )
+        arms += _runtime_arms(on_llama, prompt_flag, config.draft, "llama.cpp runtime", "llamacpp-runtime")
         if (
             config.draft is not None and config.llama_server_draft is not None
         ):  # the cross-check's partner of draft-eagle3
@@ -204,26 +185,7 @@ def _arms(config: PeerBenchConfig, mode: str, llama_cpp_flags: Sequence[str] = (
     if "--invariant" not in config.generate_flags and checkpoint_unsupported(config.target) is None:
         # the file on exactspec's ONNX Runtime runtime, int8 activations (its fast form; the record names it)
         on_onnx = [*generate, "--backend", "onnx", "--int8-activations"]
-        arms += [
-            PeerArm(
-                f"{EXACTSPEC_PLAIN} (ONNX Runtime, int8 activations)",
-                [*on_onnx, "--no-speculation", *prompt_flag],
-                "onnx-runtime",
-            ),
-            PeerArm(
-                "exactspec prompt lookup (ONNX Runtime, int8 activations, auto gamma)",
-                [*on_onnx, "--draft", "lookup", *prompt_flag],
-                "onnx-runtime",
-            ),
-        ]
-        if config.draft is not None:
-            arms.append(
-                PeerArm(
-                    "exactspec trained draft + lookup (ONNX Runtime, int8 activations, auto gamma)",
-                    [*on_onnx, "--draft", str(config.draft), *prompt_flag],
-                    "onnx-runtime",
-                )
-            )
+        arms += _runtime_arms(on_onnx, prompt_flag, config.draft, "ONNX Runtime, int8 activations", "onnx-runtime")
     if config.llama_cpp:
         child = [
             sys.executable,
@@ -288,6 +250,27 @@ def _arms(config: PeerBenchConfig, mode: str, llama_cpp_flags: Sequence[str] = (
                 for mode in DRAFT_MODES
             ]
     return [arm for arm in arms if arm.group in config.arm_groups]
+
+
+def _runtime_arms(
+    generate: list[str], prompt_flag: list[str], draft: Path | None, runtime: str, group: str
+) -> list[PeerArm]:
+    """exactspec plain, with prompt lookup and with the trained draft (when given) on one named runtime."""
+    arms = [
+        PeerArm(f"{EXACTSPEC_PLAIN} ({runtime})", [*generate, "--no-speculation", *prompt_flag], group),
+        PeerArm(
+            f"exactspec prompt lookup ({runtime}, auto gamma)", [*generate, "--draft", "lookup", *prompt_flag], group
+        ),
+    ]
+    if draft is not None:
+        arms.append(
+            PeerArm(
+                f"exactspec trained draft + lookup ({runtime}, auto gamma)",
+                [*generate, "--draft", str(draft), *prompt_flag],
+                group,
+            )
+        )
+    return arms
 
 
 def llama_cpp_alone_survives(config: PeerBenchConfig) -> bool:

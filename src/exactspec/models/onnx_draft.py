@@ -29,7 +29,18 @@ from onnx import TensorProto, helper
 from .eagle import FeatureDraft
 from .kv_cache import MAX_BLOCK
 from .llama_config import rope_tables
-from .onnx_graph import BLOCK, MS, OPSET, Graph, GraphOptions, Projection, matmul, quantize_int8, requantize_symmetric
+from .onnx_graph import (
+    BLOCK,
+    MS,
+    OPSET,
+    Graph,
+    GraphOptions,
+    Projection,
+    group_query_attention,
+    matmul,
+    quantize_int8,
+    requantize_symmetric,
+)
 from .onnx_runtime import SessionSettings
 
 __all__ = ["DRAFT_WEIGHTS", "OnnxFeatureDraftRuntime", "build_draft_model"]
@@ -90,17 +101,8 @@ def build_draft_model(draft: FeatureDraft, weights: str = "int8") -> onnx.ModelP
     else:
         residual = product(g.one("Concat", ["u", "e"], axis=-1), draft.w_in, "w_in")
         attention_in = norm(residual, block.attn_norm)
-    attention = g.op(
-        "GroupQueryAttention",
-        [product(attention_in, block.wqkv, "wqkv"), "", "", "past_key", "past_value", "seqlens_k"]
-        + ["total_sequence_length", "cos_cache", "sin_cache"],
-        [g.name("attention"), "present_key", "present_value"],
-        MS,
-        num_heads=layer.num_attention_heads,
-        kv_num_heads=nkv,
-        do_rotary=1,
-        rotary_interleaved=0,
-    )[0]
+    qkv = product(attention_in, block.wqkv, "wqkv")
+    attention = group_query_attention(g, qkv, ["past_key", "past_value"], ["present_key", "present_value"], layer)
     mlp_in, _, _, y = g.op(
         "SkipSimplifiedLayerNormalization",
         [residual, product(attention, block.wo, "wo"), g.const("mlp_norm", _f32(block.mlp_norm))],

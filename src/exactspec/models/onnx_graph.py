@@ -45,6 +45,7 @@ __all__ = [
     "WEIGHT_MODES",
     "build_model",
     "gguf_weights",
+    "group_query_attention",
     "matmul",
     "pack_int4",
     "quantize_int8",
@@ -366,6 +367,22 @@ def _embedding(g: Graph, ids: str, bound: _Bound, cfg: LlamaConfig) -> str:  # i
     return g.one("Reshape", [g.one("Mul", [centred, scale]), shape])  # d q: exact in float32
 
 
+def group_query_attention(g: Graph, qkv: str, past: list[str], present: list[str], cfg: LlamaConfig) -> str:
+    """Attention over the packed q|k|v ``(1, T, (nh + 2 nkv) hd)`` with its rotary embedding (rotate-half, from the
+    graph's ``cos_cache``/``sin_cache``), appending the call's keys and values to the ``past`` buffers in place (bound
+    as ``present`` too) and reading ``seqlens_k + 1`` positions of them: ``(1, T, nh hd)``."""
+    return g.op(
+        "GroupQueryAttention",
+        [qkv, "", "", *past, "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"],
+        [g.name("attention"), *present],
+        MS,
+        num_heads=cfg.num_attention_heads,
+        kv_num_heads=cfg.num_key_value_heads,
+        do_rotary=1,
+        rotary_interleaved=0,
+    )[0]
+
+
 def build_model(cfg: LlamaConfig, weights: LlamaWeights, options: GraphOptions = GraphOptions()) -> onnx.ModelProto:
     """The decoder graph. Inputs: ``input_ids`` (1, T) int64, ``last`` (k,) int64 (positions whose logits are
     returned), ``seqlens_k`` (1,) int32 (cached + T - 1), ``total_sequence_length`` () int32, ``cos_cache`` and
@@ -400,16 +417,7 @@ def build_model(cfg: LlamaConfig, weights: LlamaWeights, options: GraphOptions =
             for n in cache
         ]
         qkv = projection(g, normed, _bind(g, weights.wqkv[i], f"wqkv{i}"), options, sums)
-        attention = g.op(
-            "GroupQueryAttention",
-            [qkv, "", "", *cache, "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"],
-            [g.name("attention"), f"present_key_{i}", f"present_value_{i}"],
-            MS,
-            num_heads=cfg.num_attention_heads,
-            kv_num_heads=nkv,
-            do_rotary=1,
-            rotary_interleaved=0,
-        )[0]
+        attention = group_query_attention(g, qkv, cache, [f"present_key_{i}", f"present_value_{i}"], cfg)
         o = projection(g, attention, _bind(g, weights.wo[i], f"wo{i}"), options, sums)
         normed, _, _, h = g.op(
             "SkipSimplifiedLayerNormalization",
