@@ -149,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-requests", type=int, default=48)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if min(args.minutes, args.clients, args.max_tokens, args.check_limit, args.batch_requests) <= 0:
+        print(
+            "soak: error: --minutes, --clients, --max-tokens, --check-limit and --batch-requests must be positive",
+            file=sys.stderr,
+        )
+        return 2
     report = run_soak(args.minutes, args.clients, args.max_tokens, args.check_limit, args.batch_requests)
     if args.json:
         print(json.dumps(report, indent=2))

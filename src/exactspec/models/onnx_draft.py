@@ -36,6 +36,7 @@ from .onnx_graph import (
     Graph,
     GraphOptions,
     Projection,
+    float32_array,
     group_query_attention,
     matmul,
     quantize_int8,
@@ -48,10 +49,6 @@ __all__ = ["DRAFT_WEIGHTS", "OnnxFeatureDraftRuntime", "build_draft_model"]
 # How the graph stores the draft's matrices: float32 as trained, or symmetric blocks of 32 multiplied with int8
 # activations (MatMulNBits, accuracy level 4): a draft step reads its weights once, so their bytes set its cost.
 DRAFT_WEIGHTS = ("float32", "int8", "int4")
-
-
-def _f32(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float32).contiguous().numpy()
 
 
 def build_draft_model(draft: FeatureDraft, weights: str = "int8") -> onnx.ModelProto:
@@ -88,12 +85,12 @@ def build_draft_model(draft: FeatureDraft, weights: str = "int8") -> onnx.ModelP
     options = GraphOptions(accuracy_level=0 if weights == "float32" else 4)
 
     def product(x: str, linear: torch.nn.Linear | torch.Tensor, stem: str) -> str:
-        weight = _f32(linear.weight if isinstance(linear, torch.nn.Linear) else linear)  # (N, K)
+        weight = float32_array(linear.weight if isinstance(linear, torch.nn.Linear) else linear)  # (N, K)
         blocks = weight.shape[1] % BLOCK == 0  # MatMulNBits takes whole blocks of 32 inputs; else float32
         return matmul(g, x, quantize(weight) if blocks else Projection(dense=weight), stem, options)
 
     def norm(x: str, weight: torch.Tensor) -> str:
-        return g.one("SimplifiedLayerNormalization", [x, g.const("norm", _f32(weight))], axis=-1, epsilon=eps)
+        return g.one("SimplifiedLayerNormalization", [x, g.const("norm", float32_array(weight))], axis=-1, epsilon=eps)
 
     if cfg.layout == "eagle3":
         attention_in = g.one("Concat", [norm("e", block.attn_norm), norm("u", block.hidden_norm)], axis=-1)
@@ -105,7 +102,7 @@ def build_draft_model(draft: FeatureDraft, weights: str = "int8") -> onnx.ModelP
     attention = group_query_attention(g, qkv, ["past_key", "past_value"], ["present_key", "present_value"], layer)
     mlp_in, _, _, y = g.op(
         "SkipSimplifiedLayerNormalization",
-        [residual, product(attention, block.wo, "wo"), g.const("mlp_norm", _f32(block.mlp_norm))],
+        [residual, product(attention, block.wo, "wo"), g.const("mlp_norm", float32_array(block.mlp_norm))],
         [g.name("mlp_in"), "", "", g.name("y")],
         MS,
         epsilon=eps,
@@ -192,7 +189,7 @@ class OnnxFeatureDraftRuntime:
                 raise ValueError(f"slot {slot}: {pos} + {n} positions exceed the draft's {self.max_len}")
             binding = self._bindings[slot]
             e = self.draft.embed[torch.as_tensor(tokens)].float()
-            binding.bind_cpu_input("u", np.ascontiguousarray(_f32(u)[None]))
+            binding.bind_cpu_input("u", np.ascontiguousarray(float32_array(u)[None]))
             binding.bind_cpu_input("e", np.ascontiguousarray(e.numpy()[None]))
             binding.bind_cpu_input("last", np.asarray([n - 1], dtype=np.int64))
             binding.bind_cpu_input("seqlens_k", np.asarray([pos + n - 1], dtype=np.int32))

@@ -44,6 +44,7 @@ __all__ = [
     "Projection",
     "WEIGHT_MODES",
     "build_model",
+    "float32_array",
     "gguf_weights",
     "group_query_attention",
     "matmul",
@@ -145,7 +146,8 @@ class LlamaWeights:
 # ---- weights from checkpoints --------------------------------------------------------------------
 
 
-def _f32(t: torch.Tensor) -> np.ndarray:
+def float32_array(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a contiguous float32 numpy array (what the graph's initializers hold)."""
     return t.detach().to(torch.float32).contiguous().numpy()
 
 
@@ -155,7 +157,7 @@ def state_dict_weights(cfg: LlamaConfig, sd: dict[str, torch.Tensor]) -> LlamaWe
     def get(name: str) -> np.ndarray:
         if name not in sd:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
-        return _f32(sd[name])
+        return float32_array(sd[name])
 
     embed = Projection(dense=get("model.embed_tokens.weight"))
     head = embed if cfg.tie_word_embeddings else Projection(dense=get("lm_head.weight"))
@@ -213,9 +215,9 @@ def q4_projection(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: str, 
     d plus, for Q4_1, the offset m + 8 d (w = d (q - 8) + (m + 8 d)); ``int4-requantized``: Q4_1 blocks re-quantized
     to symmetric int4 (:func:`requantize_symmetric`)."""
     if kind == "Q4_1" and mode == "int4-requantized":
-        return requantize_symmetric(_f32(d.repeat_interleave(BLOCK, 1) * q + m.repeat_interleave(BLOCK, 1)))
-    offset = None if kind == "Q4_0" else _f32(m + 8 * d)  # Q4_0: m = -8 d, the offset is exactly 0
-    return Projection(bits=4, codes=q.to(torch.uint8).numpy(), scale=_f32(d), offset=offset)
+        return requantize_symmetric(float32_array(d.repeat_interleave(BLOCK, 1) * q + m.repeat_interleave(BLOCK, 1)))
+    offset = None if kind == "Q4_0" else float32_array(m + 8 * d)  # Q4_0: m = -8 d, the offset is exactly 0
+    return Projection(bits=4, codes=q.to(torch.uint8).numpy(), scale=float32_array(d), offset=offset)
 
 
 def _gguf_projection(gguf: GGUFFile, name: str, heads: int | None, mode: str) -> Projection:
@@ -236,9 +238,9 @@ def _gguf_projection(gguf: GGUFFile, name: str, heads: int | None, mode: str) ->
         scale, codes = d.reshape(rows, cols // BLOCK), codes.reshape(rows, cols)
         if heads:
             codes, scale = unpermute_rotary(codes, heads), unpermute_rotary(scale, heads)
-        return Projection(bits=8, codes=codes.numpy(), scale=_f32(scale))
+        return Projection(bits=8, codes=codes.numpy(), scale=float32_array(scale))
     weight = gguf.tensor(name)
-    return Projection(dense=_f32(unpermute_rotary(weight, heads) if heads else weight))
+    return Projection(dense=float32_array(unpermute_rotary(weight, heads) if heads else weight))
 
 
 def gguf_weights(gguf: GGUFFile, cfg: LlamaConfig, mode: str = "auto") -> LlamaWeights:
@@ -248,7 +250,7 @@ def gguf_weights(gguf: GGUFFile, cfg: LlamaConfig, mode: str = "auto") -> LlamaW
         raise ValueError(f"unknown weights mode {mode!r}; choose one of {', '.join(WEIGHT_MODES)}")
 
     def vector(name: str) -> np.ndarray:
-        return _f32(gguf.tensor(name))
+        return float32_array(gguf.tensor(name))
 
     embed = _gguf_projection(gguf, "token_embd.weight", None, mode)
     head = embed if cfg.tie_word_embeddings else _gguf_projection(gguf, "output.weight", None, mode)
